@@ -1,0 +1,113 @@
+"""The base model's shape, as far as LoRA adapters see it: layers and the in/out width of each projection."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+# The Llama projections a LoRA adapter may target, and the submodule that holds each.
+PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTION_PARENT: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+class ModuleKey(NamedTuple):
+    """One LoRA-able linear of the base model: (layer index, projection name)."""
+
+    layer: int
+    proj: str
+
+    @property
+    def module_name(self) -> str:
+        """The module's name inside HF `LlamaForCausalLM`, e.g. `model.layers.3.self_attn.q_proj`."""
+        return f"model.layers.{self.layer}.{PROJECTION_PARENT[self.proj]}.{self.proj}"
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """Shape of a Llama-family base model (read from its HF config.json)."""
+
+    name: str  # the base model's name or hub id, compared with an adapter's base_model_name_or_path
+    hidden_size: int  # H
+    intermediate_size: int  # MLP width
+    num_layers: int  # L
+    num_heads: int  # attention (query) heads
+    num_kv_heads: int  # key/value heads (GQA); equals num_heads without GQA
+    head_dim: int  # width of one head
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BaseModelSpec.{field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any] | str | Path, name: str | None = None) -> BaseModelSpec:
+        """Read the shape from an HF Llama `config.json` (a dict, the file, or the folder that holds it)."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            config = json.loads(path.read_text())
+        num_heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        return cls(
+            name=name or config.get("_name_or_path") or "",
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden // num_heads,
+        )
+
+    @classmethod
+    def bench(cls) -> BaseModelSpec:
+        """The benchmark model: hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816."""
+        return cls("adapter-manager/bench-llama", 1024, 2816, 8, 16, 4, 64)
+
+    def projection_shape(self, proj: str) -> tuple[int, int]:
+        """(in_features, out_features) of one projection."""
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden_size, q_width),
+            "k_proj": (self.hidden_size, kv_width),
+            "v_proj": (self.hidden_size, kv_width),
+            "o_proj": (q_width, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }
+        return shapes[proj]
+
+    def module_keys(self) -> list[ModuleKey]:
+        """Every LoRA-able linear, layer-major."""
+        return [ModuleKey(layer, proj) for layer in range(self.num_layers) for proj in PROJECTIONS]
+
+    def module_names(self) -> list[str]:
+        """Names of all modules of HF `LlamaForCausalLM` (as `named_modules()` lists them), for target matching."""
+        names = ["", "model", "model.embed_tokens", "model.layers"]
+        for layer in range(self.num_layers):
+            prefix = f"model.layers.{layer}"
+            names += [prefix, f"{prefix}.self_attn"]
+            names += [f"{prefix}.self_attn.{p}" for p in PROJECTIONS[:4]]
+            names += [f"{prefix}.mlp"] + [f"{prefix}.mlp.{p}" for p in PROJECTIONS[4:]]
+            names += [f"{prefix}.mlp.act_fn", f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
+        return names + ["model.norm", "model.rotary_emb", "lm_head"]
+
+    def max_adapter_bytes(self, max_rank: int, element_size: int) -> int:
+        """Bytes of a prepared adapter that targets every projection of every layer at max_rank."""
+        per_layer = sum(sum(self.projection_shape(p)) for p in PROJECTIONS)
+        return self.num_layers * per_layer * max_rank * element_size

@@ -1,0 +1,78 @@
+"""Typed errors raised at the adapter manager's public boundaries.
+
+Every error names the adapter it concerns; messages name the file, tensor key or field and show expected vs got.
+"""
+
+from __future__ import annotations
+
+
+class AdapterError(Exception):
+    """Base of every error about one adapter."""
+
+    def __init__(self, adapter: str, message: str) -> None:
+        super().__init__(f"adapter {adapter!r}: {message}")
+        self.adapter = adapter
+
+
+class InvalidAdapterRefError(AdapterError, ValueError):
+    """The reference or id is malformed (bad characters, path traversal, bad revision)."""
+
+
+class AdapterNotFoundError(AdapterError, LookupError):
+    """No such adapter: not registered, not on the hub, or no such local directory."""
+
+
+class AdapterRevisionNotFoundError(AdapterNotFoundError):
+    """The repository exists but the requested revision (branch, tag or sha) does not."""
+
+
+class AdapterAccessError(AdapterError, PermissionError):
+    """The hub refused access (401/403): private or gated repository, bad or missing token."""
+
+
+class HubUnavailableError(AdapterError, ConnectionError):
+    """The hub could not be reached or kept failing (5xx, timeouts) after retries, or offline with a cold cache."""
+
+
+class AdapterConflictError(AdapterError, ValueError):
+    """The adapter id is already registered for a different source; unregister it first."""
+
+
+class AdapterFormatError(AdapterError, ValueError):
+    """The adapter's files are not a servable PEFT LoRA adapter. Subclasses say why."""
+
+
+class PickleRefusedError(AdapterFormatError):
+    """The adapter ships pickle weights (.bin/.pt); they are never unpickled."""
+
+
+class AdapterConfigError(AdapterFormatError):
+    """adapter_config.json is missing, not JSON, or has a field of the wrong type or value."""
+
+
+class UnsupportedAdapterError(AdapterFormatError):
+    """A valid PEFT adapter using a feature this server does not apply (DoRA, bias, embedding LoRA, ...)."""
+
+
+class RankTooLargeError(AdapterFormatError):
+    """A module's rank exceeds the manager's max_rank."""
+
+
+class TensorKeyError(AdapterFormatError):
+    """A tensor key is unknown or unexpected, or an expected lora_A/lora_B tensor is missing."""
+
+
+class TensorShapeError(AdapterFormatError):
+    """A tensor's shape or dtype does not fit the base model and the adapter's rank."""
+
+
+class NonFiniteWeightsError(AdapterFormatError):
+    """A tensor holds NaN or infinity."""
+
+
+class CorruptWeightsError(AdapterFormatError):
+    """adapter_model.safetensors is missing, truncated or not a safetensors file."""
+
+
+class BaseModelMismatchError(AdapterFormatError):
+    """The adapter was trained on a different base model and the policy is to refuse."""

@@ -1,0 +1,267 @@
+"""Adapter references and their resolution to local files: hub IDs through huggingface_hub, or local directories.
+
+A ref is local when it starts with `/`, `./`, `../`, `~` or `file://`; anything else is a hub ID `org/name`,
+optionally pinned `org/name@revision` (branch, tag or 40-hex sha). Hub downloads fetch only adapter_config.json and
+adapter_model.safetensors into the HF cache (HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE and HF_ENDPOINT are honoured by
+huggingface_hub itself; `HubConfig` overrides them per manager). Transient failures (5xx, 429, timeouts, broken
+connections, truncated bodies) are retried with exponential backoff, then raised as `HubUnavailableError`; a failed
+download leaves no partial blob in the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import httpx2
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+
+from .errors import (
+    AdapterAccessError,
+    AdapterConfigError,
+    AdapterNotFoundError,
+    AdapterRevisionNotFoundError,
+    CorruptWeightsError,
+    HubUnavailableError,
+    InvalidAdapterRefError,
+    PickleRefusedError,
+)
+from .peft_format import CONFIG_NAME, PICKLE_SUFFIXES, WEIGHTS_NAME
+
+log = logging.getLogger(__name__)
+
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+_REPO_ID = re.compile(rf"(?:{_NAME}/)?{_NAME}")
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
+_LOCAL_PREFIXES = ("/", "./", "../", "~", "file://")
+_RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Where an adapter comes from: a hub repository at an optional revision, or a local directory."""
+
+    repo_id: str | None  # hub repository, e.g. "org/name"; None for a local directory
+    revision: str | None  # branch, tag or sha as asked for; None = the hub's default branch
+    path: Path | None  # resolved local directory; None for a hub ref
+
+    @classmethod
+    def parse(cls, ref: str) -> AdapterRef:
+        if not isinstance(ref, str) or not ref.strip():
+            raise InvalidAdapterRefError(str(ref), "empty adapter reference")
+        if ref.startswith(_LOCAL_PREFIXES):
+            raw = ref.removeprefix("file://")
+            return cls(repo_id=None, revision=None, path=Path(raw).expanduser().resolve())
+        repo_id, _, revision = ref.partition("@")
+        if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id or "--" in repo_id:
+            raise InvalidAdapterRefError(
+                ref, "a hub ref must look like 'org/name' or 'org/name@revision' (local paths start with / or ./)"
+            )
+        if "@" in ref and (not _REVISION.fullmatch(revision) or ".." in revision or "//" in revision):
+            raise InvalidAdapterRefError(ref, f"invalid revision {revision!r}")
+        return cls(repo_id=repo_id, revision=revision or None, path=None)
+
+    @property
+    def is_local(self) -> bool:
+        return self.path is not None
+
+    def __str__(self) -> str:
+        if self.path is not None:
+            return str(self.path)
+        return f"{self.repo_id}@{self.revision}" if self.revision else str(self.repo_id)
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """The two files of a resolved adapter on local disk, and the revision they are."""
+
+    config_path: Path
+    weights_path: Path
+    sha: str  # hub commit sha; for a local dir "local-" + a digest of the files' sizes and mtimes
+    downloaded_bytes: int  # bytes fetched from the hub by this resolution (0 on a warm cache or a local dir)
+
+
+@dataclass
+class HubConfig:
+    """How hub refs are fetched. None fields fall back to huggingface_hub's own env handling."""
+
+    endpoint: str | None = None  # hub URL; None = HF_ENDPOINT or huggingface.co
+    cache_dir: Path | None = None  # HF cache; None = HF_HUB_CACHE
+    token: str | None = None  # None = HF_TOKEN or the saved login
+    offline: bool = False  # never touch the network (HF_HUB_OFFLINE=1 has the same effect)
+    retries: int = 3  # attempts after the first for transient failures
+    backoff_s: float = 0.5  # first retry delay; doubles each retry
+    timeout_s: float = 10.0  # per-request metadata timeout
+    progress_bars: bool | None = None  # huggingface_hub's bars; None = only when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.backoff_s < 0 or self.timeout_s <= 0:
+            raise ValueError(
+                f"retries ({self.retries}) and backoff_s ({self.backoff_s}) must be >= 0, "
+                f"timeout_s ({self.timeout_s}) > 0"
+            )
+
+
+@dataclass
+class HubResolver:
+    """Resolves refs to local files. One download per repository at a time, so cleanup never races a download."""
+
+    config: HubConfig = field(default_factory=HubConfig)
+    _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
+    _locks_guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def resolve(self, ref: AdapterRef, adapter: str) -> AdapterFiles:
+        if ref.path is not None:
+            return _local_files(ref.path, adapter)
+        assert ref.repo_id is not None
+        with self._locks_guard:
+            lock = self._locks.setdefault(ref.repo_id, threading.Lock())
+        with lock:
+            return self._download(ref, adapter)
+
+    def _download(self, ref: AdapterRef, adapter: str) -> AdapterFiles:
+        cache_dir = Path(self.config.cache_dir or constants.HF_HUB_CACHE)
+        blobs = cache_dir / repo_folder_name(repo_id=ref.repo_id, repo_type="model") / "blobs"
+        before = _blob_sizes(blobs)
+        delay = self.config.backoff_s
+        for attempt in range(self.config.retries + 1):
+            try:
+                folder = Path(self._snapshot(ref))
+                break
+            except Exception as err:  # noqa: BLE001 - classified right below
+                _remove_partial_blobs(blobs)
+                error = _classify(err, ref, adapter)
+                if error is not None:
+                    raise error from err
+                if attempt == self.config.retries:
+                    raise HubUnavailableError(
+                        adapter, f"hub kept failing for {ref} after {attempt + 1} attempts: {_describe(err)}"
+                    ) from err
+                log.warning("adapter %r: %s, retry %d in %.2fs", adapter, _describe(err), attempt + 1, delay)
+                time.sleep(delay)
+                delay *= 2
+        downloaded = sum(size for name, size in _blob_sizes(blobs).items() if name not in before)
+        files = AdapterFiles(folder / CONFIG_NAME, folder / WEIGHTS_NAME, folder.name, downloaded)
+        if not files.config_path.is_file():
+            raise AdapterConfigError(adapter, f"{ref} has no {CONFIG_NAME} at revision {files.sha}")
+        if not files.weights_path.is_file():
+            pickles = self._pickles(ref.repo_id, files.sha)
+            if pickles:
+                raise PickleRefusedError(
+                    adapter, f"{ref} ships only pickle weights ({', '.join(pickles)}); need {WEIGHTS_NAME}"
+                )
+            raise CorruptWeightsError(adapter, f"{ref} has no {WEIGHTS_NAME} at revision {files.sha}")
+        return files
+
+    def _snapshot(self, ref: AdapterRef) -> str:
+        quiet = not (self.config.progress_bars if self.config.progress_bars is not None else sys.stderr.isatty())
+        download = partial(
+            snapshot_download,
+            ref.repo_id,
+            revision=ref.revision,
+            allow_patterns=[CONFIG_NAME, WEIGHTS_NAME],
+            cache_dir=self.config.cache_dir,
+            endpoint=self.config.endpoint,
+            token=self.config.token,
+            local_files_only=self.config.offline,
+            etag_timeout=self.config.timeout_s,
+        )
+        if quiet and not are_progress_bars_disabled("huggingface_hub"):
+            with disable_progress_bars("huggingface_hub"):
+                return download()
+        return download()
+
+    def _pickles(self, repo_id: str, sha: str) -> list[str]:
+        """Pickle weight files at a revision (asked only when the safetensors file is missing)."""
+        if self.config.offline:
+            return []
+        api = HfApi(endpoint=self.config.endpoint, token=self.config.token)
+        try:
+            return sorted(n for n in api.list_repo_files(repo_id, revision=sha) if n.endswith(PICKLE_SUFFIXES))
+        except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled):
+            return []
+
+
+def _classify(err: Exception, ref: AdapterRef, adapter: str) -> Exception | None:
+    """The typed error for a final failure, or None when the failure is transient and worth a retry."""
+    if isinstance(err, RevisionNotFoundError):
+        return AdapterRevisionNotFoundError(adapter, f"{ref}: revision {ref.revision!r} not found on the hub")
+    if isinstance(err, GatedRepoError):
+        return AdapterAccessError(adapter, f"{ref} is gated: accept its terms and pass a token")
+    status = _status(err)
+    if isinstance(err, RepositoryNotFoundError) or status == 404:
+        if status in (401, 403):
+            return AdapterAccessError(adapter, f"{ref}: hub answered {status} (private, gated or missing; check token)")
+        return AdapterNotFoundError(adapter, f"{ref}: repository not found on the hub")
+    if status in (401, 403):
+        return AdapterAccessError(adapter, f"{ref}: hub answered {status}; check the token")
+    cause = err.__cause__ or err.__context__
+    if isinstance(err, LocalEntryNotFoundError):
+        if isinstance(cause, OfflineModeIsEnabled) or cause is None:
+            return HubUnavailableError(adapter, f"{ref} is not in the local cache and the hub is offline")
+        return _classify(cause, ref, adapter)
+    if isinstance(err, OfflineModeIsEnabled):
+        return HubUnavailableError(adapter, f"{ref} is not in the local cache and the hub is offline")
+    if status in _RETRYABLE_STATUS or isinstance(err, httpx2.TransportError | OSError):
+        return None
+    if isinstance(err, HfHubHTTPError):
+        return HubUnavailableError(adapter, f"{ref}: hub answered {status}: {err}")
+    return None
+
+
+def _status(err: Exception) -> int | None:
+    response = getattr(err, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _describe(err: Exception) -> str:
+    status = _status(err)
+    return f"HTTP {status}" if status else f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def _blob_sizes(blobs: Path) -> dict[str, int]:
+    try:
+        return {e.name: e.stat().st_size for e in os.scandir(blobs) if e.is_file()}
+    except FileNotFoundError:
+        return {}
+
+
+def _remove_partial_blobs(blobs: Path) -> None:
+    for blob in blobs.glob("*.incomplete"):
+        blob.unlink(missing_ok=True)
+
+
+def _local_files(path: Path, adapter: str) -> AdapterFiles:
+    if not path.is_dir():
+        raise AdapterNotFoundError(adapter, f"local adapter directory {path} does not exist")
+    config, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
+    if not weights.is_file():
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise PickleRefusedError(adapter, f"{path} holds only pickle weights {pickles}; need {WEIGHTS_NAME}")
+        raise CorruptWeightsError(adapter, f"{path} has no {WEIGHTS_NAME}")
+    if not config.is_file():
+        raise AdapterConfigError(adapter, f"{path} has no {CONFIG_NAME}")
+    digest = hashlib.sha1()
+    for file in (config, weights):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return AdapterFiles(config, weights, "local-" + digest.hexdigest(), 0)

@@ -1,0 +1,132 @@
+"""Host-side preparation: a validated PEFT safetensors file -> per-module `A [R, in]`, `Bt [R, out]`, scale folded.
+
+All modules of one adapter live in one flat host buffer (pinned when serving on CUDA), so a prepared adapter is a
+single allocation whose byte size is known exactly and which a slot load copies view by view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .base_model import BaseModelSpec, ModuleKey
+from .errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError, TensorShapeError
+from .peft_format import ModuleLora, parse_tensor_key
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class ModuleWeights:
+    """One module's prepared LoRA weights; rows past `rank` are zero."""
+
+    a: torch.Tensor  # Shape: [R, in]
+    bt: torch.Tensor  # Shape: [R, out] = (scaling * B).T, zero-padded
+    rank: int  # the module's true rank r <= R
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter ready to be copied into a slot: padded to `max_rank`, in the serving dtype."""
+
+    adapter_id: str
+    sha: str  # revision the weights came from
+    max_rank: int  # R
+    modules: Mapping[ModuleKey, ModuleWeights]  # targeted modules only; the others are zero
+    storage: torch.Tensor  # the flat buffer every module's `a` and `bt` view into
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+
+def prepare_adapter(
+    adapter_id: str,
+    sha: str,
+    weights_path: Path,
+    modules: Mapping[ModuleKey, ModuleLora],
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    pin_memory: bool = False,
+) -> PreparedAdapter:
+    """Validate `adapter_model.safetensors` against the resolved modules and build the prepared adapter.
+
+    Every key must be the lora_A/lora_B of a targeted module, every targeted module must have both, shapes must be
+    `A [r, in]`, `B [out, r]`, values finite. Nothing is kept if any check fails.
+    """
+    try:
+        with safe_open(weights_path, framework="pt") as handle:
+            keys = list(handle.keys())
+            tensors = _match_keys(adapter_id, keys, modules)
+            _check_shapes(adapter_id, handle, tensors, modules, spec)
+            return _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin_memory)
+    except FileNotFoundError:
+        raise CorruptWeightsError(adapter_id, f"{weights_path.name} is missing") from None
+    except SafetensorError as err:
+        raise CorruptWeightsError(adapter_id, f"{weights_path.name} is not a valid safetensors file: {err}") from None
+
+
+def _match_keys(
+    adapter_id: str, keys: list[str], modules: Mapping[ModuleKey, ModuleLora]
+) -> dict[ModuleKey, dict[str, str]]:
+    found: dict[ModuleKey, dict[str, str]] = {}
+    for key in keys:
+        module, ab = parse_tensor_key(key, adapter_id)
+        if module not in modules:
+            raise TensorKeyError(adapter_id, f"tensor {key!r} is for a module adapter_config.json does not target")
+        found.setdefault(module, {})[ab] = key
+    for module in modules:
+        missing = [ab for ab in "AB" if ab not in found.get(module, {})]
+        if missing:
+            raise TensorKeyError(
+                adapter_id, f"missing lora_{'/lora_'.join(missing)} for targeted module {module.module_name!r}"
+            )
+    return found
+
+
+def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> None:
+    for module, lora in modules.items():
+        fan_in, fan_out = spec.projection_shape(module.proj)
+        expected = {"A": [lora.rank, fan_in], "B": [fan_out, lora.rank]}
+        for ab, key in tensors[module].items():
+            tensor_slice = handle.get_slice(key)
+            shape = list(tensor_slice.get_shape())
+            if shape != expected[ab]:
+                raise TensorShapeError(adapter_id, f"tensor {key!r} has shape {shape}, expected {expected[ab]}")
+            dtype = tensor_slice.get_dtype()
+            if dtype not in ("F32", "F16", "BF16", "F64"):
+                raise TensorShapeError(adapter_id, f"tensor {key!r} has dtype {dtype}, expected a float type")
+
+
+def _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin_memory) -> PreparedAdapter:
+    order = sorted(modules)
+    sizes = [max_rank * sum(spec.projection_shape(m.proj)) for m in order]
+    storage = torch.zeros(sum(sizes), dtype=dtype, pin_memory=pin_memory)
+    prepared: dict[ModuleKey, ModuleWeights] = {}
+    offset = 0
+    for module, size in zip(order, sizes, strict=True):
+        fan_in, fan_out = spec.projection_shape(module.proj)
+        lora = modules[module]
+        a_view = storage[offset : offset + max_rank * fan_in].view(max_rank, fan_in)
+        bt_view = storage[offset + max_rank * fan_in : offset + size].view(max_rank, fan_out)
+        offset += size
+        a = handle.get_tensor(tensors[module]["A"])  # [r, in]
+        b = handle.get_tensor(tensors[module]["B"])  # [out, r]
+        for ab, tensor in (("A", a), ("B", b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise NonFiniteWeightsError(adapter_id, f"tensor {tensors[module][ab]!r} holds NaN or infinity")
+        a_view[: lora.rank].copy_(a)
+        bt_view[: lora.rank].copy_(b.t().to(torch.float32) * lora.scaling)
+        prepared[module] = ModuleWeights(a=a_view, bt=bt_view, rank=lora.rank)
+    if storage.element_size() < 4 and not bool(torch.isfinite(storage).all()):
+        raise NonFiniteWeightsError(adapter_id, f"scaled weights overflow the serving dtype {dtype}")
+    return PreparedAdapter(adapter_id=adapter_id, sha=sha, max_rank=max_rank, modules=prepared, storage=storage)

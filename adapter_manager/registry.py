@@ -1,0 +1,267 @@
+"""The adapter registry: ref -> downloaded, validated, prepared adapter, and its record.
+
+Registered is not resident: a record names the local files (HF cache or a local directory) an adapter can be
+prepared from again at any time; the prepared weights live in the byte-bounded host tier and may be evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .base_model import BaseModelSpec, ModuleKey
+from .errors import (
+    AdapterConflictError,
+    AdapterNotFoundError,
+    BaseModelMismatchError,
+    InvalidAdapterRefError,
+)
+from .host_tier import HostTier
+from .hub import AdapterFiles, AdapterRef, HubConfig, HubResolver
+from .metrics import SwapMetrics, Tier
+from .peft_format import LoraAdapterConfig, ModuleLora
+from .prepare import PreparedAdapter, prepare_adapter
+
+log = logging.getLogger(__name__)
+
+_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/-]{0,199}")
+_GIB = 1 << 30
+
+
+@dataclass
+class RegistryConfig:
+    """How adapters are accepted and prepared."""
+
+    max_rank: int = 64  # R: highest LoRA rank accepted; prepared weights are zero-padded to it
+    dtype: torch.dtype = torch.float32  # serving dtype of prepared weights
+    host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier
+    base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
+    pin_memory: bool = False  # prepare into pinned host memory (set when serving on CUDA)
+    allowed_local_roots: tuple[Path, ...] | None = None  # if set, local refs must lie under one of these
+    hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_rank, int) or self.max_rank <= 0:
+            raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
+        if self.base_model_mismatch not in ("warn", "refuse"):
+            raise ValueError(f"base_model_mismatch must be 'warn' or 'refuse', got {self.base_model_mismatch!r}")
+        if self.host_cache_bytes <= 0:
+            raise ValueError(f"host_cache_bytes must be positive, got {self.host_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """A registered adapter: where it came from, which revision, and what it adapts."""
+
+    adapter_id: str
+    ref: AdapterRef  # as registered (the revision asked for)
+    files: AdapterFiles  # where its files are on local disk, and the resolved sha
+    modules: Mapping[ModuleKey, ModuleLora]  # targeted modules with their rank, alpha and scaling
+    nbytes: int  # size of its prepared weights
+    base_model: str | None  # base_model_name_or_path from its config
+    registered_at: float  # time.time()
+    warnings: tuple[str, ...] = ()  # accepted-with-warning findings (e.g. base model mismatch)
+
+    @property
+    def sha(self) -> str:
+        return self.files.sha
+
+    @property
+    def rank(self) -> int:
+        """Highest rank over its modules."""
+        return max(m.rank for m in self.modules.values())
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    """What one `register` call did, with the time each tier move took."""
+
+    record: AdapterRecord
+    action: Literal["registered", "unchanged", "updated"]
+    previous_sha: str | None  # the sha replaced by an update
+    download_s: float  # hub -> disk (0 for a local dir or an unchanged ref)
+    prepare_s: float  # disk -> host: read, validate, fold scale, pad
+    downloaded_bytes: int
+
+
+class AdapterRegistry:
+    """Registers adapters by hub ID or local directory, validates them against the base model, prepares them."""
+
+    def __init__(self, spec: BaseModelSpec, config: RegistryConfig | None = None, metrics: SwapMetrics | None = None):
+        self.spec = spec
+        self.config = config or RegistryConfig()
+        self.metrics = metrics or SwapMetrics()
+        largest = spec.max_adapter_bytes(self.config.max_rank, self.config.dtype.itemsize)
+        if self.config.host_cache_bytes < largest:
+            raise ValueError(
+                f"host_cache_bytes ({self.config.host_cache_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
+                f"max_rank {self.config.max_rank} targeting every module ({largest / _GIB:.3f} GiB)"
+            )
+        self.host = HostTier(self.config.host_cache_bytes, self.metrics)
+        self._resolver = HubResolver(self.config.hub)
+        self._records: dict[str, AdapterRecord] = {}
+        self._lock = threading.Lock()
+        self._id_locks: dict[str, threading.Lock] = {}
+
+    def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
+        """Register `ref` under `adapter_id` (default: the repo id, or the local directory's path).
+
+        Registering the same ref again changes nothing and touches no network unless `refresh` (re-resolve a branch).
+        A different revision of the same source is an update: the new revision is fully validated before it
+        replaces the old one, which stays served if the new one fails. A different source under a registered id
+        raises `AdapterConflictError`.
+        """
+        parsed = AdapterRef.parse(ref)
+        self._check_local_root(parsed, ref)
+        adapter_id = adapter_id or (parsed.repo_id if parsed.repo_id else str(parsed.path))
+        if not _ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
+            raise InvalidAdapterRefError(adapter_id, "adapter ids use letters, digits and ._@:/- and no '..'")
+        with self._lock:
+            id_lock = self._id_locks.setdefault(adapter_id, threading.Lock())
+        with id_lock:
+            previous = self._records.get(adapter_id)
+            if previous is not None:
+                if (previous.ref.repo_id, previous.ref.path) != (parsed.repo_id, parsed.path):
+                    raise AdapterConflictError(
+                        adapter_id, f"already registered from {previous.ref}; unregister it before using {parsed}"
+                    )
+                if previous.ref == parsed and not refresh:
+                    return RegisterResult(previous, "unchanged", None, 0.0, 0.0, 0)
+            start = time.perf_counter()
+            files = self._resolver.resolve(parsed, adapter_id)
+            download_s = time.perf_counter() - start
+            if not parsed.is_local:
+                self.metrics.record(Tier.HUB, adapter_id, download_s, files.downloaded_bytes)
+            if previous is not None and previous.sha == files.sha:
+                record = _replace_ref(previous, parsed, files)
+                with self._lock:
+                    self._records[adapter_id] = record
+                return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
+            record, prepared, prepare_s = self._load(adapter_id, parsed, files)
+            with self._lock:
+                self._records[adapter_id] = record
+            self.host.put((adapter_id, record.sha), prepared)
+            if previous is not None:
+                self.host.discard((adapter_id, previous.sha))
+                log.info("adapter %r updated %s -> %s", adapter_id, previous.sha, record.sha)
+            action = "registered" if previous is None else "updated"
+            return RegisterResult(
+                record, action, previous.sha if previous else None, download_s, prepare_s, files.downloaded_bytes
+            )
+
+    def unregister(self, adapter_id: str) -> AdapterRecord:
+        """Forget an adapter and drop its prepared weights from the host tier. Its files stay in the HF cache."""
+        with self._lock:
+            record = self._records.pop(adapter_id, None)
+        if record is None:
+            raise AdapterNotFoundError(adapter_id, "not registered")
+        self.host.discard((adapter_id, record.sha))
+        return record
+
+    def get(self, adapter_id: str) -> AdapterRecord:
+        with self._lock:
+            record = self._records.get(adapter_id)
+        if record is None:
+            raise AdapterNotFoundError(adapter_id, "not registered")
+        return record
+
+    def list(self) -> list[AdapterRecord]:
+        """Every registered adapter, sorted by id."""
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: r.adapter_id)
+
+    def __contains__(self, adapter_id: object) -> bool:
+        with self._lock:
+            return adapter_id in self._records
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def prepared(self, adapter_id: str) -> PreparedAdapter:
+        """The adapter's prepared weights: from the host tier, else prepared again from its local files (fetched
+        again, pinned to the registered sha, only if they have left the disk)."""
+        record = self.get(adapter_id)
+
+        def load() -> PreparedAdapter:
+            files = record.files
+            if not (files.config_path.is_file() and files.weights_path.is_file()) and not record.ref.is_local:
+                pinned = AdapterRef(record.ref.repo_id, record.sha, None)
+                start = time.perf_counter()
+                files = self._resolver.resolve(pinned, adapter_id)
+                self.metrics.record(Tier.HUB, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
+            return self._prepare(adapter_id, files, record.modules)[0]
+
+        return self.host.get_or_load((adapter_id, record.sha), load)
+
+    def _load(self, adapter_id: str, ref: AdapterRef, files: AdapterFiles):
+        start = time.perf_counter()
+        config = LoraAdapterConfig.from_file(files.config_path, adapter_id)
+        warnings = self._check_base_model(adapter_id, config.base_model_name_or_path)
+        modules = config.resolve(self.spec, adapter_id, self.config.max_rank)
+        prepared, _ = self._prepare(adapter_id, files, modules, start)
+        record = AdapterRecord(
+            adapter_id, ref, files, modules, prepared.nbytes, config.base_model_name_or_path, time.time(), warnings
+        )
+        return record, prepared, time.perf_counter() - start
+
+    def _prepare(self, adapter_id: str, files: AdapterFiles, modules, start: float | None = None):
+        start = time.perf_counter() if start is None else start
+        prepared = prepare_adapter(
+            adapter_id,
+            files.sha,
+            files.weights_path,
+            modules,
+            self.spec,
+            self.config.max_rank,
+            self.config.dtype,
+            self.config.pin_memory,
+        )
+        seconds = time.perf_counter() - start
+        self.metrics.record(Tier.PREPARE, adapter_id, seconds, prepared.nbytes)
+        return prepared, seconds
+
+    def _check_base_model(self, adapter_id: str, base: str | None) -> tuple[str, ...]:
+        if not base or not self.spec.name or _same_model(base, self.spec.name):
+            return ()
+        message = f"trained on base model {base!r}, serving {self.spec.name!r}"
+        if self.config.base_model_mismatch == "refuse":
+            raise BaseModelMismatchError(adapter_id, message)
+        log.warning("adapter %r: %s", adapter_id, message)
+        return (message,)
+
+    def _check_local_root(self, ref: AdapterRef, raw: str) -> None:
+        roots = self.config.allowed_local_roots
+        if ref.path is None or roots is None:
+            return
+        if not any(ref.path.is_relative_to(Path(root).resolve()) for root in roots):
+            raise InvalidAdapterRefError(raw, f"local path {ref.path} is outside the allowed roots {list(roots)}")
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Same base model: equal names, or equal last path component (a hub id vs a local copy of it)."""
+    a, b = a.rstrip("/"), b.rstrip("/")
+    return a == b or a.rsplit("/", 1)[-1].lower() == b.rsplit("/", 1)[-1].lower()
+
+
+def _replace_ref(record: AdapterRecord, ref: AdapterRef, files: AdapterFiles) -> AdapterRecord:
+    return AdapterRecord(
+        record.adapter_id,
+        ref,
+        files,
+        record.modules,
+        record.nbytes,
+        record.base_model,
+        record.registered_at,
+        record.warnings,
+    )

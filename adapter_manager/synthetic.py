@@ -1,0 +1,66 @@
+"""Writes random LoRA adapters in PEFT's on-disk format, for demos and benchmarks (tests also use real `peft`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .base_model import PROJECTIONS, BaseModelSpec
+from .peft_format import CONFIG_NAME, WEIGHTS_NAME, LoraAdapterConfig
+
+
+def write_synthetic_adapter(
+    folder: str | Path,
+    spec: BaseModelSpec,
+    *,
+    r: int = 16,
+    lora_alpha: float = 32.0,
+    target_modules: Sequence[str] = PROJECTIONS,
+    use_rslora: bool = False,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write `adapter_config.json` and `adapter_model.safetensors` as `peft`'s `save_pretrained` lays them out.
+
+    A and B are both random (unlike a freshly initialised PEFT adapter, whose B is zero), so the adapter changes the
+    model's output.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": spec.name,
+        "r": r,
+        "lora_alpha": lora_alpha,
+        "use_rslora": use_rslora,
+        "target_modules": list(target_modules),
+        "rank_pattern": rank_pattern or {},
+        "alpha_pattern": alpha_pattern or {},
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_dora": False,
+    }
+    config = LoraAdapterConfig.from_dict(raw, str(folder))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, lora in config.resolve(spec, str(folder), max_rank=1 << 30).items():
+        fan_in, fan_out = spec.projection_shape(key.proj)
+        prefix = f"base_model.model.{key.module_name}"
+        tensors[f"{prefix}.lora_A.weight"] = (torch.randn(lora.rank, fan_in, generator=generator) / fan_in**0.5).to(
+            dtype
+        )
+        tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, lora.rank, generator=generator) / lora.rank).to(
+            dtype
+        )
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    (folder / CONFIG_NAME).write_text(json.dumps(raw, indent=2))
+    return folder

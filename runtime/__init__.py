@@ -1,0 +1,3 @@
+"""Batched Llama runtime, engine, server and CLI."""
+
+__all__: list[str] = []

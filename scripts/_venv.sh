@@ -1,0 +1,22 @@
+# Shared venv set-up, sourced by scripts/test, scripts/demo and the benchmarks.
+# ensure_venv cpu|xla  -> creates/updates the lane's venv and sets $PY.
+# The CPU lane installs torch==2.13.0 (a CPU wheel) *before* the project, or pip pulls a multi-GB CUDA build.
+ensure_venv() {
+    local lane=$1 root venv stamp want
+    root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    if [[ $lane == xla ]]; then venv=$root/.venv-xla; else venv=$root/.venv; fi
+    [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+    PY=$venv/bin/python
+    stamp=$venv/.adapter-manager-stamp
+    want=$(cat "$root/pyproject.toml" "$root/scripts/_venv.sh" | sha256sum | cut -d' ' -f1)
+    if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return 0; fi
+    "$PY" -m pip install -q --upgrade pip >/dev/null
+    if [[ $lane == xla ]]; then
+        "$PY" -m pip install -q torch==2.9.0 torch_xla==2.9.0 jax==0.7.1 jaxlib==0.7.1 torchax==0.0.7
+        "$PY" -m pip install -q -e "$root[dev,xla]"
+    else
+        "$PY" -m pip install -q torch==2.13.0
+        "$PY" -m pip install -q -e "$root[dev]"
+    fi
+    echo "$want" > "$stamp"
+}

@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny random HF Llama, real PEFT adapters written by `peft`, and their base model spec."""
+
+from __future__ import annotations
+
+import os
+
+# No test may reach a real hub: anything that falls back to the default endpoint hits a closed loopback port.
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ.pop("HF_TOKEN", None)
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapter_manager import BaseModelSpec
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=64,
+)
+TINY_NAME = "test-org/tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_spec() -> BaseModelSpec:
+    return BaseModelSpec.from_hf_config(TINY, name=TINY_NAME)
+
+
+def make_tiny_llama(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**TINY)
+    config._name_or_path = TINY_NAME
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def write_peft_adapter(tmp_path: Path) -> Callable[..., tuple[Path, object]]:
+    """Write a real PEFT adapter: get_peft_model on the tiny Llama with random A and B, then save_pretrained.
+
+    Returns (folder, peft_model) so tests can compare with PEFT's own delta weights.
+    """
+    peft = pytest.importorskip("peft")
+    counter = iter(range(1_000_000))
+
+    def write(folder: Path | None = None, seed: int = 0, **lora_kwargs) -> tuple[Path, object]:
+        folder = folder or tmp_path / f"peft-adapter-{next(counter)}"
+        lora_kwargs.setdefault("r", 4)
+        lora_kwargs.setdefault("lora_alpha", 8)
+        lora_kwargs.setdefault("target_modules", ["q_proj", "v_proj"])
+        config = peft.LoraConfig(init_lora_weights=False, **lora_kwargs)
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(make_tiny_llama(), config)
+        model.save_pretrained(folder, save_embedding_layers=False)
+        return folder, model
+
+    return write
