@@ -54,10 +54,10 @@ class HostTier:
         with self._lock:
             return key in self._cache
 
-    def keys(self) -> list[Hashable]:
-        """Keys from least to most recently used."""
+    def keys(self) -> set[Hashable]:
+        """Keys of the resident adapters."""
         with self._lock:
-            return list(self._cache.keys())
+            return set(self._cache.keys())
 
     def get(self, key: Hashable) -> PreparedAdapter | None:
         """The prepared adapter if resident (counts a hit or a miss and refreshes its LRU position)."""
@@ -76,6 +76,8 @@ class HostTier:
                 f"({self.capacity_bytes} B)"
             )
         with self._lock:
+            # Replace as remove + insert: cachetools may evict the key being replaced and then miscount its size.
+            self._cache.pop(key, None)
             self._cache[key] = prepared
 
     def discard(self, key: Hashable) -> None:

@@ -33,6 +33,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+from huggingface_hub.utils import tqdm as hf_tqdm
 
 from .errors import (
     AdapterAccessError,
@@ -186,7 +187,7 @@ class HubResolver:
         )
         if quiet and not are_progress_bars_disabled("huggingface_hub"):
             with disable_progress_bars("huggingface_hub"):
-                return download()
+                return download(tqdm_class=_NoProgress)
         return download()
 
     def _pickles(self, repo_id: str, sha: str) -> list[str]:
@@ -200,6 +201,14 @@ class HubResolver:
             return []
 
 
+class _NoProgress(hf_tqdm):
+    """The snapshot-level progress bar, switched off."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
 def _classify(err: Exception, ref: AdapterRef, adapter: str) -> Exception | None:
     """The typed error for a final failure, or None when the failure is transient and worth a retry."""
     if isinstance(err, RevisionNotFoundError):
@@ -208,9 +217,7 @@ def _classify(err: Exception, ref: AdapterRef, adapter: str) -> Exception | None
         return AdapterAccessError(adapter, f"{ref} is gated: accept its terms and pass a token")
     status = _status(err)
     if isinstance(err, RepositoryNotFoundError) or status == 404:
-        if status in (401, 403):
-            return AdapterAccessError(adapter, f"{ref}: hub answered {status} (private, gated or missing; check token)")
-        return AdapterNotFoundError(adapter, f"{ref}: repository not found on the hub")
+        return AdapterNotFoundError(adapter, f"{ref}: repository not found on the hub (or private: check the token)")
     if status in (401, 403):
         return AdapterAccessError(adapter, f"{ref}: hub answered {status}; check the token")
     cause = err.__cause__ or err.__context__

@@ -114,7 +114,7 @@ class AdapterRegistry:
         self._id_locks: dict[str, threading.Lock] = {}
 
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
-        """Register `ref` under `adapter_id` (default: the repo id, or the local directory's path).
+        """Register `ref` under `adapter_id` (default: the repo id, or the local directory's name).
 
         Registering the same ref again changes nothing and touches no network unless `refresh` (re-resolve a branch).
         A different revision of the same source is an update: the new revision is fully validated before it
@@ -123,7 +123,7 @@ class AdapterRegistry:
         """
         parsed = AdapterRef.parse(ref)
         self._check_local_root(parsed, ref)
-        adapter_id = adapter_id or (parsed.repo_id if parsed.repo_id else str(parsed.path))
+        adapter_id = adapter_id or (parsed.repo_id if parsed.repo_id else parsed.path.name)
         if not _ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
             raise InvalidAdapterRefError(adapter_id, "adapter ids use letters, digits and ._@:/- and no '..'")
         with self._lock:
