@@ -195,7 +195,13 @@ class AdapterRegistry:
 
         def load() -> PreparedAdapter:
             files = record.files
-            if not (files.config_path.is_file() and files.weights_path.is_file()) and not record.ref.is_local:
+            if record.ref.is_local:
+                files = self._resolver.resolve(record.ref, adapter_id)
+                if files.sha != record.sha:
+                    raise AdapterConflictError(
+                        adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
+                    )
+            elif not (files.config_path.is_file() and files.weights_path.is_file()):
                 pinned = AdapterRef(record.ref.repo_id, record.sha, None)
                 start = time.perf_counter()
                 files = self._resolver.resolve(pinned, adapter_id)

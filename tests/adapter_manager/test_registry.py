@@ -167,3 +167,14 @@ def test_concurrent_registers_of_one_adapter_prepare_it_once(good, tiny_spec):
         t.join()
     assert sorted(r.action for r in results) == ["registered"] + ["unchanged"] * 5
     assert registry.metrics.snapshot().tiers[Tier.PREPARE.value].count == 1
+
+
+def test_changed_local_files_are_not_served_under_the_old_sha(good, tiny_spec):
+    registry = registry_for(tiny_spec, host_cache_bytes=tiny_spec.max_adapter_bytes(8, 4))
+    record = registry.register(str(good), adapter_id="a").record
+    registry.host.discard(("a", record.sha))
+    write_synthetic_adapter(good, tiny_spec, r=8, seed=7)
+    with pytest.raises(AdapterConflictError, match="refresh=True"):
+        registry.prepared("a")
+    assert registry.register(str(good), adapter_id="a", refresh=True).action == "updated"
+    assert registry.prepared("a").modules[next(iter(registry.get("a").modules))].rank == 8
