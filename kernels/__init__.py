@@ -1,7 +1,7 @@
 """Shrink/expand LoRA kernels and their batch metadata."""
 
 from kernels.backend import KernelBackend, select_backend
-from kernels.config import BackendKind, KernelConfig
+from kernels.config import BackendKind, KernelConfig, PallasInterpret
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.meta import LoRAKernelMeta, SlotGrouping
 from kernels.ops import expand, shrink
@@ -12,6 +12,7 @@ __all__ = [
     "KernelBackend",
     "KernelConfig",
     "LoRAKernelMeta",
+    "PallasInterpret",
     "SlotGrouping",
     "TorchDispatchTable",
     "expand",

@@ -12,7 +12,7 @@ ensure_venv() {
     if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return 0; fi
     "$PY" -m pip install -q --upgrade pip >/dev/null
     if [[ $lane == xla ]]; then
-        "$PY" -m pip install -q torch==2.9.0 torch_xla==2.9.0 jax==0.7.1 jaxlib==0.7.1 torchax==0.0.7
+        "$PY" -m pip install -q torch==2.9.0 torch_xla==2.9.0 jax==0.7.1 jaxlib==0.7.1 torchax==0.0.7 "flax>=0.11,<0.12"
         "$PY" -m pip install -q -e "$root[dev,xla]"
     else
         "$PY" -m pip install -q torch==2.13.0

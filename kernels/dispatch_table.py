@@ -1,0 +1,66 @@
+"""The measured table that picks the eager torch backend's form (grouped or dense laned) by batch shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+SHIPPED_TABLE = "torch_dispatch.json"
+
+
+@dataclass(frozen=True)
+class DispatchEntry:
+    """One measured (S, R) point: the laned form wins up to ``laned_max_tokens`` tokens, grouping beyond."""
+
+    slots: int
+    """S, slots in the stacks."""
+    rank: int
+    """R, the padded rank."""
+    laned_max_tokens: int
+    """Largest token count at which laned was measured faster (0: never)."""
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.rank < 1 or self.laned_max_tokens < 0:
+            raise ValueError(f"bad dispatch entry: slots={self.slots}, rank={self.rank}, "
+                             f"laned_max_tokens={self.laned_max_tokens}")
+
+
+@dataclass(frozen=True)
+class TorchDispatchTable:
+    """Entries keyed by (S, R); a lookup uses the entry with the nearest lane count S·R (ties: the smaller)."""
+
+    entries: tuple[DispatchEntry, ...]
+    """The measured points, at least one."""
+    source: str = ""
+    """Where the table came from (file path or the shipped resource)."""
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ValueError(f"dispatch table {self.source!r} has no entries")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> TorchDispatchTable:
+        """Read a table written by ``scripts/bench_kernels.py --write-table``; None reads the shipped one."""
+        if path is None:
+            text = resources.files("kernels").joinpath(SHIPPED_TABLE).read_text()
+            source = f"kernels/{SHIPPED_TABLE}"
+        else:
+            text = Path(path).read_text()
+            source = str(path)
+        data = json.loads(text)
+        try:
+            entries = tuple(DispatchEntry(**e) for e in data["entries"])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"dispatch table {source} is malformed: {err}") from err
+        return cls(entries, source)
+
+    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool:
+        lanes = num_slots * rank
+        best = min(self.entries, key=lambda e: (abs(e.slots * e.rank - lanes), e.slots * e.rank, e.rank))
+        return num_tokens <= best.laned_max_tokens
+
+    def to_json(self, machine: str) -> str:
+        rows = [{"slots": e.slots, "rank": e.rank, "laned_max_tokens": e.laned_max_tokens} for e in self.entries]
+        return json.dumps({"machine": machine, "entries": rows}, indent=1) + "\n"
