@@ -1,5 +1,6 @@
 """Adapter lifecycle: hub resolution, PEFT validation, host preparation, host tier, metrics, local hub."""
 
+from .allocator import SlotAllocator, SlotLease, SlotState
 from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
 from .errors import (
     AdapterAccessError,
@@ -8,6 +9,7 @@ from .errors import (
     AdapterError,
     AdapterFormatError,
     AdapterNotFoundError,
+    AdapterNotPinnedError,
     AdapterRevisionNotFoundError,
     BaseModelMismatchError,
     CorruptWeightsError,
@@ -16,16 +18,22 @@ from .errors import (
     NonFiniteWeightsError,
     PickleRefusedError,
     RankTooLargeError,
+    SlotLoadError,
+    SlotsExhaustedError,
     TensorKeyError,
     TensorShapeError,
     UnsupportedAdapterError,
 )
 from .host_tier import HostTier
 from .hub import AdapterFiles, AdapterRef, HubConfig
-from .metrics import MetricsSnapshot, SwapMetrics, Tier, TierMove, TierStats
+from .local_hub import HubFault, LocalHub
+from .manager import AdapterManager, AdapterManagerConfig
+from .metrics import AdapterResidency, MetricsSnapshot, SwapMetrics, Tier, TierMove, TierStats, WaitStats
 from .peft_format import LoraAdapterConfig, ModuleLora
+from .prefetch import PrefetchConfig, Prefetcher
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
 from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
+from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, slots_for_budget
 from .synthetic import write_synthetic_adapter
 
 __all__ = [
@@ -36,18 +44,24 @@ __all__ = [
     "AdapterError",
     "AdapterFiles",
     "AdapterFormatError",
+    "AdapterManager",
+    "AdapterManagerConfig",
     "AdapterNotFoundError",
+    "AdapterNotPinnedError",
     "AdapterRecord",
     "AdapterRef",
     "AdapterRegistry",
+    "AdapterResidency",
     "AdapterRevisionNotFoundError",
     "BaseModelMismatchError",
     "BaseModelSpec",
     "CorruptWeightsError",
     "HostTier",
     "HubConfig",
+    "HubFault",
     "HubUnavailableError",
     "InvalidAdapterRefError",
+    "LocalHub",
     "LoraAdapterConfig",
     "MetricsSnapshot",
     "ModuleKey",
@@ -55,10 +69,20 @@ __all__ = [
     "ModuleWeights",
     "NonFiniteWeightsError",
     "PickleRefusedError",
+    "PrefetchConfig",
+    "Prefetcher",
     "PreparedAdapter",
     "RankTooLargeError",
     "RegisterResult",
     "RegistryConfig",
+    "SlotAllocator",
+    "SlotLease",
+    "SlotLoadError",
+    "SlotPool",
+    "SlotPoolConfig",
+    "SlotStacks",
+    "SlotState",
+    "SlotsExhaustedError",
     "SwapMetrics",
     "TensorKeyError",
     "TensorShapeError",
@@ -66,6 +90,9 @@ __all__ = [
     "TierMove",
     "TierStats",
     "UnsupportedAdapterError",
+    "WaitStats",
+    "bytes_needed",
     "prepare_adapter",
+    "slots_for_budget",
     "write_synthetic_adapter",
 ]

@@ -76,3 +76,29 @@ class CorruptWeightsError(AdapterFormatError):
 
 class BaseModelMismatchError(AdapterFormatError):
     """The adapter was trained on a different base model and the policy is to refuse."""
+
+
+class SlotsExhaustedError(AdapterError, RuntimeError):
+    """A batch needs more distinct adapters than there are slots free or evictable; nothing was pinned.
+
+    The scheduler can act on it: run a smaller batch, or wait for in-flight batches to release their slots.
+    """
+
+    def __init__(self, adapters: tuple[str, ...], needed: int, available: int, num_slots: int) -> None:
+        super().__init__(
+            ", ".join(adapters),
+            f"needs {needed} more slot(s) but only {available} of {num_slots} are free or evictable "
+            "(the others are pinned by in-flight batches or operators)",
+        )
+        self.adapters = adapters
+        self.needed = needed
+        self.available = available
+        self.num_slots = num_slots
+
+
+class SlotLoadError(AdapterError, RuntimeError):
+    """Copying prepared weights into a device slot failed; the slot was left free, never published."""
+
+
+class AdapterNotPinnedError(AdapterError, RuntimeError):
+    """Unpin or release of an adapter (or lease) that is not pinned: a double release or a pin that never was."""

@@ -1,4 +1,5 @@
-"""Timing of every tier move (hub download, disk -> host prepare, host -> slot copy) and per-tier hit counts."""
+"""Timing of every tier move (hub download, disk -> host prepare, host -> slot copy), per-tier hit counts, the
+exposed wait of batches for their adapters, and (given by the manager) each adapter's residency."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 import numpy as np
 
@@ -44,6 +46,29 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class WaitStats:
+    """Exposed wait: how long `acquire` calls (runnable batches) waited for their adapters (0 when all hit)."""
+
+    count: int
+    total_seconds: float
+    p50_s: float
+    p95_s: float
+    p99_s: float
+    max_s: float
+
+
+@dataclass(frozen=True)
+class AdapterResidency:
+    """Where one registered adapter lives now, and when a batch last used it."""
+
+    adapter_id: str
+    tier: Literal["slot", "host", "disk"]  # highest tier holding it: a device slot, prepared on the host, disk only
+    slot: int | None  # its device slot when tier == "slot"
+    pinned: bool  # held by an in-flight batch or an operator pin
+    last_used: float | None  # time.time() of its last acquire or release, None if never used
+
+
+@dataclass(frozen=True)
 class MetricsSnapshot:
     """A plain copy of the metrics at one moment."""
 
@@ -51,6 +76,8 @@ class MetricsSnapshot:
     hits: dict[str, int]
     misses: dict[str, int]
     evictions: dict[str, int]
+    exposed_wait: WaitStats | None = None  # None until a batch has acquired its slots
+    residency: dict[str, AdapterResidency] = field(default_factory=dict)  # by adapter id (from the manager)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,11 +99,16 @@ class SwapMetrics:
     _misses: dict[str, int] = field(default_factory=dict, repr=False)
     _evictions: dict[str, int] = field(default_factory=dict, repr=False)
     _recent: deque[TierMove] = field(init=False, repr=False)
+    _waits: deque[float] = field(init=False, repr=False)
+    _wait_count: int = field(default=0, repr=False)
+    _wait_seconds: float = field(default=0.0, repr=False)
+    _wait_max: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if self.window <= 0 or self.history <= 0:
             raise ValueError(f"window ({self.window}) and history ({self.history}) must be positive")
         self._recent = deque(maxlen=self.history)
+        self._waits = deque(maxlen=self.window)
 
     def record(self, tier: Tier, adapter_id: str, seconds: float, nbytes: int) -> TierMove:
         move = TierMove(tier, adapter_id, seconds, nbytes, time.time())
@@ -101,12 +133,21 @@ class SwapMetrics:
         with self._lock:
             self._evictions[tier] = self._evictions.get(tier, 0) + 1
 
+    def waited(self, seconds: float) -> None:
+        """Record the exposed wait of one batch for its adapters (0.0 when every adapter was resident)."""
+        with self._lock:
+            self._waits.append(seconds)
+            self._wait_count += 1
+            self._wait_seconds += seconds
+            self._wait_max = max(self._wait_max, seconds)
+
     def moves(self, adapter_id: str | None = None) -> list[TierMove]:
         """The most recent moves, oldest first, optionally of one adapter."""
         with self._lock:
             return [m for m in self._recent if adapter_id is None or m.adapter_id == adapter_id]
 
-    def snapshot(self) -> MetricsSnapshot:
+    def snapshot(self, residency: dict[str, AdapterResidency] | None = None) -> MetricsSnapshot:
+        """A plain copy; `residency` (the manager's view of every adapter) is attached as given."""
         with self._lock:
             tiers = {}
             for tier, samples in self._samples.items():
@@ -114,4 +155,10 @@ class SwapMetrics:
                 tiers[tier.value] = TierStats(
                     self._count[tier], self._bytes[tier], self._seconds[tier], p50, p95, p99, self._max[tier]
                 )
-            return MetricsSnapshot(tiers, dict(self._hits), dict(self._misses), dict(self._evictions))
+            wait = None
+            if self._waits:
+                p50, p95, p99 = np.percentile(np.fromiter(self._waits, float), [50, 95, 99]).tolist()
+                wait = WaitStats(self._wait_count, self._wait_seconds, p50, p95, p99, self._wait_max)
+            return MetricsSnapshot(
+                tiers, dict(self._hits), dict(self._misses), dict(self._evictions), wait, dict(residency or {})
+            )

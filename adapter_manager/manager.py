@@ -1,0 +1,164 @@
+"""The `AdapterManager` facade: registry, host tier, slot pool, allocator, prefetcher and metrics behind one object.
+
+The runtime's engine uses it per step:
+
+    lease = manager.acquire(adapter_id_per_request)     # pins the batch's slots, loading missing adapters
+    indices = lease.slot_indices(adapter_id_per_token)  # [T] int32, -1 = no adapter
+    ... forward with manager.stacks ...
+    manager.release(lease)
+    manager.prefetch(adapter_id_per_waiting_request)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .allocator import SlotAllocator, SlotLease
+from .base_model import BaseModelSpec, ModuleKey
+from .hub import HubConfig
+from .metrics import AdapterResidency, MetricsSnapshot, SwapMetrics
+from .prefetch import PrefetchConfig, Prefetcher
+from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
+from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks
+
+_GIB = 1 << 30
+
+
+@dataclass
+class AdapterManagerConfig:
+    """Everything the manager is built from."""
+
+    max_slots: int | Literal["auto"] = 8  # S: device slots; "auto" sizes them from slot_memory_bytes
+    max_rank: int = 64  # R: highest rank accepted, the padded rank of every slot
+    host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier of prepared adapters
+    device: torch.device | str = "cpu"  # serving device of the slot stacks: cpu, cuda[:i] or xla[:i]
+    dtype: torch.dtype = torch.float32  # serving dtype of prepared weights and slots
+    slot_memory_bytes: int | None = None  # with max_slots="auto": device bytes the slot stacks may take
+    prefetch_workers: int = 2  # prefetch threads; 0 turns prefetching off
+    prefetch_depth: int = 16  # the most queued adapters one prefetch call considers
+    base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
+    allowed_local_roots: tuple[Path, ...] | None = None  # if set, local refs must lie under one of these
+    hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded (token, offline, cache, endpoint)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        if self.max_slots == "auto" and self.slot_memory_bytes is None:
+            raise ValueError("max_slots='auto' needs slot_memory_bytes (the device bytes the slot stacks may take)")
+        # Each component validates its own part; building them here reports a bad value before anything is made.
+        self.pool_config()
+        self.prefetch_config()
+        self.registry_config()
+
+    def pool_config(self) -> SlotPoolConfig:
+        return SlotPoolConfig(self.max_slots, self.max_rank, self.dtype, self.device, self.slot_memory_bytes)
+
+    def prefetch_config(self) -> PrefetchConfig:
+        return PrefetchConfig(self.prefetch_workers, self.prefetch_depth)
+
+    def registry_config(self) -> RegistryConfig:
+        return RegistryConfig(
+            max_rank=self.max_rank,
+            dtype=self.dtype,
+            host_cache_bytes=self.host_cache_bytes,
+            base_model_mismatch=self.base_model_mismatch,
+            pin_memory=torch.device(self.device).type == "cuda",
+            allowed_local_roots=self.allowed_local_roots,
+            hub=self.hub,
+        )
+
+
+class AdapterManager:
+    """Serves many adapters through `num_slots` device slots; thread-safe. Close it (or use `with`) when done."""
+
+    def __init__(self, spec: BaseModelSpec, config: AdapterManagerConfig | None = None) -> None:
+        self.spec = spec
+        self.config = config or AdapterManagerConfig()
+        self.swap_metrics = SwapMetrics()
+        self.registry = AdapterRegistry(spec, self.config.registry_config(), self.swap_metrics)
+        self.pool = SlotPool(spec, self.config.pool_config())
+        self.allocator = SlotAllocator(self.pool, self.registry.prepared, self.swap_metrics)
+        self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config())
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
+        """`A_stack [S, R, in]` and `Bt_stack [S, R, out]` of every module, for the LoRA linears."""
+        return self.pool.stacks
+
+    def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
+        """Register a hub ref or local directory (see `AdapterRegistry.register`). An update to a new revision
+        drops the old revision's slot (at once, or when the batches using it finish)."""
+        result = self.registry.register(ref, adapter_id, refresh)
+        if result.action == "updated":
+            self.allocator.forget(result.record.adapter_id)
+        return result
+
+    def unregister(self, adapter_id: str) -> AdapterRecord:
+        """Forget an adapter: its host entry goes at once, its slot at once if unpinned, else when the last
+        in-flight batch using it releases it."""
+        record = self.registry.unregister(adapter_id)
+        self.prefetcher.forget(adapter_id)
+        self.allocator.forget(adapter_id)
+        return record
+
+    def acquire(self, adapter_ids: Iterable[str | None]) -> SlotLease:
+        """Pin the slots of one batch (one entry per request or token, None = no adapter); see
+        `SlotAllocator.acquire`. A recorded prefetch failure of one of them is raised here, once."""
+        adapter_ids = list(adapter_ids)
+        for adapter_id in dict.fromkeys(a for a in adapter_ids if a is not None):
+            error = self.prefetcher.take_error(adapter_id)
+            if error is not None:
+                raise error
+        return self.allocator.acquire(adapter_ids)
+
+    def release(self, lease: SlotLease) -> None:
+        self.allocator.release(lease)
+
+    def pin(self, adapter_id: str) -> int:
+        """Operator pin: keep the adapter in its slot until `unpin`. Returns the slot."""
+        self.registry.get(adapter_id)
+        return self.allocator.pin(adapter_id)
+
+    def unpin(self, adapter_id: str) -> None:
+        self.allocator.unpin(adapter_id)
+
+    def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
+        """Hand over the engine's waiting queue, in order; returns the prefetch jobs started."""
+        return self.prefetcher.prefetch(adapter_ids)
+
+    def residency(self) -> dict[str, AdapterResidency]:
+        """Where every registered adapter lives now (device slot, host, disk only) and when it was last used."""
+        states = {s.adapter_id: s for s in self.allocator.states() if s.state == "ready"}
+        last_used = self.allocator.last_used()
+        host = self.registry.host.keys()
+        residency = {}
+        for record in self.registry.list():
+            adapter_id = record.adapter_id
+            state = states.get(adapter_id)
+            tier = "slot" if state is not None else "host" if (adapter_id, record.sha) in host else "disk"
+            pinned = state is not None and (state.pins > 0 or state.manual)
+            slot = state.slot if state is not None else None
+            residency[adapter_id] = AdapterResidency(adapter_id, tier, slot, pinned, last_used.get(adapter_id))
+        return residency
+
+    def metrics(self) -> MetricsSnapshot:
+        """A plain snapshot: per-tier moves with latency percentiles, hits, misses, evictions, exposed wait and
+        per-adapter residency (`.to_dict()` for JSON)."""
+        return self.swap_metrics.snapshot(self.residency())
+
+    def close(self) -> None:
+        self.prefetcher.close()
+
+    def __enter__(self) -> AdapterManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

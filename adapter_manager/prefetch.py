@@ -1,0 +1,142 @@
+"""The prefetcher: moves the adapters an engine's waiting queue will need up the tiers before they are scheduled.
+
+hub -> disk -> host always (the registry's `prepared`); host -> slot only into a free slot or in place of an LRU
+victim that nothing queued ahead of the adapter needs, so it never evicts something needed sooner than what it
+brings in. Work is bounded (`depth` adapters per call, `workers` threads), a newer queue cancels the jobs of adapters
+it no longer holds, and a failure is recorded against its adapter until the manager surfaces it at `acquire`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .allocator import SlotAllocator
+from .prepare import PreparedAdapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefetchConfig:
+    """How much the prefetcher does at once."""
+
+    workers: int = 2  # threads moving adapters up the tiers; 0 turns prefetching off
+    depth: int = 16  # the most queued adapters one `prefetch` call considers (the head of the queue)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 0:
+            raise ValueError(f"prefetch workers must be an int >= 0, got {self.workers!r}")
+        if not isinstance(self.depth, int) or self.depth <= 0:
+            raise ValueError(f"prefetch depth must be a positive int, got {self.depth!r}")
+
+
+class Prefetcher:
+    """A small worker pool fed with the engine's waiting queue, in order."""
+
+    def __init__(
+        self,
+        fetch: Callable[[str], PreparedAdapter],
+        allocator: SlotAllocator,
+        config: PrefetchConfig | None = None,
+    ) -> None:
+        self.config = config or PrefetchConfig()
+        self._fetch = fetch
+        self._allocator = allocator
+        self._lock = threading.RLock()  # re-entrant: Future.cancel() runs the done callback, which takes it, at once
+        self._jobs: dict[str, Future] = {}
+        self._errors: dict[str, BaseException] = {}
+        self._queue: tuple[str, ...] = ()
+        workers = self.config.workers
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="adapter-prefetch") if workers else None
+
+    def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
+        """Start moving the head of a waiting queue (one entry per waiting request, None = no adapter) up the
+        tiers. Jobs for adapters no longer in the head are cancelled if not started. Returns the jobs started."""
+        if self._executor is None:
+            return 0
+        queue = tuple(dict.fromkeys(a for a in adapter_ids if a is not None))[: self.config.depth]
+        started = 0
+        with self._lock:
+            self._queue = queue
+            for adapter_id, job in list(self._jobs.items()):
+                if adapter_id not in queue and job.cancel():
+                    self._jobs.pop(adapter_id, None)
+            for position, adapter_id in enumerate(queue):
+                if adapter_id in self._jobs or self._allocator.slot_of(adapter_id) is not None:
+                    continue
+                ahead = frozenset(queue[:position])
+                job = self._executor.submit(self._run, adapter_id, ahead)
+                self._jobs[adapter_id] = job
+                job.add_done_callback(lambda _, adapter_id=adapter_id, job=job: self._done(adapter_id, job))
+                started += 1
+        return started
+
+    def take_error(self, adapter_id: str) -> BaseException | None:
+        """The error of the adapter's last failed prefetch, once (the next request retries)."""
+        with self._lock:
+            return self._errors.pop(adapter_id, None)
+
+    def errors(self) -> dict[str, str]:
+        """Pending prefetch errors by adapter, as messages."""
+        with self._lock:
+            return {adapter_id: str(error) for adapter_id, error in self._errors.items()}
+
+    def forget(self, adapter_id: str) -> None:
+        """The adapter was unregistered: cancel its job, or wait for a running one (so it cannot load the adapter
+        into a slot after the allocator has forgotten it), and drop its recorded error."""
+        with self._lock:
+            job = self._jobs.get(adapter_id)
+            if job is not None and job.cancel():
+                self._jobs.pop(adapter_id, None)
+                job = None
+        if job is not None:
+            try:
+                job.result()
+            except BaseException:  # noqa: BLE001 - the job records its own errors
+                pass
+        with self._lock:
+            self._errors.pop(adapter_id, None)
+
+    def cancel(self) -> None:
+        """Cancel every job not yet started."""
+        with self._lock:
+            self._queue = ()
+            for adapter_id, job in list(self._jobs.items()):
+                if job.cancel():
+                    self._jobs.pop(adapter_id, None)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the jobs started so far have finished (for tests and benchmarks)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            try:
+                job.result(timeout)
+            except BaseException:  # noqa: BLE001 - recorded by _run, surfaced through take_error
+                pass
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self.cancel()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, adapter_id: str, ahead: frozenset[str]) -> None:
+        with self._lock:
+            if adapter_id not in self._queue:
+                return
+        try:
+            self._fetch(adapter_id)  # hub -> disk -> host
+            self._allocator.preload(adapter_id, protect=ahead)  # host -> slot, if it evicts nothing needed sooner
+        except Exception as error:
+            log.warning("prefetch of adapter %r failed: %s", adapter_id, error)
+            with self._lock:
+                self._errors[adapter_id] = error
+
+    def _done(self, adapter_id: str, job: Future) -> None:
+        with self._lock:
+            if self._jobs.get(adapter_id) is job:
+                self._jobs.pop(adapter_id, None)

@@ -1,0 +1,118 @@
+"""The AdapterManager facade end to end on CPU: registry -> host -> slots, residency, metrics, prefetch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapter_manager import AdapterError, AdapterNotFoundError, Tier, write_synthetic_adapter
+from adapter_manager.manager import AdapterManager, AdapterManagerConfig
+from adapter_manager.prefetch import PrefetchConfig, Prefetcher
+
+from .test_allocator import Catalog, allocator_for
+
+
+@pytest.fixture
+def folders(tmp_path, tiny_spec):
+    return {
+        name: write_synthetic_adapter(tmp_path / name, tiny_spec, r=4, target_modules=targets, seed=i)
+        for i, (name, targets) in enumerate(
+            [("a", ["q_proj"]), ("b", ["v_proj", "down_proj"]), ("c", ["o_proj"]), ("d", ["up_proj"])]
+        )
+    }
+
+
+def manager_for(spec, **overrides) -> AdapterManager:
+    overrides.setdefault("max_slots", 2)
+    overrides.setdefault("max_rank", 8)
+    overrides.setdefault("prefetch_workers", 1)
+    return AdapterManager(spec, AdapterManagerConfig(**overrides))
+
+
+def test_config_validation_shows_the_offending_value():
+    with pytest.raises(ValueError, match="needs slot_memory_bytes"):
+        AdapterManagerConfig(max_slots="auto")
+    with pytest.raises(ValueError, match="prefetch workers must be an int >= 0, got -1"):
+        AdapterManagerConfig(prefetch_workers=-1)
+    with pytest.raises(ValueError, match="max_rank must be a positive int, got 0"):
+        AdapterManagerConfig(max_rank=0)
+
+
+def test_acquire_serves_prepared_weights_and_reports_residency(folders, tiny_spec):
+    with manager_for(tiny_spec) as manager:
+        for folder in folders.values():
+            manager.register(str(folder))
+        lease = manager.acquire(["a", "b", None])
+        assert lease.slot_indices(["b", None, "a"]).tolist() == [lease.slots["b"], -1, lease.slots["a"]]
+        prepared = manager.registry.prepared("b")
+        for key, stacks in manager.stacks.items():
+            weights = prepared.modules.get(key)
+            expected = torch.zeros_like(stacks.bt[0]) if weights is None else weights.bt
+            assert torch.equal(stacks.bt[lease.slots["b"]], expected)
+        residency = manager.residency()
+        assert residency["a"].tier == "slot" and residency["a"].pinned and residency["a"].last_used is not None
+        assert residency["c"].tier in ("host", "disk") and residency["c"].slot is None
+        manager.release(lease)
+        assert not manager.residency()["a"].pinned
+        snapshot = manager.metrics()
+        assert snapshot.tiers[Tier.SLOT.value].count == 2 and snapshot.exposed_wait.count == 1
+        as_dict = snapshot.to_dict()
+        assert as_dict["residency"]["b"]["tier"] == "slot" and as_dict["misses"]["slot"] == 2
+
+
+def test_unregister_while_in_flight_frees_the_slot_at_release(folders, tiny_spec):
+    with manager_for(tiny_spec) as manager:
+        manager.register(str(folders["a"]))
+        lease = manager.acquire(["a"])
+        manager.unregister("a")
+        assert "a" not in manager.residency() and manager.allocator.free_slots() == [1]
+        with pytest.raises(AdapterNotFoundError):
+            manager.acquire(["a"])
+        manager.release(lease)
+        assert manager.allocator.free_slots() == [0, 1]
+
+
+def test_prefetch_loads_ahead_and_never_evicts_what_is_needed_sooner(folders, tiny_spec):
+    with manager_for(tiny_spec) as manager:
+        for folder in folders.values():
+            manager.register(str(folder))
+        assert manager.prefetch(["a", None, "b", "a"]) == 2
+        manager.prefetcher.wait()
+        assert manager.allocator.slot_of("a") is not None and manager.allocator.slot_of("b") is not None
+        manager.release(manager.acquire(["a", "b"]))
+        assert manager.metrics().misses.get("slot", 0) == 0  # both were prefetched: two hits
+        assert manager.allocator.lru_order() == ["a", "b"]
+        manager.prefetch(["b", "a", "c"])  # every victim for c is queued ahead of it
+        manager.prefetcher.wait()
+        assert manager.allocator.lru_order() == ["a", "b"] and manager.allocator.slot_of("c") is None
+        manager.prefetch(["b", "c", "a"])  # b is needed before c, a only after it: a may go
+        manager.prefetcher.wait()
+        assert manager.allocator.lru_order() == ["b", "c"]
+
+
+def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):
+    with manager_for(tiny_spec) as manager:
+        manager.register(str(folders["a"]))
+        manager.registry.host.discard(("a", manager.registry.get("a").sha))
+        (folders["a"] / "adapter_model.safetensors").write_bytes(b"not safetensors")
+        manager.prefetch(["a"])
+        manager.prefetcher.wait()
+        assert "'a'" in manager.prefetcher.errors()["a"]
+        with pytest.raises(AdapterError, match="'a'"):  # whatever the registry refuses it with
+            manager.acquire(["a"])
+        assert manager.prefetcher.errors() == {} and manager.allocator.free_slots() == [0, 1]
+
+
+def test_prefetcher_cancels_jobs_the_queue_no_longer_holds(tiny_spec):
+    catalog = Catalog(tiny_spec)
+    catalog.add("a", "b", "c")
+    catalog.delay = 0.05
+    allocator = allocator_for(tiny_spec, catalog, slots=3)
+    prefetcher = Prefetcher(catalog, allocator, PrefetchConfig(workers=1, depth=2))
+    try:
+        assert prefetcher.prefetch(["a", "b", "c"]) == 2  # depth 2: c is not considered
+        prefetcher.prefetch(["a"])  # b's job has not started: cancelled
+        prefetcher.wait()
+        assert allocator.slot_of("a") == 0 and allocator.slot_of("b") is None and "c" not in catalog.fetches
+    finally:
+        prefetcher.close()
