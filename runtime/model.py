@@ -1,0 +1,252 @@
+"""The batched Llama: RMSNorm, RoPE (Llama 3 scaling), GQA attention over a KV cache, SwiGLU, LoRA linears.
+
+One forward is one engine step over a flat, ragged token batch (:class:`ForwardBatch`): prefill chunks and decode
+tokens of many sequences together, each with its own KV cache row and its own adapter slot. Build it on the ``meta``
+device and load weights into it (:func:`runtime.checkpoint.load_checkpoint`), then size the caches with
+:meth:`Llama.setup_caches` (gpt-fast).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adapter_manager import PROJECTIONS, ModuleKey
+from adapter_manager.base_model import PROJECTION_PARENT
+from kernels import LoRAKernelMeta
+
+from .batch import ForwardBatch
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .lora_linear import LoRALinear
+from .rope import apply_rope, rope_table
+
+_HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
+
+
+class Stacks(Protocol):
+    """One module's slot stacks (``adapter_manager.slot_pool.SlotStacks``)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF Llama)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Semantics: ``w · (x / sqrt(mean(x²) + eps))``. Shape: x [T, H]; returns [T, H]."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: fused q/k/v base matmul, per-projection LoRA, RoPE, cached causal attention, o_proj."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width))
+        self.wo = LoRALinear(q_width, (config.hidden_size,))
+        self.kv_cache: KVCache | None = None
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: torch.Tensor, meta: LoRAKernelMeta | None
+    ) -> torch.Tensor:
+        """Shape: x [T, H]; rope [T, 2, D/2]; returns [T, H]. Writes the step's keys/values into the cache."""
+        assert self.kv_cache is not None, "setup_caches() first"
+        q, k, v = self.wqkv(x, meta)
+        tokens = x.shape[0]
+        q = apply_rope(q.reshape(tokens, self.num_heads, self.head_dim), rope)  # [T, heads, D]
+        k = apply_rope(k.reshape(tokens, self.num_kv_heads, self.head_dim), rope)  # [T, KV, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        self.kv_cache.update(batch.cache_rows, batch.positions, k, v)
+        if batch.spans is None:
+            out = self.kv_cache.attend_static(q, batch.cache_rows, batch.positions)
+        else:
+            out = self.kv_cache.attend_spans(q, batch.spans)  # [T, heads, D]
+        return self.wo(out.reshape(tokens, -1), meta)[0]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))`` with gate/up fused into one base matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        width = config.intermediate_size
+        self.w13 = LoRALinear(config.hidden_size, (width, width))
+        self.w2 = LoRALinear(width, (config.hidden_size,))
+
+    def forward(self, x: torch.Tensor, meta: LoRAKernelMeta | None) -> torch.Tensor:
+        """Shape: x [T, H]; returns [T, H]."""
+        gate, up = self.w13(x, meta)  # [T, I] each
+        return self.w2(F.silu(gate) * up, meta)[0]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: torch.Tensor, meta: LoRAKernelMeta | None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), batch, rope, meta)
+        return h + self.feed_forward(self.ffn_norm(h), meta)
+
+
+class Llama(nn.Module):
+    """A Llama causal LM whose every projection is a :class:`LoRALinear` fed by the slot pool's stacks.
+
+    Lifetime: ``Llama(config)`` under ``torch.device("meta")`` -> weights loaded (``to_empty`` + copies, or
+    :func:`runtime.checkpoint.load_checkpoint`) -> :meth:`setup_caches` -> optionally :meth:`attach_lora` ->
+    :meth:`forward` once per step.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.rope_table: torch.Tensor | None
+        self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def max_seq_len(self) -> int:
+        return 0 if self.rope_table is None else self.rope_table.shape[0]
+
+    def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
+        """Allocate every layer's KV cache (``max_batch`` rows of ``max_seq_len`` positions) and the RoPE table.
+
+        Calling it again replaces the caches (their contents are lost).
+        """
+        if self.device.type == "meta":
+            raise ValueError("the model is still on the meta device: load its weights before setup_caches()")
+        if max_seq_len <= 0 or max_batch <= 0:
+            raise ValueError(f"max_batch ({max_batch}) and max_seq_len ({max_seq_len}) must be positive")
+        config = self.config
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(
+                max_batch, max_seq_len, config.num_kv_heads, config.head_dim, self.dtype, self.device
+            )
+        self.rope_table = rope_table(config, max_seq_len, self.device)
+
+    def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
+        """Route every module's LoRA through the slot pool's stacks (by reference: later slot loads are seen).
+
+        Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [S, R, in], .bt [S, R, out].
+        """
+        for key, module_stacks in stacks.items():
+            linear, part = self._lora_target(key)
+            linear.attach(part, module_stacks.a, module_stacks.bt)
+
+    def detach_lora(self) -> None:
+        """Back to exactly the base model."""
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.detach()
+
+    def _lora_target(self, key: ModuleKey) -> tuple[LoRALinear, int]:
+        if not 0 <= key.layer < len(self.layers):
+            raise ValueError(f"{key} names layer {key.layer}; the model has {len(self.layers)} layers")
+        block = self.layers[key.layer]
+        targets = {
+            "q_proj": (block.attention.wqkv, 0),
+            "k_proj": (block.attention.wqkv, 1),
+            "v_proj": (block.attention.wqkv, 2),
+            "o_proj": (block.attention.wo, 0),
+            "gate_proj": (block.feed_forward.w13, 0),
+            "up_proj": (block.feed_forward.w13, 1),
+            "down_proj": (block.feed_forward.w2, 0),
+        }
+        if key.proj not in targets:
+            raise ValueError(f"unknown projection {key.proj!r}; expected one of {sorted(targets)}")
+        return targets[key.proj]
+
+    def hf_target(self, name: str) -> tuple[torch.Tensor, slice | None]:
+        """The parameter (and its row slice for fused weights) that HF tensor ``name`` loads into.
+
+        Example: ``model.layers.1.self_attn.k_proj.weight`` -> (layers[1].attention.wqkv.weight, rows q..q+kv).
+        Raises KeyError for a name this model has no place for.
+        """
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            return self.tok_embeddings.weight, None
+        if name == "model.norm.weight":
+            return self.norm.weight, None
+        if name == "lm_head.weight":
+            if self.output is None:
+                raise KeyError(f"{name}: the config ties word embeddings, the model has no separate lm_head")
+            return self.output.weight, None
+        if len(parts) in (5, 6) and parts[:2] == ["model", "layers"] and parts[-1] == "weight" and parts[2].isdigit():
+            layer, parent, proj = int(parts[2]), parts[3], parts[-2]
+            if layer < len(self.layers):
+                block = self.layers[layer]
+                if len(parts) == 5 and parent == "input_layernorm":
+                    return block.attention_norm.weight, None
+                if len(parts) == 5 and parent == "post_attention_layernorm":
+                    return block.ffn_norm.weight, None
+                if len(parts) == 6 and (parent, proj) in _HF_PROJECTIONS:
+                    linear, part = self._lora_target(ModuleKey(layer, proj))
+                    start = sum(linear.out_features[:part])
+                    return linear.weight, slice(start, start + linear.out_features[part])
+        raise KeyError(f"{name}: not a tensor of a Llama checkpoint with {len(self.layers)} layers")
+
+    def forward(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None = None) -> torch.Tensor:
+        """One step: embed, run every block (writing the KV cache), and return the requested tokens' logits.
+
+        Semantics::
+
+            h = embed(tokens); for each block: h = block(h)     # LoRA per token through lora_meta's slots
+            logits = lm_head(norm(h[logits_index]))             # all tokens when logits_index is None
+
+        Shape: batch of T tokens; returns [N, vocab] in the model dtype (N = len(logits_index), or T).
+        ``lora_meta`` must have been prepared for this step's T tokens; None (or a step with no adapter token, or
+        no stacks attached) runs exactly the base model.
+        """
+        if self.rope_table is None:
+            raise ValueError("setup_caches(max_batch, max_seq_len) first")
+        if batch.spans is not None and max(span.end_pos for span in batch.spans) > self.max_seq_len:
+            raise ValueError(
+                f"a sequence reaches position {max(span.end_pos for span in batch.spans)}, beyond the cache's "
+                f"max_seq_len {self.max_seq_len}"
+            )
+        if lora_meta is not None and lora_meta.num_tokens != batch.num_tokens:
+            raise ValueError(
+                f"lora_meta was prepared for {lora_meta.num_tokens} tokens, the batch has {batch.num_tokens}"
+            )
+        rope = self.rope_table[batch.positions]  # [T, 2, D/2]
+        h = self.tok_embeddings(batch.tokens)  # [T, H]
+        for layer in self.layers:
+            h = layer(h, batch, rope, lora_meta)
+        if batch.logits_index is not None:
+            h = h[batch.logits_index]  # [N, H]
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return h @ weight.t()  # [N, vocab]

@@ -1,0 +1,73 @@
+"""Helpers that drive `runtime.Llama` the way an engine would: ragged prefill, then decode steps, mixed adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels import LoRAKernelMeta
+from runtime.batch import ForwardBatch, SequenceChunk
+from runtime.model import Llama
+
+
+def step(
+    model: Llama,
+    chunks: Sequence[SequenceChunk],
+    meta: LoRAKernelMeta | None = None,
+    logits: str = "last",
+    static: bool = False,
+) -> torch.Tensor:
+    """One forward over the chunks; prepares ``meta`` from the chunks' slots first."""
+    batch = ForwardBatch.from_chunks(chunks, device=model.device, logits=logits, static=static)  # type: ignore[arg-type]
+    if meta is not None:
+        assert batch.slot_indices is not None
+        meta.prepare(batch.slot_indices)
+    with torch.no_grad():
+        return model(batch, meta)
+
+
+def prefill_logits(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    slots: Sequence[int] | None = None,
+    meta: LoRAKernelMeta | None = None,
+    static: bool = False,
+) -> list[torch.Tensor]:
+    """Every prompt prefilled in one step (row i = cache row i); returns each prompt's [len, vocab] logits."""
+    slots = slots or [-1] * len(prompts)
+    chunks = [SequenceChunk(row, 0, tuple(p), slot) for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))]
+    out = step(model, chunks, meta, logits="all", static=static)
+    return list(out.split([len(p) for p in prompts]))
+
+
+def greedy(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    slots: Sequence[int] | None = None,
+    meta: LoRAKernelMeta | None = None,
+    static: bool = False,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decoding of every prompt together: one prefill step, then one decode step per new token.
+
+    Returns the generated ids per prompt and, per decode step, the [rows, vocab] logits it produced.
+    """
+    slots = slots or [-1] * len(prompts)
+    chunks = [SequenceChunk(row, 0, tuple(p), slot) for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))]
+    logits = step(model, chunks, meta, static=static)  # [rows, vocab]
+    generated: list[list[int]] = [[] for _ in prompts]
+    step_logits = [logits]
+    for i in range(new_tokens):
+        next_ids = logits.argmax(-1).tolist()
+        for row, token in enumerate(next_ids):
+            generated[row].append(token)
+        if i == new_tokens - 1:
+            break
+        chunks = [
+            SequenceChunk(row, len(p) + i, (next_ids[row],), slot)
+            for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))
+        ]
+        logits = step(model, chunks, meta, static=static)
+        step_logits.append(logits)
+    return generated, step_logits

@@ -1,0 +1,193 @@
+"""Oracle (adapters): each row of a mixed batch equals `PeftModel` with that row's adapter alone.
+
+Adapters are written by real `peft`, registered through `AdapterRegistry` from their folders and loaded into slots
+with `SlotPool.load`; the model reads the pool's stacks by reference.
+
+bf16 tolerance: a bf16 model + bf16 slot stacks is compared with the fp32 `PeftModel` logits; every logit lies within
+``BF16_ATOL + BF16_RTOL · max|logit|`` of the fp32 reference (bf16 has an 8-bit mantissa: ~0.4 % per rounding, which
+compounds over the layers; measured max-abs 0.002-0.011 on logits of magnitude <= 0.4 on this tiny model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig
+from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
+from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from runtime.checkpoint import load_model
+from runtime.lora_linear import LoRALinear
+from runtime.model import Llama
+from tests.conftest import TINY_NAME, make_tiny_llama
+from tests.runtime._steps import greedy, prefill_logits
+
+peft = pytest.importorskip("peft")
+
+FP32_TOL = 1e-4
+BF16_ATOL, BF16_RTOL = 1e-2, 5e-2
+MAX_RANK = 8
+NEW_TOKENS = 8
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all_rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+    "patterns": dict(
+        r=4,
+        lora_alpha=4,
+        target_modules=["q_proj", "k_proj", "o_proj", "down_proj", "gate_proj"],
+        rank_pattern={"k_proj": 2, "model.layers.1.self_attn.o_proj": 8},
+        alpha_pattern={"down_proj": 32, r"layers\.2\.self_attn\.q_proj": 3},
+    ),
+    "mlp_subset": dict(r=2, lora_alpha=5, target_modules=["up_proj", "k_proj"], layers_to_transform=[0, 2]),
+    "spare": dict(r=6, lora_alpha=12, target_modules=["v_proj", "down_proj", "o_proj"]),
+}
+SLOTTED = ("qv", "all_rslora", "patterns", "mlp_subset")  # "spare" is swapped in later
+# (prompt, adapter or None): ragged lengths, no-adapter rows between adapter rows, one adapter on two rows
+ROWS = [
+    ([1, 5, 9, 3, 7, 11], "qv"),
+    ([2, 8, 33], None),
+    ([4, 60, 4, 33, 4, 17, 4, 9, 12], "all_rslora"),
+    ([7, 1], "patterns"),
+    ([30, 31, 32, 33, 34], "mlp_subset"),
+    ([9, 9, 40, 2], None),
+    ([50, 3, 8, 12], "patterns"),
+]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict[str | None, tuple[Path, object]]:
+    """Every adapter written by peft, with its PeftModel; the None entry is the base model and its checkpoint."""
+    root = tmp_path_factory.mktemp("lora-oracle")
+    out: dict[str | None, tuple[Path, object]] = {
+        name: write_adapter(root / name, seed=i + 1, **kwargs) for i, (name, kwargs) in enumerate(ADAPTERS.items())
+    }
+    base = make_tiny_llama()
+    base.save_pretrained(root / "base")
+    out[None] = (root / "base", base)
+    return out
+
+
+def write_adapter(folder: Path, seed: int, **lora_kwargs) -> tuple[Path, object]:
+    """As the `write_peft_adapter` fixture (module scope here): random A and B on the tiny Llama, saved by peft."""
+    config = peft.LoraConfig(init_lora_weights=False, **lora_kwargs)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(make_tiny_llama(), config).eval()
+    model.save_pretrained(folder, save_embedding_layers=False)
+    return folder, model
+
+
+def serving_setup(written, dtype: torch.dtype, backend: BackendKind = BackendKind.AUTO):
+    """Model + registry + pool (slots 0..3 = SLOTTED) + meta, all in ``dtype``."""
+    model = load_model(written[None][0], dtype=dtype)
+    model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
+    spec = model.config.to_spec(TINY_NAME)
+    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))
+    for name in ADAPTERS:
+        registry.register(str(written[name][0]), adapter_id=name)
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(SLOTTED), max_rank=MAX_RANK, dtype=dtype))
+    for slot, name in enumerate(SLOTTED):
+        pool.load(slot, registry.prepared(name))
+    model.attach_lora(pool.stacks)
+    meta = LoRAKernelMeta.make(
+        select_backend("cpu", KernelConfig(backend=backend)), pool.num_slots, MAX_RANK, 256, "cpu"
+    )
+    return model, registry, pool, meta
+
+
+def oracle_logits(written, name: str | None, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return written[name][1](input_ids=torch.tensor([ids])).logits[0].float()  # [len, vocab]
+
+
+def slots_of(adapters: list[str | None], layout: tuple[str, ...]) -> list[int]:
+    return [-1 if name is None else layout.index(name) for name in adapters]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    ("backend", "static"),
+    [(BackendKind.TORCH, False), (BackendKind.REFERENCE, False), (BackendKind.TORCH, True)],
+    ids=["torch", "reference", "torch-static-attention"],
+)
+def test_mixed_batch_logits_equal_peft_per_row(written, backend: BackendKind, static: bool) -> None:
+    model, _, _, meta = serving_setup(written, torch.float32, backend)
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, static=static)
+    for logits, prompt, name in zip(ours, prompts, adapters, strict=True):
+        assert max_diff(logits, oracle_logits(written, name, prompt)) <= FP32_TOL, name
+
+
+def test_greedy_generations_equal_hf_generate(written) -> None:
+    model, _, _, meta = serving_setup(written, torch.float32)
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    generated, _ = greedy(model, prompts, NEW_TOKENS, slots_of(adapters, SLOTTED), meta)
+    for ids, prompt, name in zip(generated, prompts, adapters, strict=True):
+        hf = written[name][1]
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+        assert ids == out[0, len(prompt) :].tolist(), name
+
+
+def test_swapping_a_slot_between_steps(written) -> None:
+    """More adapters than slots: loading another adapter into a slot changes exactly that slot's rows."""
+    model, registry, pool, meta = serving_setup(written, torch.float32)
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta)
+    pool.load(SLOTTED.index("patterns"), registry.prepared("spare"))
+    layout = tuple("spare" if name == "patterns" else name for name in SLOTTED)
+    swapped = ["spare" if name == "patterns" else name for name in adapters]
+    ours = prefill_logits(model, prompts, slots_of(swapped, layout), meta)
+    for logits, prompt, name in zip(ours, prompts, swapped, strict=True):
+        assert max_diff(logits, oracle_logits(written, name, prompt)) <= FP32_TOL, name
+
+
+def test_lora_disabled_is_exactly_the_base_model(written) -> None:
+    model, _, _, meta = serving_setup(written, torch.float32)
+    prompts = [p for p, _ in ROWS]
+    with_stacks_no_adapter = prefill_logits(model, prompts, None, meta)
+    no_meta = prefill_logits(model, prompts)
+    model.detach_lora()
+    detached = prefill_logits(model, prompts, slots_of([a for _, a in ROWS], SLOTTED), meta)
+    base = load_model(written[None][0])
+    base.setup_caches(max_batch=len(ROWS), max_seq_len=32)
+    plain = prefill_logits(base, prompts)
+    for i, prompt in enumerate(prompts):
+        assert torch.equal(with_stacks_no_adapter[i], plain[i])
+        assert torch.equal(no_meta[i], plain[i])
+        assert torch.equal(detached[i], plain[i])
+        assert max_diff(plain[i], oracle_logits(written, None, prompt)) <= FP32_TOL
+
+
+def test_bf16_within_documented_tolerance(written) -> None:
+    model, _, _, meta = serving_setup(written, torch.bfloat16)
+    assert isinstance(model, Llama) and model.dtype == torch.bfloat16
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta)
+    for logits, prompt, name in zip(ours, prompts, adapters, strict=True):
+        reference = oracle_logits(written, name, prompt)
+        bound = BF16_ATOL + BF16_RTOL * reference.abs().max().item()
+        assert logits.dtype == torch.bfloat16
+        assert max_diff(logits, reference) <= bound, (name, max_diff(logits, reference), bound)
+
+
+def test_attach_checks_the_stacks(written) -> None:
+    model, _, pool, _ = serving_setup(written, torch.float32)
+    stacks = pool.stacks[ModuleKey(0, "k_proj")]
+    wqkv = model.layers[0].attention.wqkv
+    with pytest.raises(ValueError, match=r"bt_stack must have shape \[4, 8, 32\], got \(4, 8, 16\)"):
+        wqkv.attach(0, pool.stacks[ModuleKey(0, "q_proj")].a, stacks.bt)
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        wqkv.attach(1, stacks.a.bfloat16(), stacks.bt.bfloat16())
+    with pytest.raises(ValueError, match="layer 7"):
+        model.attach_lora({ModuleKey(7, "q_proj"): stacks})
+    assert wqkv.has_lora
+    model.detach_lora()
+    assert not any(m.has_lora for m in model.modules() if isinstance(m, LoRALinear))
