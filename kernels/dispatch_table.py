@@ -23,8 +23,9 @@ class DispatchEntry:
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.rank < 1 or self.laned_max_tokens < 0:
-            raise ValueError(f"bad dispatch entry: slots={self.slots}, rank={self.rank}, "
-                             f"laned_max_tokens={self.laned_max_tokens}")
+            raise ValueError(
+                f"bad dispatch entry: slots={self.slots}, rank={self.rank}, laned_max_tokens={self.laned_max_tokens}"
+            )
 
 
 @dataclass(frozen=True)

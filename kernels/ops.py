@@ -13,9 +13,7 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 def _check_stack(name: str, stack: torch.Tensor, meta: LoRAKernelMeta, like: torch.Tensor) -> None:
     if stack.dim() != 3 or stack.shape[0] != meta.num_slots or stack.shape[1] != meta.rank:
-        raise ValueError(
-            f"{name} must have shape [S={meta.num_slots}, R={meta.rank}, features], got {_shape(stack)}"
-        )
+        raise ValueError(f"{name} must have shape [S={meta.num_slots}, R={meta.rank}, features], got {_shape(stack)}")
     if stack.dtype != like.dtype or stack.device != like.device:
         raise ValueError(f"{name} is {stack.dtype} on {stack.device}, expected {like.dtype} on {like.device}")
 

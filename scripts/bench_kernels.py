@@ -90,10 +90,19 @@ def measure(backend, tokens: int, slots: int, rank: int, in_f: int, out_f: int, 
     )
     lora_ms = max(layer_ms - base_ms, 0.0)
     return {
-        "tokens": tokens, "slots": slots, "rank": rank, "in": in_f, "out": out_f, "mix": mix,
-        "base_ms": round(base_ms, 4), "lora_ms": round(lora_ms, 4), "lora_alone_ms": round(alone_ms, 4),
-        "meta_ms": round(meta_ms, 4), "lora_pct": round(100 * lora_ms / base_ms, 2),
-        "lora_alone_pct": round(100 * alone_ms / base_ms, 2), "meta_pct": round(100 * meta_ms / base_ms, 2),
+        "tokens": tokens,
+        "slots": slots,
+        "rank": rank,
+        "in": in_f,
+        "out": out_f,
+        "mix": mix,
+        "base_ms": round(base_ms, 4),
+        "lora_ms": round(lora_ms, 4),
+        "lora_alone_ms": round(alone_ms, 4),
+        "meta_ms": round(meta_ms, 4),
+        "lora_pct": round(100 * lora_ms / base_ms, 2),
+        "lora_alone_pct": round(100 * alone_ms / base_ms, 2),
+        "meta_pct": round(100 * meta_ms / base_ms, 2),
     }
 
 
@@ -114,8 +123,10 @@ def write_table(args: argparse.Namespace) -> None:
                 reps = repeats_for(tokens, in_f, out_f, args.quick)
                 grouped = measure(TorchEagerBackend(NEVER_LANED), tokens, slots, rank, in_f, out_f, "uniform", reps)
                 laned = measure(TorchEagerBackend(ALWAYS_LANED), tokens, slots, rank, in_f, out_f, "uniform", reps)
-                print(f"table S={slots:2d} R={rank:2d} T={tokens:4d} grouped {grouped['lora_pct']:7.2f}% "
-                      f"laned {laned['lora_pct']:7.2f}%")
+                print(
+                    f"table S={slots:2d} R={rank:2d} T={tokens:4d} grouped {grouped['lora_pct']:7.2f}% "
+                    f"laned {laned['lora_pct']:7.2f}%"
+                )
                 if laned["lora_ms"] < grouped["lora_ms"] and laned_max == tokens_before(token_list, tokens):
                     laned_max = tokens
             entries.append(DispatchEntry(slots, rank, laned_max))
@@ -142,34 +153,57 @@ def main() -> None:
         write_table(args)
     backend = select_backend("cpu")
     if args.quick:
-        grid = [(t, s, r, TARGET["in"], TARGET["out"], m) for t in (16, 512) for s, r in ((8, 16),)
-                for m in ("none", "single", "uniform", "sorted", "zipf")]
+        grid = [
+            (t, s, r, TARGET["in"], TARGET["out"], m)
+            for t in (16, 512)
+            for s, r in ((8, 16),)
+            for m in ("none", "single", "uniform", "sorted", "zipf")
+        ]
     else:
         shapes = [shape for name in args.shapes.split(",") for shape in SHAPES[name]]
-        grid = [(t, s, r, i, o, m) for (i, o) in shapes for t in (1, 16, 128, 512, 2048) for r in (8, 16, 64)
-                for s in (1, 4, 8, 16) for m in ("none", "single", "uniform", "sorted", "zipf")]
+        grid = [
+            (t, s, r, i, o, m)
+            for (i, o) in shapes
+            for t in (1, 16, 128, 512, 2048)
+            for r in (8, 16, 64)
+            for s in (1, 4, 8, 16)
+            for m in ("none", "single", "uniform", "sorted", "zipf")
+        ]
     rows = []
-    print(f"{'T':>5} {'S':>3} {'R':>3} {'in':>6} {'out':>6} {'mix':>8} {'base ms':>9} {'lora ms':>9} "
-          f"{'lora %':>7} {'alone %':>7} {'meta %':>7}")
+    print(
+        f"{'T':>5} {'S':>3} {'R':>3} {'in':>6} {'out':>6} {'mix':>8} {'base ms':>9} {'lora ms':>9} "
+        f"{'lora %':>7} {'alone %':>7} {'meta %':>7}"
+    )
     for tokens, slots, rank, in_f, out_f, mix in grid:
         row = measure(backend, tokens, slots, rank, in_f, out_f, mix, repeats_for(tokens, in_f, out_f, args.quick))
         rows.append(row)
-        print(f"{tokens:5d} {slots:3d} {rank:3d} {in_f:6d} {out_f:6d} {mix:>8} {row['base_ms']:9.3f} "
-              f"{row['lora_ms']:9.3f} {row['lora_pct']:7.2f} {row['lora_alone_pct']:7.2f} {row['meta_pct']:7.2f}",
-              flush=True)
+        print(
+            f"{tokens:5d} {slots:3d} {rank:3d} {in_f:6d} {out_f:6d} {mix:>8} {row['base_ms']:9.3f} "
+            f"{row['lora_ms']:9.3f} {row['lora_pct']:7.2f} {row['lora_alone_pct']:7.2f} {row['meta_pct']:7.2f}",
+            flush=True,
+        )
     targets = {}
     for mix, limit in TARGET_LIMITS.items():
         point = [r for r in rows if r["mix"] == mix and all(r[k] == v for k, v in TARGET.items())]
         if point:
             row = point[0]
-            targets[mix] = {"lora_pct": row["lora_pct"], "lora_alone_pct": row["lora_alone_pct"],
-                            "limit_pct": limit, "met": row["lora_pct"] <= limit}
-            print(f"target T=512 S=8 R=16 1024->2816 {mix:>8}: in-layer {row['lora_pct']:.2f} %, "
-                  f"alone {row['lora_alone_pct']:.2f} % (limit {limit} %)")
+            targets[mix] = {
+                "lora_pct": row["lora_pct"],
+                "lora_alone_pct": row["lora_alone_pct"],
+                "limit_pct": limit,
+                "met": row["lora_pct"] <= limit,
+            }
+            print(
+                f"target T=512 S=8 R=16 1024->2816 {mix:>8}: in-layer {row['lora_pct']:.2f} %, "
+                f"alone {row['lora_alone_pct']:.2f} % (limit {limit} %)"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "rows": rows, "targets": targets}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows, "targets": targets}, indent=1
+        )
+    )
     print(f"wrote {out}")
 
 

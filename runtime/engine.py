@@ -1,0 +1,254 @@
+"""The generation engine: continuous batching over one model and one AdapterManager.
+
+Each step: plan (adapter-aware scheduler) -> pin the step's adapters (``manager.acquire``) -> order the step's
+sequences by slot, so every LoRA layer sees one contiguous run of tokens per adapter -> one forward over prefill
+chunks and decode tokens together -> sample -> release the pins -> hand the waiting queue to the prefetcher.
+A request whose adapter cannot be loaded fails alone; everyone else goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from adapter_manager import AdapterError, AdapterManager, SlotsExhaustedError
+from adapter_manager.allocator import SlotLease
+from kernels import KernelConfig, LoRAKernelMeta, select_backend
+
+from .batch import ForwardBatch, SequenceChunk
+from .model import Llama
+from .request import Request, RequestHandle
+from .sampling import SamplingParams, sample
+from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and policies of one engine."""
+
+    max_batch: int = 16  # sequences in flight: rows of the KV cache
+    max_seq_len: int = 2048  # prompt + generated tokens of one sequence, at most
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # token budget and fairness bound
+    kernels: KernelConfig | None = None  # shrink/expand backend choice (None: by device)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_seq_len < 2:
+            raise ValueError(f"max_batch ({self.max_batch}) must be >= 1 and max_seq_len ({self.max_seq_len}) >= 2")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did."""
+
+    tokens: int  # tokens in the forward pass
+    sequences: int  # sequences in the step
+    adapters: int  # distinct adapters in the step
+    finished: int  # requests that ended in this step
+
+
+class Engine:
+    """Continuous batching with adapter-aware scheduling. `submit` is thread-safe; `step` runs one step in the
+    calling thread; `start` runs steps in a background thread until `stop`."""
+
+    def __init__(self, model: Llama, manager: AdapterManager, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.manager = manager
+        self.config = config or EngineConfig()
+        model.setup_caches(self.config.max_batch, self.config.max_seq_len)
+        model.attach_lora(manager.stacks)
+        backend = select_backend(model.device, self.config.kernels)
+        budget = self.config.scheduler.token_budget
+        self._meta = LoRAKernelMeta.make(backend, manager.num_slots, manager.config.max_rank, budget, model.device)
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._free_rows = list(range(self.config.max_batch))
+        self._ids = itertools.count()
+        self._step = 0
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._finished_in_step = 0
+
+    def submit(
+        self, prompt: Sequence[int], adapter_id: str | None = None, params: SamplingParams | None = None
+    ) -> RequestHandle:
+        """Queue a request. Raises `AdapterNotFoundError` for an unregistered adapter and ValueError for a prompt
+        that cannot fit; the request's own later failure is reported through its handle."""
+        params = params or SamplingParams()
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        if len(prompt) + params.max_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
+                f"{self.config.max_seq_len}"
+            )
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
+        if adapter_id is not None:
+            self.manager.registry.get(adapter_id)
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            generator = torch.Generator().manual_seed(seed)
+        with self._work:
+            request = Request(next(self._ids), prompt, adapter_id, params, self._step, generator)
+            self._waiting.append(request)
+            self._work.notify()
+        return RequestHandle(request)
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    def step(self) -> StepStats:
+        """Run one scheduling + forward step (no-op when idle)."""
+        with self._lock:
+            running = {r.adapter_id for r in self._running}
+            held = sum(1 for s in self.manager.allocator.states() if s.manual and s.adapter_id not in running)
+            plan = plan_step(
+                self.config.scheduler,
+                self._step,
+                self._running,
+                list(self._waiting),
+                len(self._free_rows),
+                self.manager.num_slots - held,
+                lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
+            )
+            for request in plan.admitted:
+                self._waiting.remove(request)
+                request.cache_row = self._free_rows.pop()
+                self._running.append(request)
+            self._step += 1
+        chunks = list(plan.chunks)
+        self._finished_in_step = 0
+        lease = self._acquire(chunks, plan.admitted)
+        try:
+            if chunks:
+                self._forward(chunks, lease)
+        finally:
+            self.manager.release(lease)
+        self._prefetch()
+        adapters = len({c.request.adapter_id for c in chunks} - {None})
+        return StepStats(sum(c.count for c in chunks), len(chunks), adapters, self._finished_in_step)
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Step until no request is waiting or running; returns the steps taken."""
+        steps = 0
+        while self.has_work and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1
+        return steps
+
+    def start(self) -> None:
+        """Run steps in a daemon thread whenever there is work."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._work:
+            self._stopping = True
+            self._work.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._work:
+                while not self._stopping and not (self._waiting or self._running):
+                    self._work.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the loop must survive; the step already failed its requests
+                log.exception("engine step failed")
+
+    def _acquire(self, chunks: list[ScheduledChunk], admitted: Sequence[Request]) -> SlotLease:
+        """Pin the step's adapters. A request whose adapter fails is failed alone and dropped from the step;
+        when slots run out (an operator pinned one meanwhile) the newest admitted requests go back to waiting."""
+        requeueable = [r for r in admitted if r.adapter_id is not None]
+        while True:
+            try:
+                return self.manager.acquire(c.request.adapter_id for c in chunks)
+            except SlotsExhaustedError:
+                if not requeueable:
+                    raise
+                request = requeueable.pop()
+                chunks[:] = [c for c in chunks if c.request is not request]
+                self._requeue(request)
+            except AdapterError as err:
+                failed = [c.request for c in chunks if c.request.adapter_id == err.adapter]
+                if not failed:
+                    raise
+                chunks[:] = [c for c in chunks if c.request.adapter_id != err.adapter]
+                for request in failed:
+                    if request in requeueable:
+                        requeueable.remove(request)
+                    self._finish(request, "error", err)
+
+    def _forward(self, chunks: list[ScheduledChunk], lease: SlotLease) -> None:
+        chunks.sort(key=lambda c: lease.slots.get(c.request.adapter_id, -1))  # one token run per slot
+        sequences = []
+        for chunk in chunks:
+            request = chunk.request
+            if request.in_prefill:
+                tokens = request.prompt[request.prefilled : request.prefilled + chunk.count]
+                start = request.prefilled
+            else:
+                tokens, start = (request.output[-1],), request.position
+            slot = lease.slots[request.adapter_id] if request.adapter_id is not None else -1
+            sequences.append(SequenceChunk(request.cache_row, start, tuple(tokens), slot))
+        batch = ForwardBatch.from_chunks(sequences, device=self.model.device)
+        meta = self._meta
+        meta.prepare(batch.slot_indices)
+        with torch.inference_mode():
+            logits = self.model(batch, meta)  # [N, vocab], one row per chunk
+        for row, chunk in enumerate(chunks):
+            request = chunk.request
+            if request.in_prefill:
+                request.prefilled += chunk.count
+                if request.in_prefill:
+                    continue
+            token = sample(logits[row], request.params, request.generator)
+            request.emit(token)
+            if token in request.params.stop_ids:
+                self._finish(request, "stop")
+            elif len(request.output) >= request.params.max_tokens:
+                self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
+        with self._lock:
+            if request in self._running:
+                self._running.remove(request)
+                self._free_rows.append(request.cache_row)
+                request.cache_row = None
+        request.finish(reason, error)
+        self._finished_in_step += 1
+
+    def _requeue(self, request: Request) -> None:
+        with self._lock:
+            self._running.remove(request)
+            self._free_rows.append(request.cache_row)
+            request.cache_row, request.prefilled = None, 0
+            self._waiting.appendleft(request)
+
+    def _prefetch(self) -> None:
+        with self._lock:
+            queued = [r.adapter_id for r in self._waiting]
+        if queued:
+            self.manager.prefetch(queued)

@@ -1,0 +1,97 @@
+"""A generation request's state in the engine, and the handle a caller streams its tokens from."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+_DONE = object()
+
+
+class RequestFailedError(RuntimeError):
+    """The request failed alone (its adapter could not be loaded, was unregistered, ...); others go on."""
+
+    def __init__(self, request_id: int, cause: BaseException) -> None:
+        super().__init__(f"request {request_id} failed: {cause}")
+        self.request_id = request_id
+        self.cause = cause
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being served: its prompt, adapter, sampling state, KV cache row and output so far."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    adapter_id: str | None  # None = the base model
+    params: SamplingParams
+    arrival_step: int  # engine step at which it was submitted
+    generator: torch.Generator | None = None  # seeded sampler (None when greedy)
+    cache_row: int | None = None  # KV cache row while running
+    prefilled: int = 0  # prompt tokens already in the cache
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "length", "stop", or "error"
+    error: BaseException | None = None
+    _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
+    _finished: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def position(self) -> int:
+        """Tokens of this sequence in the KV cache (= the position of its next token)."""
+        return self.prefilled + max(len(self.output) - 1, 0) if not self.in_prefill else self.prefilled
+
+    def emit(self, token: int) -> None:
+        self.output.append(token)
+        self._events.put(token)
+
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        self.finish_reason, self.error = reason, error
+        self._events.put(_DONE)
+        self._finished.set()
+
+
+class RequestHandle:
+    """What `Engine.submit` returns: stream tokens as they are produced, or wait for the whole result."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    @property
+    def request_id(self) -> int:
+        return self._request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._request._finished.is_set()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._request.finish_reason
+
+    def stream(self, timeout: float | None = None) -> Iterator[int]:
+        """Yield token ids as the engine produces them; raises `RequestFailedError` if the request fails."""
+        while True:
+            item = self._request._events.get(timeout=timeout)
+            if item is _DONE:
+                if self._request.error is not None:
+                    raise RequestFailedError(self.request_id, self._request.error)
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All generated token ids once the request is done; raises `RequestFailedError` if it failed."""
+        if not self._request._finished.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not done after {timeout}s")
+        if self._request.error is not None:
+            raise RequestFailedError(self.request_id, self._request.error)
+        return list(self._request.output)

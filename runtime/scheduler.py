@@ -1,0 +1,96 @@
+"""Adapter-aware admission: which requests run in the next step, under the token budget and the slot count.
+
+Policy, in order, each step:
+1. Every running request gets its next piece: one decode token, or the next chunk of its prompt (chunked prefill),
+   while the token budget lasts (decodes first, so generation never stalls behind long prompts).
+2. Waiting requests are admitted while a KV cache row is free and budget remains, in this order:
+   overdue ones (waited more than ``max_wait_steps`` steps; arrival order) — if one of them cannot get a slot, no
+   one behind it is admitted (bounded unfairness); then requests for the base model or an adapter that is running
+   or resident in a slot (arrival order); then requests for cold adapters (arrival order), and a cold adapter is
+   brought in only when it does not push the step's distinct adapters past the slots available, so while warm work
+   waits, a cold adapter never evicts a warm one (no thrash: an adapter's queue drains before it is evicted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .request import Request
+
+
+@dataclass
+class SchedulerConfig:
+    """Admission limits of the engine's scheduler."""
+
+    token_budget: int = 512  # tokens per step: prefill chunks plus decode tokens
+    max_wait_steps: int = 64  # a request waiting longer is admitted before any later arrival
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_wait_steps < 0:
+            raise ValueError(
+                f"token_budget ({self.token_budget}) must be >= 1 and max_wait_steps ({self.max_wait_steps}) >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: `count` tokens starting at its current position."""
+
+    request: Request
+    count: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next step runs: chunks of running (and newly admitted) requests, and who was admitted."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    admitted: tuple[Request, ...]
+
+
+def plan_step(
+    config: SchedulerConfig,
+    step: int,
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    free_rows: int,
+    slots_available: int,
+    is_resident: Callable[[str], bool],
+) -> StepPlan:
+    """Choose the next step's work. `slots_available`: slots the step may use (all slots less operator pins held by
+    adapters not in this step); `is_resident(adapter_id)`: whether the adapter is in a slot now."""
+    budget = config.token_budget
+    chunks: list[ScheduledChunk] = []
+    adapters = {r.adapter_id for r in running if r.adapter_id is not None}
+    for request in sorted(running, key=lambda r: r.in_prefill):
+        if budget == 0:
+            break
+        count = min(len(request.prompt) - request.prefilled, budget) if request.in_prefill else 1
+        chunks.append(ScheduledChunk(request, count))
+        budget -= count
+    overdue = [r for r in waiting if step - r.arrival_step > config.max_wait_steps]
+    warm = [
+        r
+        for r in waiting
+        if r not in overdue and (r.adapter_id is None or r.adapter_id in adapters or is_resident(r.adapter_id))
+    ]
+    cold = [r for r in waiting if r not in overdue and r not in warm]
+    admitted: list[Request] = []
+    for group, blocking in ((overdue, True), (warm, False), (cold, False)):
+        for request in group:
+            if budget == 0 or free_rows == 0:
+                return StepPlan(tuple(chunks), tuple(admitted))
+            needs_slot = request.adapter_id is not None and request.adapter_id not in adapters
+            if needs_slot and len(adapters) >= slots_available:
+                if blocking:
+                    return StepPlan(tuple(chunks), tuple(admitted))
+                continue
+            if needs_slot:
+                adapters.add(request.adapter_id)
+            count = min(len(request.prompt), budget)
+            chunks.append(ScheduledChunk(request, count))
+            admitted.append(request)
+            budget -= count
+            free_rows -= 1
+    return StepPlan(tuple(chunks), tuple(admitted))

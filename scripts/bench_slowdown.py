@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""LoRA slowdown on the bench model (hidden 1024, 8 layers, intermediate 2816), same engine, rank 16.
+
+slowdown = throughput with LoRA / base throughput - 1, where throughput = (prompt + generated tokens) / wall time
+of serving a batch of requests to completion. Configurations, measured interleaved in one run (median of
+--repeats): base (no LoRA stacks attached), lora_none (LoRA attached, no adapter in the batch), lora_1 (every
+request on one adapter), lora_8 (8 adapters, requests spread evenly, 8 slots). Targets: >= -1 %, >= -3 %, >= -5 %.
+Prints a table and writes out/bench_slowdown.json.
+
+  .venv/bin/python scripts/bench_slowdown.py [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+from runtime.checkpoint import load_model, write_random_checkpoint
+from runtime.config import LlamaConfig
+from runtime.engine import Engine, EngineConfig
+from runtime.sampling import SamplingParams
+from runtime.scheduler import SchedulerConfig
+
+CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
+TARGETS = {"lora_none": -1.0, "lora_1": -3.0, "lora_8": -5.0}
+
+
+def serve(engine: Engine, prompts: list[list[int]], adapters: list[str | None], output: int) -> float:
+    """Tokens per second for serving every prompt to completion."""
+    params = SamplingParams(max_tokens=output)
+    start = time.perf_counter()
+    handles = [engine.submit(p, a, params) for p, a in zip(prompts, adapters, strict=True)]
+    engine.run_until_idle()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(p) for p in prompts) + sum(len(h.result(timeout=0)) for h in handles)
+    return tokens / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inputs", default="128,512,2048", help="prompt lengths, comma separated")
+    parser.add_argument("--output", type=int, default=128, help="generated tokens per request")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", type=Path, default=Path("out/bench_slowdown.json"))
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    inputs = [int(n) for n in args.inputs.split(",")]
+    config = LlamaConfig.bench()
+    results = {"dtype": args.dtype, "requests": args.requests, "output": args.output, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_random_checkpoint(config, root / "model", dtype=dtype)
+        spec = config.to_spec("bench")
+        for i in range(8):
+            write_synthetic_adapter(root / f"a{i}", spec, r=16, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
+        model = load_model(root / "model", dtype=dtype)
+        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=8, max_rank=16, dtype=dtype, prefetch_workers=0))
+        for i in range(8):
+            manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
+        gen = torch.Generator().manual_seed(0)
+        for length in inputs:
+            engine = Engine(
+                model,
+                manager,
+                EngineConfig(
+                    max_batch=args.requests,
+                    max_seq_len=length + args.output + 1,
+                    scheduler=SchedulerConfig(token_budget=max(2048, length)),
+                ),
+            )
+            prompts = [
+                torch.randint(0, config.vocab_size, (length,), generator=gen).tolist() for _ in range(args.requests)
+            ]
+            adapters = {
+                "base": [None] * args.requests,
+                "lora_none": [None] * args.requests,
+                "lora_1": ["a0"] * args.requests,
+                "lora_8": [f"a{i % 8}" for i in range(args.requests)],
+            }
+            serve(engine, prompts[:2], ["a0", None], 4)  # warm-up: loads, allocator, kernels
+            throughput: dict[str, list[float]] = {c: [] for c in CONFIGS}
+            for _ in range(args.repeats):
+                for name in CONFIGS:
+                    if name == "base":
+                        model.detach_lora()
+                    else:
+                        model.attach_lora(manager.stacks)
+                    throughput[name].append(serve(engine, prompts, adapters[name], args.output))
+            model.attach_lora(manager.stacks)
+            med = {name: statistics.median(v) for name, v in throughput.items()}
+            row = {"input": length, **{f"{n}_tok_s": round(v, 1) for n, v in med.items()}}
+            for name in TARGETS:
+                row[f"{name}_slowdown_pct"] = round(100 * (med[name] / med["base"] - 1), 2)
+            results["rows"].append(row)
+            print(
+                f"input {length:5d} output {args.output}: base {med['base']:8.1f} tok/s | "
+                + " | ".join(
+                    f"{n} {row[f'{n}_slowdown_pct']:+6.2f} % (target >= {t:+.0f} %)" for n, t in TARGETS.items()
+                ),
+                flush=True,
+            )
+        manager.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The engine end to end on the tiny model: continuous batching with more adapters than slots, against PEFT."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterNotFoundError
+from runtime.checkpoint import load_model
+from runtime.engine import Engine, EngineConfig
+from runtime.request import RequestFailedError
+from runtime.sampling import SamplingParams
+from runtime.scheduler import SchedulerConfig
+from tests.conftest import TINY_NAME
+from tests.runtime.test_model_lora import ADAPTERS, ROWS, write_adapter
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    from tests.conftest import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("engine")
+    out = {name: write_adapter(root / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(ADAPTERS.items())}
+    base = make_tiny_llama()
+    base.save_pretrained(root / "base")
+    out[None] = (root / "base", base)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(written):
+    """HF generate, greedy, one adapter at a time: the oracle for every (prompt, adapter)."""
+    result = {}
+    for prompt, name in ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]:
+        hf = written[name][1]
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+        result[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
+    return result
+
+
+def make_engine(written, max_slots=2, token_budget=12, max_batch=4, **manager_kwargs):
+    model = load_model(written[None][0], dtype=torch.float32)
+    spec = model.config.to_spec(TINY_NAME)
+    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, max_rank=8, **manager_kwargs))
+    for name in ADAPTERS:
+        manager.register(str(written[name][0]), adapter_id=name)
+    config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=SchedulerConfig(token_budget=token_budget))
+    return Engine(model, manager, config), manager
+
+
+def test_many_adapters_few_slots_match_peft(written, expected):
+    engine, manager = make_engine(written)
+    requests = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]
+    handles = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in requests]
+    steps = engine.run_until_idle(max_steps=500)
+    for handle, (prompt, name) in zip(handles, requests, strict=True):
+        assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
+        assert handle.finish_reason == "length"
+    snapshot = manager.metrics()
+    assert snapshot.tiers["host_to_slot"].count >= len(ADAPTERS)  # 5 adapters through 2 slots: swaps happened
+    assert steps < 500
+    manager.close()
+
+
+def test_unknown_adapter_and_bad_prompts_are_refused_at_submit(written):
+    engine, manager = make_engine(written)
+    with pytest.raises(AdapterNotFoundError):
+        engine.submit([1, 2], "nope")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.submit([1] * 60, None, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit([10_000], None)
+    manager.close()
+
+
+def test_a_failing_adapter_fails_alone(written, tmp_path, expected):
+    broken = tmp_path / "broken"
+    shutil.copytree(written["qv"][0], broken)
+    engine, manager = make_engine(written)
+    manager.register(str(broken), adapter_id="broken")
+    manager.registry.host.discard(("broken", manager.registry.get("broken").sha))
+    (broken / "adapter_model.safetensors").write_bytes(b"garbage")
+    bad = engine.submit([1, 2, 3], "broken", SamplingParams(max_tokens=3))
+    good = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in ROWS[:4]]
+    engine.run_until_idle(max_steps=200)
+    with pytest.raises(RequestFailedError):
+        bad.result(timeout=0)
+    assert bad.finish_reason == "error"
+    for handle, (prompt, name) in zip(good, ROWS[:4], strict=True):
+        assert handle.result(timeout=0) == expected[(tuple(prompt), name)]
+    manager.close()
+
+
+def test_seeded_sampling_is_reproducible_and_streams(written):
+    engine, manager = make_engine(written)
+    params = SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=7)
+    first = engine.submit([5, 6, 7], "qv", params)
+    second = engine.submit([5, 6, 7], "qv", params)
+    other = engine.submit([5, 6, 7], "qv", SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=8))
+    engine.start()
+    try:
+        streamed = list(first.stream(timeout=60))
+        assert streamed == first.result(timeout=60) == second.result(timeout=60)
+        assert other.result(timeout=60) != streamed
+    finally:
+        engine.stop()
+        manager.close()
+
+
+def test_stop_ids_end_a_request(written, expected):
+    engine, manager = make_engine(written)
+    prompt, name = ROWS[0]
+    stop = expected[(tuple(prompt), name)][2]
+    handle = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=(stop,)))
+    engine.run_until_idle(max_steps=100)
+    out = handle.result(timeout=0)
+    assert out[-1] == stop and handle.finish_reason == "stop"
+    assert out == expected[(tuple(prompt), name)][: out.index(stop) + 1]
+    manager.close()
