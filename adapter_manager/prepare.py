@@ -110,7 +110,7 @@ def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> 
 def _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin_memory) -> PreparedAdapter:
     order = sorted(modules)
     sizes = [max_rank * sum(spec.projection_shape(m.proj)) for m in order]
-    storage = torch.zeros(sum(sizes), dtype=dtype, pin_memory=pin_memory)
+    storage = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin_memory)
     prepared: dict[ModuleKey, ModuleWeights] = {}
     offset = 0
     for module, size in zip(order, sizes, strict=True):
@@ -119,6 +119,8 @@ def _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin
         a_view = storage[offset : offset + max_rank * fan_in].view(max_rank, fan_in)
         bt_view = storage[offset + max_rank * fan_in : offset + size].view(max_rank, fan_out)
         offset += size
+        a_view[lora.rank :].zero_()
+        bt_view[lora.rank :].zero_()
         a_view[: lora.rank].copy_(handle.get_tensor(tensors[module]["A"]))  # [r, in]
         b = handle.get_tensor(tensors[module]["B"])  # [out, r]
         bt_view[: lora.rank].copy_((b.to(torch.float32) * lora.scaling).t())
