@@ -7,6 +7,7 @@ may be published to the kernels, is the allocator's business (`allocator.py`).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,13 +95,18 @@ class SlotPool:
         self.dtype = self.config.dtype
         self.device = torch.device(self.config.device)
         self._stacks: dict[ModuleKey, SlotStacks] = {}
+        xla = self.device.type == "xla"
         for key in spec.module_keys():
             fan_in, fan_out = spec.projection_shape(key.proj)
             shape_a, shape_bt = (self.num_slots, self.max_rank, fan_in), (self.num_slots, self.max_rank, fan_out)
-            self._stacks[key] = SlotStacks(
-                a=torch.zeros(shape_a, dtype=self.dtype, device=self.device),  # [S, R, in]
-                bt=torch.zeros(shape_bt, dtype=self.dtype, device=self.device),  # [S, R, out]
-            )
+            if xla:  # zeros made on the host and moved whole: device data at once, no graph to compile
+                a, bt = torch.zeros(shape_a, dtype=self.dtype), torch.zeros(shape_bt, dtype=self.dtype)
+                self._stacks[key] = SlotStacks(a=a.to(self.device), bt=bt.to(self.device))
+            else:
+                self._stacks[key] = SlotStacks(
+                    a=torch.zeros(shape_a, dtype=self.dtype, device=self.device),  # [S, R, in]
+                    bt=torch.zeros(shape_bt, dtype=self.dtype, device=self.device),  # [S, R, out]
+                )
         # Per slot, every module's (key, A view [R, in], Bt view [R, out]): made once, reused by every load (eager
         # devices only; on XLA a slot view would bake the slot number into the graph).
         self._views: list[list[tuple[ModuleKey, torch.Tensor, torch.Tensor]]] = []
@@ -110,6 +116,24 @@ class SlotPool:
             ]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._xla_lock = threading.Lock()
+        # XLA: every module's (A, Bt) element range in one slot's flat host layout; the load graph slices the moved
+        # buffer at these fixed offsets, so it is the same graph for every slot and every adapter.
+        self._xla_layout: list[tuple[ModuleKey, int, int]] = []
+        self._xla_numel = 0
+        if xla:
+            for key, stacks in self._stacks.items():
+                a_numel, bt_numel = math.prod(stacks.a.shape[1:]), math.prod(stacks.bt.shape[1:])
+                self._xla_layout.append((key, self._xla_numel, self._xla_numel + a_numel))
+                self._xla_numel += a_numel + bt_numel
+            with self._xla_lock:  # compile the load graph now (slot 0 is free and zero): no load compiles later
+                self._copy_xla(0, torch.zeros(self._xla_numel, dtype=self.dtype))
+
+    @property
+    def device_lock(self) -> threading.Lock:
+        """XLA: serialises lazy-tensor tracing and syncs on the device. A sync cuts the graph of *every* live tensor,
+        so a step traced in one thread must not interleave with a slot load in another: the engine holds this lock
+        while it traces and syncs a step; `load` holds it on XLA."""
+        return self._xla_lock
 
     @property
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
@@ -198,22 +222,30 @@ class SlotPool:
         done.synchronize()
 
     def _load_xla(self, slot: int, prepared: PreparedAdapter) -> None:
-        # One graph whatever the slot: the slot is a device index tensor, never a Python int in the graph, and every
-        # module gets a fresh device source (zeros when untargeted), so the traced graph is the same for any adapter.
-        for key, weights in prepared.modules.items():  # shapes only: no slot view is traced
+        # One host buffer in the slot's flat layout (zeros where the adapter does not target a module), one transfer,
+        # one graph whatever the slot and the adapter: the slot is a device index tensor, never a Python int.
+        flat = torch.zeros(self._xla_numel, dtype=self.dtype)  # [sum over modules of R * (in + out)]
+        for key, offset_a, offset_bt in self._xla_layout:
+            weights = prepared.modules.get(key)
+            if weights is None:
+                continue
             stacks = self._stacks[key]
             _check_shape(prepared.adapter_id, key, "a", weights.a, stacks.a.shape[1:])
             _check_shape(prepared.adapter_id, key, "bt", weights.bt, stacks.bt.shape[1:])
+            flat[offset_a:offset_bt].view_as(weights.a).copy_(weights.a)
+            flat[offset_bt : offset_bt + weights.bt.numel()].view_as(weights.bt).copy_(weights.bt)
+        self._copy_xla(slot, flat)
+
+    def _copy_xla(self, slot: int, flat: torch.Tensor) -> None:
         index = torch.tensor([slot], dtype=torch.long).to(self.device)  # [1]
-        for key, stacks in self._stacks.items():
-            weights = prepared.modules.get(key)
-            if weights is None:
-                a_src = torch.zeros(stacks.a.shape[1:], dtype=self.dtype)
-                bt_src = torch.zeros(stacks.bt.shape[1:], dtype=self.dtype)
-            else:
-                a_src, bt_src = weights.a, weights.bt
-            stacks.a.index_copy_(0, index, a_src.unsqueeze(0).to(self.device))  # [1, R, in] -> [S, R, in]
-            stacks.bt.index_copy_(0, index, bt_src.unsqueeze(0).to(self.device))  # [1, R, out] -> [S, R, out]
+        source = flat.to(self.device)
+        for key, offset_a, offset_bt in self._xla_layout:
+            stacks = self._stacks[key]
+            bt_end = offset_bt + math.prod(stacks.bt.shape[1:])
+            a = source[offset_a:offset_bt].view(1, *stacks.a.shape[1:])  # [1, R, in]
+            bt = source[offset_bt:bt_end].view(1, *stacks.bt.shape[1:])  # [1, R, out]
+            stacks.a.index_copy_(0, index, a)  # [1, R, in] -> [S, R, in]
+            stacks.bt.index_copy_(0, index, bt)  # [1, R, out] -> [S, R, out]
         _xla_sync()
 
 

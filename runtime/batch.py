@@ -30,6 +30,23 @@ class SequenceChunk:
             )
 
 
+@dataclass(frozen=True)
+class StaticPadding:
+    """How a traced (XLA) step pads its batch to a fixed shape, so every step of one bucket is one graph.
+
+    Padding tokens are token 0 at position 0 in ``spare_row`` with slot -1: they write only the spare KV cache row
+    (never a live sequence's) and read only it. Padding entries of ``logits_index`` point at token 0; their logits
+    rows are discarded.
+    """
+
+    tokens: int
+    """T: the token bucket the step's tokens are padded up to."""
+    logits: int
+    """N: the fixed number of logits rows (the engine's ``max_batch``)."""
+    spare_row: int
+    """The KV cache row padding tokens write into."""
+
+
 class SeqSpan(NamedTuple):
     """Where one sequence's tokens lie in the flat batch, for eager attention."""
 
@@ -76,10 +93,13 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         logits: Literal["last", "all"] = "last",
         static: bool = False,
+        padding: StaticPadding | None = None,
     ) -> ForwardBatch:
         """Flatten the step's chunks in order; ``logits="last"`` asks for each chunk's last token only.
 
-        ``static=True`` leaves ``spans`` out so the forward takes the static-shape attention path.
+        ``static=True`` leaves ``spans`` out so the forward takes the static-shape attention path. ``padding`` (with
+        ``logits="last"``; implies ``static``) pads tokens to ``padding.tokens`` and ``logits_index`` to
+        ``padding.logits`` entries; the real tokens and logits rows come first, in chunk order.
         """
         if not chunks:
             raise ValueError("a step needs at least one sequence chunk")
@@ -95,6 +115,19 @@ class ForwardBatch:
             cache_rows.extend([chunk.cache_row] * count)
             slots.extend([chunk.slot] * count)
             last.append(len(tokens) - 1)
+        if padding is not None:
+            if logits != "last" or len(tokens) > padding.tokens or len(last) > padding.logits:
+                raise ValueError(
+                    f"padding to {padding.tokens} tokens / {padding.logits} logits rows needs logits='last' and at "
+                    f"most that many; got logits={logits!r}, {len(tokens)} tokens, {len(last)} sequences"
+                )
+            pad = padding.tokens - len(tokens)
+            tokens.extend([0] * pad)
+            positions.extend([0] * pad)
+            cache_rows.extend([padding.spare_row] * pad)
+            slots.extend([-1] * pad)
+            last.extend([0] * (padding.logits - len(last)))
+            static = True
 
         def long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device)

@@ -4,15 +4,20 @@ Each step: plan (adapter-aware scheduler) -> pin the step's adapters (``manager.
 sequences by slot, so every LoRA layer sees one contiguous run of tokens per adapter -> one forward over prefill
 chunks and decode tokens together -> sample -> release the pins -> hand the waiting queue to the prefetcher.
 A request whose adapter cannot be loaded fails alone; everyone else goes on.
+
+On a traced (XLA) device every step has a static shape: its tokens are padded up to a token bucket (padding goes to
+a spare KV cache row, with slot -1), its logits rows to ``max_batch``; ``warm_up`` compiles each bucket's graph once,
+after which steps, slot swaps and changing adapter mixes compile nothing. Eager devices (cpu, cuda) never pad.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +26,7 @@ from adapter_manager import AdapterError, AdapterManager, SlotsExhaustedError
 from adapter_manager.allocator import SlotLease
 from kernels import KernelConfig, LoRAKernelMeta, select_backend
 
-from .batch import ForwardBatch, SequenceChunk
+from .batch import ForwardBatch, SequenceChunk, StaticPadding
 from .model import Llama
 from .request import Request, RequestHandle
 from .sampling import SamplingParams, sample
@@ -38,10 +43,29 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + generated tokens of one sequence, at most
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # token budget and fairness bound
     kernels: KernelConfig | None = None  # shrink/expand backend choice (None: by device)
+    token_buckets: tuple[int, ...] | None = None  # traced devices: step token counts padded up to one of these
+    # (ascending; the last >= the token budget); None: powers of two from 16 up to the budget. Eager devices ignore it.
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_seq_len < 2:
             raise ValueError(f"max_batch ({self.max_batch}) must be >= 1 and max_seq_len ({self.max_seq_len}) >= 2")
+        if self.token_buckets is not None:
+            buckets = self.token_buckets = tuple(self.token_buckets)
+            budget = self.scheduler.token_budget
+            if not buckets or min(buckets) < 1 or list(buckets) != sorted(set(buckets)) or buckets[-1] < budget:
+                raise ValueError(
+                    f"token_buckets {buckets} must be positive, strictly ascending, and end at >= the token budget "
+                    f"({budget})"
+                )
+
+    def buckets(self) -> tuple[int, ...]:
+        """The token buckets a traced step pads to: ``token_buckets``, or powers of two from 16 up to the budget."""
+        if self.token_buckets is not None:
+            return self.token_buckets
+        budget, buckets = self.scheduler.token_budget, [16]
+        while buckets[-1] < budget:
+            buckets.append(buckets[-1] * 2)
+        return tuple(buckets)
 
 
 @dataclass(frozen=True)
@@ -62,11 +86,21 @@ class Engine:
         self.model = model
         self.manager = manager
         self.config = config or EngineConfig()
-        model.setup_caches(self.config.max_batch, self.config.max_seq_len)
-        model.attach_lora(manager.stacks)
         backend = select_backend(model.device, self.config.kernels)
-        budget = self.config.scheduler.token_budget
-        self._meta = LoRAKernelMeta.make(backend, manager.num_slots, manager.config.max_rank, budget, model.device)
+        max_batch = self.config.max_batch
+        # Traced: static shapes. Tokens pad up to a bucket, into a spare cache row (row max_batch) that no sequence
+        # owns; the device lock keeps slot loads (prefetch threads) out of a step's trace and sync.
+        self._buckets = self.config.buckets() if backend.traced else ()
+        self._padding_row = max_batch if backend.traced else None
+        self._device_lock = manager.pool.device_lock if backend.traced else contextlib.nullcontext()
+        self._sync: Callable[[], None] | None = _xla_sync if backend.traced else None
+        model.setup_caches(max_batch + 1 if backend.traced else max_batch, self.config.max_seq_len)
+        model.attach_lora(manager.stacks)
+        max_tokens = self._buckets[-1] if backend.traced else self.config.scheduler.token_budget
+        self._meta = LoRAKernelMeta.make(backend, manager.num_slots, manager.config.max_rank, max_tokens, model.device)
+        if self._sync is not None:
+            with self._device_lock:
+                self._sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._free_rows = list(range(self.config.max_batch))
@@ -106,6 +140,34 @@ class Engine:
             self._waiting.append(request)
             self._work.notify()
         return RequestHandle(request)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """The token buckets steps are padded to; empty on eager devices (no padding)."""
+        return self._buckets
+
+    def warm_up(self) -> int:
+        """Compile the step graph of every token bucket once; returns the buckets run (0 on eager devices).
+
+        Each warm-up step is padding only (spare cache row, no sequence touched) with tokens on every slot and on
+        -1, so it traces the exact graph a real step of that bucket traces. Fill the slots first (the slot pool
+        compiles its one load graph when made); afterwards steps, swaps and adapter mixes compile nothing.
+        """
+        if self._sync is None:
+            return 0
+        device, slots = self.model.device, self.manager.num_slots
+        for bucket in self._buckets:
+            zeros = torch.zeros(bucket, dtype=torch.long)
+            batch = ForwardBatch(
+                tokens=zeros.to(device),
+                positions=zeros.to(device),
+                cache_rows=torch.full((bucket,), self._padding_row, dtype=torch.long).to(device),
+                logits_index=torch.zeros(self.config.max_batch, dtype=torch.long).to(device),
+                spans=None,
+                slot_indices=(torch.arange(bucket, dtype=torch.int32) % (slots + 1) - 1),  # -1, 0, .., S-1, -1, ..
+            )
+            self._run_model(batch)
+        return len(self._buckets)
 
     @property
     def has_work(self) -> bool:
@@ -213,11 +275,13 @@ class Engine:
                 tokens, start = (request.output[-1],), request.position
             slot = lease.slots[request.adapter_id] if request.adapter_id is not None else -1
             sequences.append(SequenceChunk(request.cache_row, start, tuple(tokens), slot))
-        batch = ForwardBatch.from_chunks(sequences, device=self.model.device)
-        meta = self._meta
-        meta.prepare(batch.slot_indices)
-        with torch.inference_mode():
-            logits = self.model(batch, meta)  # [N, vocab], one row per chunk
+        padding = None
+        if self._buckets:
+            tokens = sum(len(s.tokens) for s in sequences)
+            bucket = next(b for b in self._buckets if b >= tokens)
+            padding = StaticPadding(bucket, self.config.max_batch, self._padding_row)
+        batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
+        logits = self._run_model(batch)  # [N, vocab], one row per chunk (then padding rows, if padded)
         for row, chunk in enumerate(chunks):
             request = chunk.request
             if request.in_prefill:
@@ -230,6 +294,18 @@ class Engine:
                 self._finish(request, "stop")
             elif len(request.output) >= request.params.max_tokens:
                 self._finish(request, "length")
+
+    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host."""
+        assert batch.slot_indices is not None
+        with self._device_lock:
+            self._meta.prepare(batch.slot_indices)
+            with torch.no_grad() if self._sync is not None else torch.inference_mode():  # XLA refuses inference mode
+                logits = self.model(batch, self._meta)
+            if self._sync is not None:
+                self._sync()  # one graph: the step's KV cache writes and its logits
+                logits = logits.cpu()
+        return logits
 
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         with self._lock:
@@ -248,7 +324,17 @@ class Engine:
             self._waiting.appendleft(request)
 
     def _prefetch(self) -> None:
+        # Running requests' adapters go first: needed sooner than any waiting one's, so never a prefetch victim.
         with self._lock:
             queued = [r.adapter_id for r in self._waiting]
+            if queued:
+                queued = [r.adapter_id for r in self._running] + queued
         if queued:
             self.manager.prefetch(queued)
+
+
+def _xla_sync() -> None:
+    """Cut the lazy graph of every live tensor on the XLA device and run it."""
+    import torch_xla
+
+    torch_xla.sync()

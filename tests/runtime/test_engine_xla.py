@@ -1,0 +1,138 @@
+"""The model and the engine on the torch_xla CPU device (XLA lane): PEFT per row, and a flat compile count.
+
+Tolerance: fp32 on the XLA CPU device, each row's logits within ``FP32_TOL`` (1e-4, as on CPU) of `PeftModel` with
+that row's adapter alone. The engine pads each step's tokens to a bucket; after ``warm_up`` (every bucket, every slot
+filled) a 200-step trace with arrivals, departures, swaps and changing adapter mixes compiles nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.xla
+torch_xla = pytest.importorskip("torch_xla")
+pytest.importorskip("peft")
+
+import torch_xla.debug.metrics as metrics  # noqa: E402
+
+from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterRegistry, RegistryConfig  # noqa: E402
+from adapter_manager.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
+from kernels import LoRAKernelMeta, select_backend  # noqa: E402
+from runtime.batch import ForwardBatch, SequenceChunk, StaticPadding  # noqa: E402
+from runtime.checkpoint import load_model  # noqa: E402
+from runtime.engine import Engine, EngineConfig  # noqa: E402
+from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.scheduler import SchedulerConfig  # noqa: E402
+from tests.conftest import TINY_NAME  # noqa: E402
+from tests.runtime import test_engine  # noqa: E402
+from tests.runtime._steps import prefill_logits  # noqa: E402
+from tests.runtime.test_model_lora import (  # noqa: E402
+    ADAPTERS,
+    FP32_TOL,
+    MAX_RANK,
+    ROWS,
+    SLOTTED,
+    max_diff,
+    oracle_logits,
+    slots_of,
+)
+
+written = test_engine.written  # module fixtures: the tiny checkpoint + PEFT adapters, and HF generate's outputs
+expected = test_engine.expected
+NEW_TOKENS = test_engine.NEW_TOKENS
+BUCKETS = (8, 16, 32)
+TRACE_STEPS = 200
+
+
+def compile_count() -> int:
+    data = metrics.metric_data("CompileTime")
+    return 0 if data is None else data[0]
+
+
+def test_mixed_batch_logits_equal_peft_per_row_on_xla(written):
+    """Every row of a ragged mixed batch (4 adapters in slots + base rows), then again after a slot swap."""
+    device = torch_xla.device()
+    model = load_model(written[None][0], dtype=torch.float32, device=device)
+    model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
+    spec = model.config.to_spec(TINY_NAME)
+    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK))
+    for name in ADAPTERS:
+        registry.register(str(written[name][0]), adapter_id=name)
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(SLOTTED), max_rank=MAX_RANK, device=device))
+    for slot, name in enumerate(SLOTTED):
+        pool.load(slot, registry.prepared(name))
+    model.attach_lora(pool.stacks)
+    meta = LoRAKernelMeta.make(select_backend(device), pool.num_slots, MAX_RANK, 64, device)
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    layouts = [SLOTTED, tuple("spare" if name == "patterns" else name for name in SLOTTED)]
+    for layout in layouts:
+        if layout != SLOTTED:
+            pool.load(SLOTTED.index("patterns"), registry.prepared("spare"))
+        rows = [name if name in layout or name is None else "spare" for name in adapters]
+        ours = prefill_logits(model, prompts, slots_of(rows, layout), meta, static=True)
+        for logits, prompt, name in zip(ours, prompts, rows, strict=True):
+            diff = max_diff(logits.cpu(), oracle_logits(written, name, prompt))
+            assert diff <= FP32_TOL, (name, diff)
+
+
+def test_padding_goes_to_the_spare_row():
+    chunks = [SequenceChunk(0, 0, (5, 6, 7), 1), SequenceChunk(2, 4, (9,), -1)]
+    batch = ForwardBatch.from_chunks(chunks, padding=StaticPadding(tokens=8, logits=3, spare_row=4))
+    assert batch.spans is None
+    assert batch.tokens.tolist() == [5, 6, 7, 9, 0, 0, 0, 0]
+    assert batch.positions.tolist() == [0, 1, 2, 4, 0, 0, 0, 0]
+    assert batch.cache_rows.tolist() == [0, 0, 0, 2, 4, 4, 4, 4]
+    assert batch.slot_indices.tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
+    assert batch.logits_index.tolist() == [2, 3, 0]
+    with pytest.raises(ValueError, match="padding to 2 tokens"):
+        ForwardBatch.from_chunks(chunks, padding=StaticPadding(tokens=2, logits=3, spare_row=4))
+    with pytest.raises(ValueError, match="token_buckets"):
+        EngineConfig(token_buckets=(16, 8), scheduler=SchedulerConfig(token_budget=8))
+    with pytest.raises(ValueError, match="token_buckets"):
+        EngineConfig(token_buckets=(8, 16), scheduler=SchedulerConfig(token_budget=32))
+    assert EngineConfig(scheduler=SchedulerConfig(token_budget=40)).buckets() == (16, 32, 64)
+
+
+def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected):
+    """Warm-up over every bucket with every slot filled, then 200 steps with arrivals, departures, swaps (5
+    adapters through 2 slots) and changing mixes: no compile, and every greedy generation equals HF `generate`."""
+    device = torch_xla.device()
+    model = load_model(written[None][0], dtype=torch.float32, device=device)
+    spec = model.config.to_spec(TINY_NAME)
+    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device))
+    for name in ADAPTERS:
+        manager.register(str(written[name][0]), adapter_id=name)
+    config = EngineConfig(
+        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS
+    )
+    engine = Engine(model, manager, config)
+    try:
+        manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
+        assert engine.warm_up() == len(BUCKETS)
+        warmed = compile_count()
+        loads_before = manager.metrics().tiers["host_to_slot"].count
+        combos = sorted(expected, key=str)
+        rng = random.Random(0)
+        handles, mixes, buckets_seen = [], set(), set()
+        for step in range(TRACE_STEPS):
+            arrivals = rng.choice((0, 0, 1, 1, 2)) if step < TRACE_STEPS - 30 else 0
+            for _ in range(arrivals):
+                prompt, name = rng.choice(combos)
+                params = SamplingParams(max_tokens=rng.randint(1, NEW_TOKENS))
+                handles.append((engine.submit(prompt, name, params), prompt, name, params.max_tokens))
+            running = {r.adapter_id for r in engine._running}
+            stats = engine.step()
+            mixes.add(frozenset(running | {None}))
+            if stats.tokens:
+                buckets_seen.add(next(b for b in BUCKETS if b >= stats.tokens))
+        assert compile_count() == warmed, "a step after warm-up compiled"
+        assert not engine.has_work
+        assert manager.metrics().tiers["host_to_slot"].count - loads_before >= len(ADAPTERS)  # swaps happened
+        assert len(mixes) >= 4 and len(buckets_seen) >= 2, (mixes, buckets_seen)
+        for handle, prompt, name, max_tokens in handles:
+            assert handle.result(timeout=0) == expected[(tuple(prompt), name)][:max_tokens], (prompt, name)
+    finally:
+        manager.close()
