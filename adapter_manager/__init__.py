@@ -32,6 +32,7 @@ from .metrics import AdapterResidency, MetricsSnapshot, SwapMetrics, Tier, TierM
 from .peft_format import LoraAdapterConfig, ModuleLora
 from .prefetch import PrefetchConfig, Prefetcher
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
+from .prometheus import AdapterManagerCollector
 from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, slots_for_budget
 from .synthetic import write_synthetic_adapter
@@ -45,6 +46,7 @@ __all__ = [
     "AdapterFiles",
     "AdapterFormatError",
     "AdapterManager",
+    "AdapterManagerCollector",
     "AdapterManagerConfig",
     "AdapterNotFoundError",
     "AdapterNotPinnedError",

@@ -1,53 +1,284 @@
-"""The `adapter-manager` command line: `hub serve DIR` (a local hub mirror) and `demo`."""
+"""adapter-manager: serve many LoRA adapters on one base Llama through a fixed pool of device slots.
+
+Commands:
+  serve       load a model and serve the OpenAI-compatible API, the adapter admin API and metrics
+  register    register an adapter (hub id or local directory) on a running server
+  list        list a running server's adapters and where each lives (slot, host, disk)
+  unregister  unregister an adapter from a running server
+  metrics     swap latency, hit rates, evictions and exposed wait of a running server
+  hub serve   serve a folder of PEFT adapters as a local Hugging Face Hub mirror
+  demo        the end-to-end demo: 64 adapters, 8 slots, Zipf traffic through a running server
+
+Exit codes: 0 ok, 1 the server failed or could not be reached, 2 bad usage or input (including 4xx answers).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 from adapter_manager.local_hub import serve as serve_hub
 
-from .demo import run_demo
+from .server_client import DEFAULT_URL, TOKEN_ENV, URL_ENV, ServerClient, ServerError
+
+OK, SERVER_ERROR, USAGE_ERROR = 0, 1, 2
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="adapter-manager", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1e6' -> bytes."""
+    match = _SIZE.fullmatch(text.strip())
+    unit = (match.group(2) or "").upper().removesuffix("B") if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MB, 1048576)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adapter-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands)
+
+    def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--url", default=None, help=f"server URL (default ${URL_ENV} or {DEFAULT_URL})")
+        sub.add_argument("--admin-token", default=None, help=f"bearer token for admin routes (default ${TOKEN_ENV})")
+        sub.add_argument("--json", action="store_true", help="print the server's JSON answer")
+        return sub
+
+    register = client_command("register", "register an adapter on a running server")
+    register.add_argument("ref", help="hub id org/name[@revision], or a local directory (starts with / or ./)")
+    register.add_argument("--id", default=None, help="adapter id to serve it under (default: the repo id or dir name)")
+    register.add_argument("--revision", default=None, help="hub branch, tag or commit sha")
+    register.add_argument("--pin", action="store_true", help="keep it resident in a device slot")
+    client_command("list", "list a running server's adapters")
+    unregister = client_command("unregister", "unregister an adapter from a running server")
+    unregister.add_argument("adapter_id")
+    metrics = client_command("metrics", "swap latency per tier, hit rates, evictions and exposed wait")
+    metrics.add_argument("--prometheus", action="store_true", help="print the Prometheus text of /metrics")
 
     hub = commands.add_parser("hub", help="the local Hugging Face Hub mirror")
     hub_commands = hub.add_subparsers(dest="hub_command", required=True)
-    serve = hub_commands.add_parser(
+    hub_serve = hub_commands.add_parser(
         "serve",
         help="serve a folder of PEFT adapters (<org>/<name>/ subfolders) over the hub HTTP API on loopback",
         description="Point huggingface_hub at it with HF_ENDPOINT=http://127.0.0.1:PORT.",
     )
-    serve.add_argument("root", type=Path, help="folder holding <org>/<name>/ adapter repositories")
-    serve.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    hub_serve.add_argument("root", type=Path, help="folder holding <org>/<name>/ adapter repositories")
+    hub_serve.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    hub_serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
 
     demo = commands.add_parser(
-        "demo", help="write synthetic adapters, serve them from the local hub, register them by hub ID, report"
+        "demo",
+        help="random bench-size Llama + synthetic adapters from the local hub, Zipf traffic through the server",
+        description="Writes a random Llama and synthetic PEFT adapters of mixed ranks, serves them from the local "
+        "hub, starts the server, registers every adapter by hub id through the admin API, sends requests with "
+        "Zipf adapter popularity from concurrent clients and prints throughput, hit rates and swap latency.",
     )
-    demo.add_argument("--adapters", type=int, default=12, help="number of synthetic adapters (default 12)")
-    demo.add_argument("--workdir", type=Path, default=None, help="where to write them (default: a temp dir)")
+    demo.add_argument("--adapters", type=int, default=64, help="synthetic adapters (default 64)")
+    demo.add_argument("--requests", type=int, default=512, help="requests to send (default 512)")
+    demo.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    demo.add_argument("--slots", type=int, default=8, help="device adapter slots (default 8)")
+    demo.add_argument("--model", choices=("bench", "tiny"), default="bench", help="random model size (default bench)")
+    demo.add_argument("--workdir", type=Path, default=None, help="where to write files (default: a temp dir)")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model with the OpenAI-compatible API, adapter admin API and metrics",
+        description="Load a Llama checkpoint (HF format, safetensors) and serve /v1/completions, "
+        "/v1/chat/completions, /v1/models, the adapter admin API (/v1/adapters), vLLM's /v1/load_lora_adapter, "
+        "/metrics and /health. Stop with Ctrl-C.",
+    )
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("model", nargs="?", help="checkpoint directory or hub id org/name[@revision]")
+    source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
+    serve.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
+    serve.add_argument("--max-slots", type=int, default=8, help="device adapter slots S (default 8)")
+    serve.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted, R (default 64)")
+    serve.add_argument(
+        "--host-cache-bytes", type=parse_bytes, default="2GiB", help="host tier bound, e.g. 2GiB (default)"
+    )
+    serve.add_argument("--device", default="cpu", help="cpu, cuda[:i] or xla[:i] (default cpu)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(float32)")
+    serve.add_argument("--max-batch", type=int, default=16, help="sequences in flight (default 16)")
+    serve.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
+    serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need a token)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument(
+        "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
+    )
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="REF[=ID]",
+        help="register at start-up (repeatable): hub id or local directory, optionally =the id to serve it as",
+    )
+    serve.add_argument(
+        "--local-root",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="local adapter directories must lie under one of these (repeatable; default: any directory)",
+    )
+    serve.add_argument("--workdir", type=Path, default=None, help="with --random: where to write it (default: temp)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "hub":
-        if not args.root.is_dir():
-            print(f"error: {args.root} is not a directory", file=sys.stderr)
-            return 2
+        return _hub(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "demo":
+        from .demo import DemoConfig, run_demo
+
         try:
-            serve_hub(
-                args.root, args.host, args.port, on_ready=lambda url: print(f"serving {args.root}: HF_ENDPOINT={url}")
+            config = DemoConfig(args.adapters, args.requests, args.clients, args.slots, args.model)
+        except ValueError as err:
+            return _fail(USAGE_ERROR, err)
+        return run_demo(config, args.workdir)
+    return _client(args)
+
+
+def _hub(args: argparse.Namespace) -> int:
+    if not args.root.is_dir():
+        return _fail(USAGE_ERROR, f"{args.root} is not a directory")
+    try:
+        serve_hub(
+            args.root, args.host, args.port, on_ready=lambda url: print(f"serving {args.root}: HF_ENDPOINT={url}")
+        )
+    except (ValueError, OSError) as err:
+        return _fail(USAGE_ERROR, err)
+    return OK
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from adapter_manager import AdapterManagerConfig
+
+    from .checkpoint import CheckpointError, CheckpointSource, write_random_checkpoint
+    from .config import LlamaConfig
+    from .engine import EngineConfig
+    from .launch import build_serving
+    from .server import serve
+    from .server_state import ServerConfig
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
+            if args.random:
+                folder = Path(args.workdir or tmp) / f"random-{args.random}"
+                write_random_checkpoint(getattr(LlamaConfig, args.random)(), folder)
+                name = args.model_name or f"random-{args.random}"
+            else:
+                folder = CheckpointSource(args.model).resolve()
+                name = args.model_name or args.model
+            serving = build_serving(
+                folder,
+                AdapterManagerConfig(
+                    max_slots=args.max_slots,
+                    max_rank=args.max_rank,
+                    host_cache_bytes=args.host_cache_bytes,
+                    device=args.device,
+                    dtype=getattr(torch, args.dtype),
+                    allowed_local_roots=tuple(p.resolve() for p in args.local_root) if args.local_root else None,
+                ),
+                EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
+                ServerConfig(
+                    model_name=name,
+                    host=args.host,
+                    port=args.port,
+                    admin_token=args.admin_token,
+                    max_pending=args.max_pending,
+                ),
+                dtype=getattr(torch, args.dtype),
             )
-        except (ValueError, OSError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        return 0
-    return run_demo(args.adapters, args.workdir)
+            for spec in args.adapter:
+                ref, _, adapter_id = spec.partition("=")
+                result = serving.manager.register(ref, adapter_id or None)
+                print(f"registered {result.record.adapter_id} ({result.record.sha[:12]}, rank {result.record.rank})")
+            try:
+                serve(serving.app, on_ready=lambda url: print(f"serving {name} at {url} (OpenAI API: {url}/v1)"))
+            finally:
+                serving.close()
+    except (ValueError, OSError, CheckpointError, LookupError) as err:
+        return _fail(USAGE_ERROR, err)
+    return OK
+
+
+def _client(args: argparse.Namespace) -> int:
+    try:
+        with ServerClient(args.url, args.admin_token) as client:
+            if args.command == "register":
+                answer = client.register(args.ref, args.id, args.revision, args.pin)
+                text = f"{answer['action']} {answer['id']} sha {answer['sha']} rank {answer['rank']} ({answer['tier']})"
+            elif args.command == "unregister":
+                answer = client.unregister(args.adapter_id)
+                text = f"unregistered {answer['id']}"
+            elif args.command == "list":
+                answer = client.adapters()
+                text = _adapter_table(answer)
+            elif args.prometheus:
+                print(client.prometheus(), end="")
+                return OK
+            else:
+                answer = client.swaps()
+                text = _metrics_table(answer)
+    except ServerError as err:
+        return _fail(SERVER_ERROR if err.status == 0 or err.status >= 500 else USAGE_ERROR, err)
+    print(json.dumps(answer, indent=2) if args.json else text)
+    return OK
+
+
+def _adapter_table(adapters: list[dict]) -> str:
+    lines = [f"{'id':40} {'rank':>4} {'MB':>7} {'tier':5} {'slot':>4} {'pinned':6} sha"]
+    for a in adapters:
+        slot = "" if a["slot"] is None else str(a["slot"])
+        lines.append(
+            f"{a['id']:40} {a['rank']:4d} {a['bytes'] / 1e6:7.2f} {a['tier']:5} {slot:>4} "
+            f"{'yes' if a['pinned'] else '':6} {a['sha'][:12]}"
+        )
+    return "\n".join(lines)
+
+
+def _metrics_table(snapshot: dict) -> str:
+    lines = [f"{'tier move':14} {'count':>6} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"]
+    for tier, s in sorted(snapshot["tiers"].items()):
+        ms = " ".join(f"{s[k] * 1e3:8.2f}" for k in ("p50_s", "p95_s", "p99_s", "max_s"))
+        lines.append(f"{tier:14} {s['count']:6d} {s['total_bytes'] / 1e6:9.2f} {ms}")
+    for tier in sorted(set(snapshot["hits"]) | set(snapshot["misses"])):
+        hits, misses = snapshot["hits"].get(tier, 0), snapshot["misses"].get(tier, 0)
+        rate = snapshot["hit_rates"].get(tier, 0.0)
+        evictions = snapshot["evictions"].get(tier, 0)
+        lines.append(f"{tier} tier: hit rate {rate:.1%} ({hits} hits, {misses} misses), {evictions} evictions")
+    wait = snapshot.get("exposed_wait")
+    if wait:
+        lines.append(
+            f"exposed wait: {wait['count']} batches, total {wait['total_seconds']:.3f}s, "
+            f"p50 {wait['p50_s'] * 1e3:.2f} ms, p99 {wait['p99_s'] * 1e3:.2f} ms, max {wait['max_s'] * 1e3:.2f} ms"
+        )
+    return "\n".join(lines)
+
+
+def _fail(code: int, err: object) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

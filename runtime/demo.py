@@ -1,86 +1,170 @@
-"""The demo: synthetic PEFT adapters on a bench-size base, served by the local hub, registered by hub ID."""
+"""The demo: a random bench-size Llama and synthetic PEFT adapters served by the local hub, registered by hub id
+through the running server's admin API (huggingface_hub downloads underneath), then Zipf traffic from concurrent
+clients through the OpenAI-compatible API, and a table of what it cost: throughput, hit rates, swap latency."""
 
 from __future__ import annotations
 
+import random
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-import torch
+import numpy as np
+from huggingface_hub.utils import disable_progress_bars
 
-from adapter_manager import (
-    PROJECTIONS,
-    AdapterRegistry,
-    BaseModelSpec,
-    HubConfig,
-    RegistryConfig,
-    Tier,
-    write_synthetic_adapter,
-)
+from adapter_manager import PROJECTIONS, AdapterManagerConfig, HubConfig, write_synthetic_adapter
 from adapter_manager.local_hub import LocalHub
 
+from .checkpoint import write_random_checkpoint
+from .config import LlamaConfig
+from .engine import EngineConfig
+from .launch import build_serving
+from .server import BackgroundServer
+from .server_client import ServerClient, ServerError
+from .server_state import ServerConfig
+
 _MB = 1e6
+_RANKS = (8, 16, 32, 64)
 _TARGETS = (PROJECTIONS, ("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj"))
+_TOPICS = ("tea", "rain", "maps", "owls", "jazz", "salt", "ice", "kites", "moss", "tides", "bells", "ferns")
 
 
-def run_demo(num_adapters: int = 12, workdir: Path | None = None) -> int:
-    """Write `num_adapters` adapters of mixed ranks and targets, register them through huggingface_hub from the
-    local hub, show what each tier move took, then re-prepare evicted adapters from disk with no new download."""
+@dataclass
+class DemoConfig:
+    """Size of one demo run."""
+
+    adapters: int = 64  # synthetic adapters, ranks cycling through 8/16/32/64 and four target sets
+    requests: int = 512  # completions sent through the server
+    clients: int = 16  # concurrent client threads
+    slots: int = 8  # device adapter slots
+    model: Literal["bench", "tiny"] = "bench"  # random base model: LlamaConfig.bench() or .tiny()
+    max_tokens: int = 4  # tokens generated per request
+    zipf_alpha: float = 1.0  # adapter popularity: P(i) ~ 1 / (i + 1)^alpha
+    host_cache_adapters: int = 16  # host tier bound, in adapters targeting every module at rank 64
+    seed: int = 0  # traffic and weights
+
+    def __post_init__(self) -> None:
+        if min(self.adapters, self.requests, self.clients, self.slots, self.max_tokens, self.host_cache_adapters) < 1:
+            raise ValueError(
+                f"adapters ({self.adapters}), requests ({self.requests}), clients ({self.clients}), slots "
+                f"({self.slots}), max_tokens ({self.max_tokens}) and host_cache_adapters must all be >= 1"
+            )
+        if self.model not in ("bench", "tiny") or self.zipf_alpha < 0:
+            raise ValueError(f"model must be 'bench' or 'tiny' (got {self.model!r}), zipf_alpha >= 0")
+
+
+def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> int:
+    config = config or DemoConfig()
+    disable_progress_bars()  # concurrent registrations would interleave huggingface_hub's download bars
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="adapter-manager-demo-") as tmp:
         root = Path(workdir or tmp)
-        spec = BaseModelSpec.bench()
-        ranks = [8, 16, 32, 64]
+        llama = getattr(LlamaConfig, config.model)()
+        name = f"random-llama-{config.model}"
+        write_random_checkpoint(llama, root / "model", seed=config.seed)
+        spec = llama.to_spec(name)
         print(
-            f"base model: {spec.name} (hidden {spec.hidden_size}, {spec.num_layers} layers, "
-            f"intermediate {spec.intermediate_size}, {spec.num_kv_heads} KV heads)"
+            f"base model {name}: hidden {llama.hidden_size}, {llama.num_layers} layers, vocab {llama.vocab_size} "
+            f"(random weights, written in {time.perf_counter() - start:.1f}s)"
         )
-        print(f"writing {num_adapters} synthetic PEFT adapters to {root / 'hub'} ...")
-        for i in range(num_adapters):
+        ids = [f"demo/adapter-{i:02d}" for i in range(config.adapters)]
+        for i, adapter_id in enumerate(ids):
+            r = _RANKS[i % len(_RANKS)]
             write_synthetic_adapter(
-                root / "hub" / "demo" / f"adapter-{i:02d}",
-                spec,
-                r=ranks[i % 4],
-                lora_alpha=2 * ranks[i % 4],
-                target_modules=_TARGETS[i % len(_TARGETS)],
-                seed=i,
+                root / "hub" / adapter_id, spec, r=r, lora_alpha=2 * r, target_modules=_TARGETS[i % 4], seed=i
             )
-        one = spec.max_adapter_bytes(64, 2)
-        config = RegistryConfig(max_rank=64, dtype=torch.bfloat16, host_cache_bytes=3 * one)
-        with LocalHub(root / "hub") as hub:
-            config.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)
-            registry = AdapterRegistry(spec, config)
-            print(f"local hub at {hub.endpoint}; host tier {config.host_cache_bytes / _MB:.0f} MB (bf16, R=64)\n")
-            print(
-                f"{'adapter':18} {'rank':>4} {'modules':>7} {'sha':10} {'download':>9} {'MB':>6} "
-                f"{'prepare':>8} {'host MB':>7}"
-            )
-            for i in range(num_adapters):
-                result = registry.register(f"demo/adapter-{i:02d}")
-                record = result.record
-                print(
-                    f"{record.adapter_id:18} {record.rank:4d} {len(record.modules):7d} {record.sha[:10]} "
-                    f"{result.download_s * 1e3:7.1f}ms {result.downloaded_bytes / _MB:6.1f} "
-                    f"{result.prepare_s * 1e3:6.1f}ms {record.nbytes / _MB:7.1f}"
-                )
-            again = registry.register("demo/adapter-00")
-            print(f"\nregister demo/adapter-00 again: {again.action}, no download")
-            downloads = sum(1 for r in hub.requests if r.method == "GET" and "/resolve/" in r.path)
-            for record in registry.list():
-                registry.prepared(record.adapter_id)
-            after = sum(1 for r in hub.requests if r.method == "GET" and "/resolve/" in r.path)
-            print(
-                f"prepared every adapter again (host tier holds {len(registry.host.keys())}); "
-                f"file downloads from the hub: {downloads} before, {after} after\n"
-            )
-        snapshot = registry.metrics.snapshot()
-        print(f"{'tier move':14} {'count':>5} {'MB':>8} {'p50':>8} {'p95':>8} {'p99':>8} {'max':>8}")
-        for name in (Tier.HUB.value, Tier.PREPARE.value):
-            stats = snapshot.tiers[name]
-            print(
-                f"{name:14} {stats.count:5d} {stats.total_bytes / _MB:8.1f} "
-                + " ".join(f"{v * 1e3:6.1f}ms" for v in (stats.p50_s, stats.p95_s, stats.p99_s, stats.max_s))
-            )
-        print(
-            f"host tier: hits {snapshot.hits.get('host', 0)}, misses {snapshot.misses.get('host', 0)}, "
-            f"evictions {snapshot.evictions.get('host', 0)}"
+        one = spec.max_adapter_bytes(64, 4)
+        manager_config = AdapterManagerConfig(
+            max_slots=config.slots, max_rank=64, host_cache_bytes=config.host_cache_adapters * one
         )
-    return 0
+        with LocalHub(root / "hub") as hub:
+            manager_config.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)
+            serving = build_serving(
+                root / "model",
+                manager_config,
+                EngineConfig(max_batch=16, max_seq_len=128),
+                ServerConfig(model_name=name, port=0, max_pending=max(256, 2 * config.clients)),
+            )
+            try:
+                with BackgroundServer(serving.app) as server:
+                    print(f"{config.adapters} adapters on the local hub {hub.endpoint}; server at {server.url}")
+                    code = _drive(config, server.url, ids)
+            finally:
+                serving.close()
+    print(f"\ndemo wall time {time.perf_counter() - start:.1f}s")
+    return code
+
+
+def _drive(config: DemoConfig, url: str, ids: list[str]) -> int:
+    client = ServerClient(url)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        registered = list(pool.map(client.register, ids))
+    downloaded = sum(a["bytes"] for a in registered)
+    print(
+        f"registered {len(registered)} adapters by hub id through POST /v1/adapters in "
+        f"{time.perf_counter() - start:.1f}s ({downloaded / _MB:.0f} MB prepared on the host)"
+    )
+
+    rng = random.Random(config.seed)
+    weights = 1.0 / np.arange(1, len(ids) + 1) ** config.zipf_alpha
+    picks = rng.choices(ids, weights=weights.tolist(), k=config.requests)
+    prompts = [f"Request {i}: a short note on {rng.choice(_TOPICS)}." for i in range(config.requests)]
+    latencies: list[float] = []
+    failures: list[str] = []
+    generated = 0
+
+    def one(i: int) -> None:
+        nonlocal generated
+        begin = time.perf_counter()
+        try:
+            answer = client.complete(picks[i], prompts[i], config.max_tokens, temperature=0.0, ignore_eos=True)
+        except ServerError as err:
+            failures.append(f"{picks[i]}: {err}")
+            return
+        latencies.append(time.perf_counter() - begin)
+        generated += answer["usage"]["completion_tokens"]
+
+    print(f"sending {config.requests} requests, Zipf({config.zipf_alpha}) over {len(ids)} adapters, "
+          f"{config.clients} concurrent clients, {config.slots} slots, max_tokens {config.max_tokens} ...")  # fmt: skip
+    start = time.perf_counter()
+    with ThreadPoolExecutor(config.clients) as pool:
+        list(pool.map(one, range(config.requests)))
+    wall = time.perf_counter() - start
+    snapshot = client.swaps()
+    _print_table(config, snapshot, wall, latencies, generated, len(set(picks)))
+    for failure in failures[:5]:
+        print(f"failed: {failure}")
+    return 0 if not failures else 1
+
+
+def _print_table(config: DemoConfig, snapshot: dict, wall: float, latencies: list[float], tokens: int, used: int):
+    done = len(latencies)
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]).tolist() if latencies else (0.0, 0.0, 0.0)
+    print()
+    print(f"{'requests':22}{done:>10d} ok, {config.requests - done} failed, {used} distinct adapters used")
+    print(f"{'throughput':22}{done / wall:>10.1f} req/s   {tokens / wall:8.1f} generated tok/s   ({wall:.1f}s)")
+    print(f"{'request latency':22}{'':>10} p50 {p50 * 1e3:7.1f} ms   p95 {p95 * 1e3:7.1f} ms   p99 {p99 * 1e3:7.1f} ms")
+    for tier in ("slot", "host"):
+        hits, misses = snapshot["hits"].get(tier, 0), snapshot["misses"].get(tier, 0)
+        rate = snapshot["hit_rates"].get(tier, 0.0)
+        evictions = snapshot["evictions"].get(tier, 0)
+        print(f"{tier + ' tier':22}{rate:>10.1%} hits   ({hits} hits, {misses} misses, {evictions} evictions)")
+    wait = snapshot.get("exposed_wait")
+    if wait:
+        print(
+            f"{'exposed wait':22}{wait['total_seconds']:>9.2f}s total over {wait['count']} steps   "
+            f"p50 {wait['p50_s'] * 1e3:.2f} ms   p99 {wait['p99_s'] * 1e3:.2f} ms   max {wait['max_s'] * 1e3:.2f} ms"
+        )
+    print(
+        f"\n{'swap latency by tier':22}{'moves':>7} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+    )
+    for tier in ("hub_download", "disk_to_host", "host_to_slot"):
+        s = snapshot["tiers"].get(tier)
+        if s is None:
+            continue
+        ms = " ".join(f"{s[k] * 1e3:8.2f}" for k in ("p50_s", "p95_s", "p99_s", "max_s"))
+        print(f"{tier:22}{s['count']:>7d} {s['total_bytes'] / _MB:9.1f} {ms}")

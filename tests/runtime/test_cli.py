@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
+from dataclasses import dataclass
 
 from huggingface_hub import snapshot_download
 
 from adapter_manager import write_synthetic_adapter
+from runtime.cli import main
 
 
 def test_hub_serve_serves_a_folder_to_huggingface_hub(tmp_path, tiny_spec):
@@ -41,13 +45,119 @@ def test_hub_serve_refuses_a_non_loopback_host(tmp_path):
     assert done.returncode == 2 and "loopback" in done.stderr
 
 
-def test_demo_registers_adapters_from_the_local_hub(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "demo", "--adapters", "3", "--workdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True, timeout=timeout, env=_env()
     )
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTER_MANAGER_")}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Ran:
+    code: int
+    out: str
+    err: str
+
+
+def in_process(capsys, *args: str) -> Ran:
+    capsys.readouterr()
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return Ran(code, captured.out, captured.err)
+
+
+def test_help_explains_every_command():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for command in ("serve", "register", "list", "unregister", "metrics", "hub", "demo", "Exit codes"):
+        assert command in top.stdout
+    serve_help = run_cli("serve", "--help").stdout
+    assert "--max-slots" in serve_help and "--admin-token" in serve_help and "127.0.0.1" in serve_help
+    assert run_cli("serve").returncode == 2  # neither a model nor --random: usage error
+
+
+def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
+    """The server runs as a subprocess; the client commands run in-process through `main` (same exit codes)."""
+    from runtime.config import LlamaConfig
+
+    adapter = write_synthetic_adapter(tmp_path / "my-adapter", LlamaConfig.tiny().to_spec("random-tiny"), r=4)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runtime.cli",
+            "serve",
+            "--random",
+            "tiny",
+            "--port",
+            "0",
+            "--max-slots",
+            "2",
+            "--max-rank",
+            "8",
+            "--host-cache-bytes",
+            "16MiB",
+            "--admin-token",
+            "cli-test-token",
+            "--adapter",
+            f"{adapter}=pre/loaded",
+            "--workdir",
+            str(tmp_path),
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert lines[0].startswith("registered pre/loaded"), lines
+        assert " at http://127.0.0.1:" in lines[1], proc.stderr.read() if proc.poll() is not None else lines
+        url = lines[1].split(" at ", 1)[1].split()[0]
+        auth = ("--url", url, "--admin-token", "cli-test-token")
+
+        assert in_process(capsys, "register", f"{adapter}", "--id", "team/x", "--url", url).code == 2  # 401: no token
+        registered = in_process(capsys, "register", str(adapter), "--id", "team/x", *auth)
+        assert registered.code == 0 and registered.out.startswith("registered team/x"), registered.err
+        listed = in_process(capsys, "list", "--url", url, "--json")
+        assert listed.code == 0
+        assert {a["id"] for a in json.loads(listed.out)} == {"pre/loaded", "team/x"}
+        assert "team/x" in in_process(capsys, "list", "--url", url).out
+
+        with urllib.request.urlopen(urllib.request.Request(
+            url + "/v1/completions", data=json.dumps({"model": "team/x", "prompt": "hi", "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json"},
+        ), timeout=60) as response:  # fmt: skip
+            assert json.loads(response.read())["usage"]["completion_tokens"] >= 1
+        metrics = in_process(capsys, "metrics", "--url", url)
+        assert metrics.code == 0 and "host_to_slot" in metrics.out and "slot tier: hit rate" in metrics.out
+        prometheus = in_process(capsys, "metrics", "--url", url, "--prometheus")
+        assert "adapter_manager_tier_move_seconds" in prometheus.out
+
+        assert in_process(capsys, "unregister", "team/x", *auth).code == 0
+        missing = in_process(capsys, "unregister", "team/x", *auth)
+        assert missing.code == 2 and "404" in missing.err
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+
+
+def test_client_commands_exit_1_when_the_server_is_unreachable():
+    done = run_cli("list", "--url", "http://127.0.0.1:9")
+    assert done.returncode == 1 and "cannot reach the server" in done.stderr
+
+
+def test_demo_small_run_prints_its_table(tmp_path):
+    done = run_cli(
+        "demo", "--model", "tiny", "--adapters", "6", "--requests", "40", "--clients", "4", "--slots", "2",
+        "--workdir", str(tmp_path), timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert sum(line.startswith("demo/adapter-") for line in done.stdout.splitlines()) == 3
-    assert "again: unchanged" in done.stdout and "file downloads from the hub: 6 before, 6 after" in done.stdout
+    out = done.stdout
+    assert "registered 6 adapters by hub id" in out and "40 ok, 0 failed" in out
+    for row in ("throughput", "slot tier", "host tier", "exposed wait", "hub_download", "host_to_slot"):
+        assert row in out, row

@@ -1,0 +1,92 @@
+"""Prometheus export of the manager's metrics: a prometheus_client custom collector reading `manager.metrics()` at
+scrape time.
+
+Labels stay low-cardinality: ``tier`` (and nothing per adapter; per-adapter data is in the snapshot and the
+server's adapter info endpoint). Latencies are summaries in seconds, since the snapshot keeps percentiles over a
+window, not bucket counts::
+
+    adapter_manager_tier_move_seconds{tier="host_to_slot",quantile="0.99"}   p99 of the recent host -> slot copies
+    adapter_manager_tier_move_seconds_count{tier="host_to_slot"}             every move since start
+    adapter_manager_tier_move_seconds_sum{tier="host_to_slot"}               their total seconds
+    adapter_manager_tier_move_bytes_total{tier=...}                          bytes moved
+    adapter_manager_{hits,misses,evictions}_total{tier="slot"|"host"}
+    adapter_manager_exposed_wait_seconds{quantile=...} (+ _count, _sum)      time batches waited for adapters
+    adapter_manager_adapters{residency="slot"|"host"|"disk"}                 registered adapters by highest tier
+    adapter_manager_slots, adapter_manager_slots_pinned, adapter_manager_host_tier_{used,capacity}_bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .manager import AdapterManager
+from .metrics import TierStats, WaitStats
+
+_QUANTILES = (("0.5", "p50_s"), ("0.95", "p95_s"), ("0.99", "p99_s"))
+_RESIDENCY = ("slot", "host", "disk")
+
+
+class AdapterManagerCollector(Collector):
+    """Register it on a `CollectorRegistry` (one per server; not the global default registry)."""
+
+    def __init__(self, manager: AdapterManager, namespace: str = "adapter_manager") -> None:
+        self._manager = manager
+        self._ns = namespace
+
+    def collect(self) -> Iterator[Metric]:
+        manager, ns = self._manager, self._ns
+        snapshot = manager.metrics()
+
+        moves = Metric(
+            f"{ns}_tier_move_seconds", "Latency of tier moves (hub download, disk->host, host->slot)", "summary"
+        )
+        moved = CounterMetricFamily(f"{ns}_tier_move_bytes", "Bytes moved between tiers", labels=["tier"])
+        for tier, stats in sorted(snapshot.tiers.items()):
+            _summary(moves, {"tier": tier}, stats)
+            moved.add_metric([tier], stats.total_bytes)
+        yield moves
+        yield moved
+
+        for name, counts, doc in (
+            ("hits", snapshot.hits, "Adapter lookups served by the tier"),
+            ("misses", snapshot.misses, "Adapter lookups the tier could not serve"),
+            ("evictions", snapshot.evictions, "Adapters evicted from the tier"),
+        ):
+            family = CounterMetricFamily(f"{ns}_{name}", doc, labels=["tier"])
+            for tier, count in sorted(counts.items()):
+                family.add_metric([tier], count)
+            yield family
+
+        wait = Metric(f"{ns}_exposed_wait_seconds", "Time runnable batches waited for their adapters", "summary")
+        if snapshot.exposed_wait is not None:
+            _summary(wait, {}, snapshot.exposed_wait)
+        yield wait
+
+        by_tier = dict.fromkeys(_RESIDENCY, 0)
+        for residency in snapshot.residency.values():
+            by_tier[residency.tier] += 1
+        adapters = GaugeMetricFamily(f"{ns}_adapters", "Registered adapters by highest tier", labels=["residency"])
+        for tier, count in by_tier.items():
+            adapters.add_metric([tier], count)
+        yield adapters
+
+        states = manager.allocator.states()
+        yield GaugeMetricFamily(f"{ns}_slots", "Device adapter slots", value=manager.num_slots)
+        yield GaugeMetricFamily(
+            f"{ns}_slots_pinned",
+            "Slots pinned by in-flight batches or operators",
+            value=sum(1 for s in states if s.pins > 0 or s.manual),
+        )
+        host = manager.registry.host
+        yield GaugeMetricFamily(f"{ns}_host_tier_used_bytes", "Bytes of prepared adapters on the host", host.used_bytes)
+        yield GaugeMetricFamily(f"{ns}_host_tier_capacity_bytes", "Byte bound of the host tier", host.capacity_bytes)
+
+
+def _summary(metric: Metric, labels: dict[str, str], stats: TierStats | WaitStats) -> None:
+    for quantile, field in _QUANTILES:
+        metric.add_sample(metric.name, {**labels, "quantile": quantile}, getattr(stats, field))
+    metric.add_sample(f"{metric.name}_count", labels, stats.count)
+    metric.add_sample(f"{metric.name}_sum", labels, stats.total_seconds)

@@ -1,0 +1,54 @@
+"""From a checkpoint folder to a served app: model, adapter manager, engine, tokenizer, chat template, app.
+
+Used by ``adapter-manager serve``, the demo and the server tests, so all three build the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI
+
+from adapter_manager import AdapterManager, AdapterManagerConfig
+
+from .chat_template import ChatTemplate
+from .checkpoint import load_model
+from .engine import Engine, EngineConfig
+from .server import create_app
+from .server_state import ServerConfig
+from .tokenizer import load_tokenizer
+
+
+@dataclass
+class Serving:
+    """What `build_serving` made; `close()` when the server has stopped."""
+
+    app: FastAPI
+    engine: Engine
+    manager: AdapterManager
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def build_serving(
+    folder: str | Path,
+    manager_config: AdapterManagerConfig,
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    dtype: torch.dtype = torch.float32,
+) -> Serving:
+    """Load the checkpoint in `folder` onto `manager_config.device` and build the app around it. The engine's
+    max_seq_len is capped at the model's max_position_embeddings; the chat template is the checkpoint's own if it
+    has one. Adapters are checked against the base model named `server_config.model_name`."""
+    folder = Path(folder)
+    model = load_model(folder, dtype=dtype, device=manager_config.device)
+    max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
+    engine_config = replace(engine_config, max_seq_len=max_seq_len)
+    manager = AdapterManager(model.config.to_spec(server_config.model_name), manager_config)
+    engine = Engine(model, manager, engine_config)
+    tokenizer = load_tokenizer(folder, model.config.vocab_size)
+    server_config = replace(server_config, chat_template=ChatTemplate.from_folder(folder))
+    return Serving(create_app(engine, manager, tokenizer, server_config), engine, manager)

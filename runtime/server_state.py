@@ -1,0 +1,103 @@
+"""The HTTP server's config, and the objects its routes share for the app's lifetime."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from adapter_manager import AdapterManager, InvalidAdapterRefError
+
+from .chat_template import ChatTemplate
+from .engine import Engine
+from .generation import Generator
+from .http_errors import APIError
+from .tokenizer import Tokenizer
+
+_MIB = 1 << 20
+_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/-]{0,199}")  # the registry's rule for adapter ids
+
+
+@dataclass
+class ServerConfig:
+    """How the server listens, whom it lets administer adapters, and how much it accepts."""
+
+    model_name: str = "base"  # the base model's name in `model` fields and /v1/models
+    host: str = "127.0.0.1"  # bind address; anything but loopback needs admin_token
+    port: int = 8000  # 0 picks a free port
+    admin_token: str | None = None  # bearer token for register / unregister / pin routes; None = open (loopback only)
+    max_pending: int = 256  # generation requests in flight (queued or running); beyond it: 503
+    max_body_bytes: int = 1 * _MIB  # largest request body; beyond it: 413
+    default_chat_max_tokens: int = 256  # chat max_tokens when the client sends none (capped by the context left)
+    register_workers: int = 2  # threads that download and prepare adapters, off the event loop
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate.default)  # messages -> prompt text
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_pending < 1 or self.max_body_bytes < 1024 or self.register_workers < 1:
+            raise ValueError(
+                f"max_pending ({self.max_pending}) and register_workers ({self.register_workers}) must be >= 1, "
+                f"max_body_bytes ({self.max_body_bytes}) >= 1024"
+            )
+        if self.default_chat_max_tokens < 1:
+            raise ValueError(f"default_chat_max_tokens must be >= 1, got {self.default_chat_max_tokens}")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ValueError(f"admin_token must be at least 8 characters, got {len(self.admin_token)}")
+        if not _is_loopback(self.host) and self.admin_token is None:
+            raise ValueError(f"binding {self.host!r} (not loopback) needs an admin_token for the admin routes")
+
+
+class ServerState:
+    """Engine, manager, tokenizer and the thread pools of one app."""
+
+    def __init__(self, engine: Engine, manager: AdapterManager, tokenizer: Tokenizer, config: ServerConfig) -> None:
+        self.engine = engine
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.config = config
+        self.started_at = time.time()
+        self.generator = Generator(engine, tokenizer, config.max_pending)
+        self.registrations = ThreadPoolExecutor(config.register_workers, thread_name_prefix="register")
+
+    def adapter_for(self, model: str) -> str | None:
+        """`model` -> adapter id (None = the base model); raises APIError 404 when neither."""
+        if model == self.config.model_name:
+            return None
+        if model in self.manager.registry:
+            return model
+        raise APIError(
+            404, f"model {model!r} is neither the base model nor a registered adapter", "model", "model_not_found"
+        )
+
+    def check_admin(self, authorization: str | None) -> None:
+        """Raise APIError 401 unless the bearer token matches (or no token is configured)."""
+        token = self.config.admin_token
+        if token is None:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise APIError(401, "admin routes need 'Authorization: Bearer <admin token>'", None, "unauthorized")
+
+    def close(self) -> None:
+        self.generator.close()
+        self.registrations.shutdown(wait=False, cancel_futures=True)
+
+
+def check_adapter_id(adapter_id: str) -> str:
+    """Refuse ids the registry could never hold (bad characters, '..'), before any lookup."""
+    if not _ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
+        raise InvalidAdapterRefError(adapter_id, "adapter ids use letters, digits and ._@:/- and no '..'")
+    return adapter_id
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,95 @@
+"""The Prometheus collector: what a scrape of `manager.metrics()` looks like, read back with prometheus_client's own
+text parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from adapter_manager.prometheus import AdapterManagerCollector  # noqa: E402
+
+
+@pytest.fixture
+def manager(tmp_path, tiny_spec):
+    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=1, max_rank=8, prefetch_workers=0))
+    for i, name in enumerate(("org/a", "org/b", "org/c")):
+        manager.register(str(write_synthetic_adapter(tmp_path / f"ad{i}", tiny_spec, r=4, seed=i)), name)
+    yield manager
+    manager.close()
+
+
+def scrape(manager: AdapterManager) -> dict:
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(AdapterManagerCollector(manager))
+    text = prometheus_client.generate_latest(registry).decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def samples(family, **labels) -> dict[str, float]:
+    return {s.name: s.value for s in family.samples if all(s.labels.get(k) == v for k, v in labels.items())}
+
+
+def test_scrape_matches_the_snapshot(manager):
+    for name in ("org/a", "org/b", "org/a", "org/c"):  # one slot: every switch is a miss and an eviction
+        manager.release(manager.acquire([name]))
+    snapshot = manager.metrics()
+    families = scrape(manager)
+
+    moves = families["adapter_manager_tier_move_seconds"]
+    assert moves.type == "summary"
+    for tier, stats in snapshot.tiers.items():
+        got = samples(moves, tier=tier)
+        assert got["adapter_manager_tier_move_seconds_count"] == stats.count
+        assert got["adapter_manager_tier_move_seconds_sum"] == pytest.approx(stats.total_seconds)
+        quantiles = {
+            s.labels["quantile"]: s.value
+            for s in moves.samples
+            if s.labels.get("tier") == tier and "quantile" in s.labels
+        }
+        assert quantiles == pytest.approx({"0.5": stats.p50_s, "0.95": stats.p95_s, "0.99": stats.p99_s})
+    assert (
+        samples(families["adapter_manager_tier_move_bytes"], tier="host_to_slot")[
+            "adapter_manager_tier_move_bytes_total"
+        ]
+        == snapshot.tiers["host_to_slot"].total_bytes
+    )
+
+    for name in ("hits", "misses", "evictions"):
+        family = families[f"adapter_manager_{name}"]
+        assert family.type == "counter"
+        assert {s.labels["tier"]: s.value for s in family.samples} == getattr(snapshot, name)
+    assert snapshot.evictions["slot"] == 3 and snapshot.misses["slot"] == 4
+
+    wait = samples(families["adapter_manager_exposed_wait_seconds"])
+    assert wait["adapter_manager_exposed_wait_seconds_count"] == snapshot.exposed_wait.count == 4
+
+    residency = {s.labels["residency"]: s.value for s in families["adapter_manager_adapters"].samples}
+    assert residency == {"slot": 1, "host": 2, "disk": 0}
+    assert samples(families["adapter_manager_slots"])["adapter_manager_slots"] == 1
+    used = samples(families["adapter_manager_host_tier_used_bytes"])["adapter_manager_host_tier_used_bytes"]
+    assert (
+        0
+        < used
+        <= samples(families["adapter_manager_host_tier_capacity_bytes"])["adapter_manager_host_tier_capacity_bytes"]
+    )
+
+
+def test_labels_stay_low_cardinality(manager):
+    manager.release(manager.acquire(["org/a"]))
+    manager.pin("org/b")
+    families = scrape(manager)
+    assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 1
+    label_names = {name for f in families.values() for s in f.samples for name in s.labels}
+    assert label_names <= {"tier", "quantile", "residency"}
+    assert not any("org/" in str(s.labels) for f in families.values() for s in f.samples)
+
+
+def test_an_idle_manager_scrapes_cleanly(tiny_spec):
+    with AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0)) as manager:
+        families = scrape(manager)
+    assert families["adapter_manager_tier_move_seconds"].samples == []
+    assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 0
