@@ -33,7 +33,7 @@ from .peft_format import LoraAdapterConfig, ModuleLora
 from .prefetch import PrefetchConfig, Prefetcher
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
 from .prometheus import AdapterManagerCollector
-from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
+from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig, check_adapter_id
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, slots_for_budget
 from .synthetic import write_synthetic_adapter
 
@@ -94,6 +94,7 @@ __all__ = [
     "UnsupportedAdapterError",
     "WaitStats",
     "bytes_needed",
+    "check_adapter_id",
     "prepare_adapter",
     "slots_for_budget",
     "write_synthetic_adapter",

@@ -36,6 +36,14 @@ _ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/-]{0,199}")
 _GIB = 1 << 30
 
 
+def check_adapter_id(adapter_id: str) -> str:
+    """Return `adapter_id` if the registry can hold it (letters, digits and ._@:/-, no '..'), else raise
+    `InvalidAdapterRefError`; servers call it before any lookup."""
+    if not isinstance(adapter_id, str) or not _ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
+        raise InvalidAdapterRefError(str(adapter_id), "adapter ids use letters, digits and ._@:/- and no '..'")
+    return adapter_id
+
+
 @dataclass
 class RegistryConfig:
     """How adapters are accepted and prepared."""
@@ -123,9 +131,7 @@ class AdapterRegistry:
         """
         parsed = AdapterRef.parse(ref)
         self._check_local_root(parsed, ref)
-        adapter_id = adapter_id or (parsed.repo_id if parsed.repo_id else parsed.path.name)
-        if not _ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
-            raise InvalidAdapterRefError(adapter_id, "adapter ids use letters, digits and ._@:/- and no '..'")
+        adapter_id = check_adapter_id(adapter_id or (parsed.repo_id if parsed.repo_id else parsed.path.name))
         with self._lock:
             id_lock = self._id_locks.setdefault(adapter_id, threading.Lock())
         with id_lock:

@@ -22,11 +22,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from adapter_manager import AdapterManager, AdapterRecord, AdapterResidency
+from adapter_manager import AdapterManager, AdapterRecord, AdapterResidency, check_adapter_id
 
 from .http_errors import to_api_error
 from .openai_schema import LoadLoraAdapterRequest, RegisterAdapterRequest, UnloadLoraAdapterRequest
-from .server_state import ServerState, check_adapter_id
+from .server_state import ServerState
 
 
 def admin_router(state: ServerState) -> APIRouter:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from adapter_manager import AdapterManager, InvalidAdapterRefError
+from adapter_manager import AdapterManager
 
 from .chat_template import ChatTemplate
 from .engine import Engine
@@ -18,7 +17,6 @@ from .http_errors import APIError
 from .tokenizer import Tokenizer
 
 _MIB = 1 << 20
-_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/-]{0,199}")  # the registry's rule for adapter ids
 
 
 @dataclass
@@ -85,13 +83,6 @@ class ServerState:
     def close(self) -> None:
         self.generator.close()
         self.registrations.shutdown(wait=False, cancel_futures=True)
-
-
-def check_adapter_id(adapter_id: str) -> str:
-    """Refuse ids the registry could never hold (bad characters, '..'), before any lookup."""
-    if not _ADAPTER_ID.fullmatch(adapter_id) or ".." in adapter_id:
-        raise InvalidAdapterRefError(adapter_id, "adapter ids use letters, digits and ._@:/- and no '..'")
-    return adapter_id
 
 
 def _is_loopback(host: str) -> bool:

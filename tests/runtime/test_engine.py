@@ -14,36 +14,8 @@ from runtime.request import RequestFailedError
 from runtime.sampling import SamplingParams
 from runtime.scheduler import SchedulerConfig
 from tests.conftest import TINY_NAME
-from tests.runtime.test_model_lora import ADAPTERS, ROWS, write_adapter
-
-NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    from tests.conftest import make_tiny_llama
-
-    root = tmp_path_factory.mktemp("engine")
-    out = {name: write_adapter(root / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(ADAPTERS.items())}
-    base = make_tiny_llama()
-    base.save_pretrained(root / "base")
-    out[None] = (root / "base", base)
-    return out
-
-
-@pytest.fixture(scope="module")
-def expected(written):
-    """HF generate, greedy, one adapter at a time: the oracle for every (prompt, adapter)."""
-    result = {}
-    for prompt, name in ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]:
-        hf = written[name][1]
-        hf.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = hf.generate(
-                input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-        result[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
-    return result
+from tests.runtime._oracle import ADAPTERS, ROWS
+from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 
 
 def make_engine(written, max_slots=2, token_budget=12, max_batch=4, **manager_kwargs):

@@ -27,9 +27,7 @@ from runtime.engine import Engine, EngineConfig  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.scheduler import SchedulerConfig  # noqa: E402
 from tests.conftest import TINY_NAME  # noqa: E402
-from tests.runtime import test_engine  # noqa: E402
-from tests.runtime._steps import prefill_logits  # noqa: E402
-from tests.runtime.test_model_lora import (  # noqa: E402
+from tests.runtime._oracle import (  # noqa: E402
     ADAPTERS,
     FP32_TOL,
     MAX_RANK,
@@ -39,10 +37,9 @@ from tests.runtime.test_model_lora import (  # noqa: E402
     oracle_logits,
     slots_of,
 )
+from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS  # noqa: E402
+from tests.runtime._steps import prefill_logits  # noqa: E402
 
-written = test_engine.written  # module fixtures: the tiny checkpoint + PEFT adapters, and HF generate's outputs
-expected = test_engine.expected
-NEW_TOKENS = test_engine.NEW_TOKENS
 BUCKETS = (8, 16, 32)
 TRACE_STEPS = 200
 

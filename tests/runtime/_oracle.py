@@ -1,0 +1,65 @@
+"""Shared oracle material for the runtime tests: real PEFT adapters on the tiny Llama and the rows that use them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_llama
+
+FP32_TOL = 1e-4
+BF16_ATOL, BF16_RTOL = 1e-2, 5e-2
+MAX_RANK = 8
+NEW_TOKENS = 8
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all_rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+    "patterns": dict(
+        r=4,
+        lora_alpha=4,
+        target_modules=["q_proj", "k_proj", "o_proj", "down_proj", "gate_proj"],
+        rank_pattern={"k_proj": 2, "model.layers.1.self_attn.o_proj": 8},
+        alpha_pattern={"down_proj": 32, r"layers\.2\.self_attn\.q_proj": 3},
+    ),
+    "mlp_subset": dict(r=2, lora_alpha=5, target_modules=["up_proj", "k_proj"], layers_to_transform=[0, 2]),
+    "spare": dict(r=6, lora_alpha=12, target_modules=["v_proj", "down_proj", "o_proj"]),
+}
+SLOTTED = ("qv", "all_rslora", "patterns", "mlp_subset")  # "spare" is swapped in later
+# (prompt, adapter or None): ragged lengths, no-adapter rows between adapter rows, one adapter on two rows
+ROWS = [
+    ([1, 5, 9, 3, 7, 11], "qv"),
+    ([2, 8, 33], None),
+    ([4, 60, 4, 33, 4, 17, 4, 9, 12], "all_rslora"),
+    ([7, 1], "patterns"),
+    ([30, 31, 32, 33, 34], "mlp_subset"),
+    ([9, 9, 40, 2], None),
+    ([50, 3, 8, 12], "patterns"),
+]
+
+
+def write_adapter(folder: Path, seed: int, **lora_kwargs) -> tuple[Path, object]:
+    """Random A and B on the tiny Llama (as the `write_peft_adapter` fixture), saved by peft."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(init_lora_weights=False, **lora_kwargs)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(make_tiny_llama(), config).eval()
+    model.save_pretrained(folder, save_embedding_layers=False)
+    return folder, model
+
+
+def oracle_logits(written, name: str | None, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return written[name][1](input_ids=torch.tensor([ids])).logits[0].float()  # [len, vocab]
+
+
+def slots_of(adapters: list[str | None], layout: tuple[str, ...]) -> list[int]:
+    return [-1 if name is None else layout.index(name) for name in adapters]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+ENGINE_NEW_TOKENS = 6  # tokens the engine tests generate per request
