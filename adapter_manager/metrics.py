@@ -3,6 +3,8 @@ exposed wait of batches for their adapters, and (given by the manager) each adap
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
 from collections import deque
@@ -32,29 +34,72 @@ class TierMove:
     at: float  # wall-clock time.time() when the move finished
 
 
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)  # upper bounds of the latency histograms (seconds); +Inf is implied by `count`
+
+
 @dataclass(frozen=True)
-class TierStats:
-    """Aggregate over the moves of one tier (percentiles over the most recent `window` moves)."""
+class LatencyStats:
+    """Latencies since start: count, sum, max, cumulative histogram; percentiles over the most recent `window`."""
 
     count: int
-    total_bytes: int
     total_seconds: float
     p50_s: float
     p95_s: float
     p99_s: float
     max_s: float
+    buckets: tuple[tuple[float, int], ...]  # (upper bound s, samples <= it), cumulative, LATENCY_BUCKETS_S order
 
 
 @dataclass(frozen=True)
-class WaitStats:
+class TierStats(LatencyStats):
+    """One tier's moves: their latencies and the bytes they moved."""
+
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class WaitStats(LatencyStats):
     """Exposed wait: how long `acquire` calls (runnable batches) waited for their adapters (0 when all hit)."""
 
-    count: int
-    total_seconds: float
-    p50_s: float
-    p95_s: float
-    p99_s: float
-    max_s: float
+
+class _Latencies:
+    """Running latency aggregates of one series (not thread-safe: SwapMetrics holds its lock)."""
+
+    def __init__(self, window: int) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+        self.count, self.total, self.max = 0, 0.0, 0.0
+        self.bucket_counts = [0] * len(LATENCY_BUCKETS_S)
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self.count += 1
+        self.total += seconds
+        self.max = max(self.max, seconds)
+        index = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
+        if index < len(self.bucket_counts):
+            self.bucket_counts[index] += 1
+
+    def stats(self, kind: type[LatencyStats], **extra: int) -> LatencyStats:
+        p50, p95, p99 = np.percentile(np.fromiter(self.recent, float), [50, 95, 99]).tolist()
+        cumulative = tuple(zip(LATENCY_BUCKETS_S, itertools.accumulate(self.bucket_counts), strict=True))
+        return kind(self.count, self.total, p50, p95, p99, self.max, cumulative, **extra)
 
 
 @dataclass(frozen=True)
@@ -90,34 +135,25 @@ class SwapMetrics:
     window: int = 10_000  # moves per tier kept for percentiles
     history: int = 1_000  # most recent moves kept in order (any tier), for per-adapter histories
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _samples: dict[Tier, deque[float]] = field(default_factory=dict, repr=False)
-    _count: dict[Tier, int] = field(default_factory=dict, repr=False)
+    _tiers: dict[Tier, _Latencies] = field(default_factory=dict, repr=False)
     _bytes: dict[Tier, int] = field(default_factory=dict, repr=False)
-    _seconds: dict[Tier, float] = field(default_factory=dict, repr=False)
-    _max: dict[Tier, float] = field(default_factory=dict, repr=False)
     _hits: dict[str, int] = field(default_factory=dict, repr=False)
     _misses: dict[str, int] = field(default_factory=dict, repr=False)
     _evictions: dict[str, int] = field(default_factory=dict, repr=False)
     _recent: deque[TierMove] = field(init=False, repr=False)
-    _waits: deque[float] = field(init=False, repr=False)
-    _wait_count: int = field(default=0, repr=False)
-    _wait_seconds: float = field(default=0.0, repr=False)
-    _wait_max: float = field(default=0.0, repr=False)
+    _waits: _Latencies = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.window <= 0 or self.history <= 0:
             raise ValueError(f"window ({self.window}) and history ({self.history}) must be positive")
         self._recent = deque(maxlen=self.history)
-        self._waits = deque(maxlen=self.window)
+        self._waits = _Latencies(self.window)
 
     def record(self, tier: Tier, adapter_id: str, seconds: float, nbytes: int) -> TierMove:
         move = TierMove(tier, adapter_id, seconds, nbytes, time.time())
         with self._lock:
-            self._samples.setdefault(tier, deque(maxlen=self.window)).append(seconds)
-            self._count[tier] = self._count.get(tier, 0) + 1
+            self._tiers.setdefault(tier, _Latencies(self.window)).add(seconds)
             self._bytes[tier] = self._bytes.get(tier, 0) + nbytes
-            self._seconds[tier] = self._seconds.get(tier, 0.0) + seconds
-            self._max[tier] = max(self._max.get(tier, 0.0), seconds)
             self._recent.append(move)
         return move
 
@@ -136,10 +172,7 @@ class SwapMetrics:
     def waited(self, seconds: float) -> None:
         """Record the exposed wait of one batch for its adapters (0.0 when every adapter was resident)."""
         with self._lock:
-            self._waits.append(seconds)
-            self._wait_count += 1
-            self._wait_seconds += seconds
-            self._wait_max = max(self._wait_max, seconds)
+            self._waits.add(seconds)
 
     def moves(self, adapter_id: str | None = None) -> list[TierMove]:
         """The most recent moves, oldest first, optionally of one adapter."""
@@ -149,16 +182,11 @@ class SwapMetrics:
     def snapshot(self, residency: dict[str, AdapterResidency] | None = None) -> MetricsSnapshot:
         """A plain copy; `residency` (the manager's view of every adapter) is attached as given."""
         with self._lock:
-            tiers = {}
-            for tier, samples in self._samples.items():
-                p50, p95, p99 = np.percentile(np.fromiter(samples, float), [50, 95, 99]).tolist()
-                tiers[tier.value] = TierStats(
-                    self._count[tier], self._bytes[tier], self._seconds[tier], p50, p95, p99, self._max[tier]
-                )
-            wait = None
-            if self._waits:
-                p50, p95, p99 = np.percentile(np.fromiter(self._waits, float), [50, 95, 99]).tolist()
-                wait = WaitStats(self._wait_count, self._wait_seconds, p50, p95, p99, self._wait_max)
+            tiers = {
+                tier.value: latencies.stats(TierStats, total_bytes=self._bytes[tier])
+                for tier, latencies in self._tiers.items()
+            }
+            wait = self._waits.stats(WaitStats) if self._waits.count else None
             return MetricsSnapshot(
                 tiers, dict(self._hits), dict(self._misses), dict(self._evictions), wait, dict(residency or {})
             )

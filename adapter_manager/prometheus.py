@@ -2,15 +2,14 @@
 scrape time.
 
 Labels stay low-cardinality: ``tier`` (and nothing per adapter; per-adapter data is in the snapshot and the
-server's adapter info endpoint). Latencies are summaries in seconds, since the snapshot keeps percentiles over a
-window, not bucket counts::
+server's adapter info endpoint). Latencies are histograms in seconds (buckets `metrics.LATENCY_BUCKETS_S`)::
 
-    adapter_manager_tier_move_seconds{tier="host_to_slot",quantile="0.99"}   p99 of the recent host -> slot copies
+    adapter_manager_tier_move_seconds_bucket{tier="host_to_slot",le="0.01"}  host -> slot copies that took <= 10 ms
     adapter_manager_tier_move_seconds_count{tier="host_to_slot"}             every move since start
     adapter_manager_tier_move_seconds_sum{tier="host_to_slot"}               their total seconds
     adapter_manager_tier_move_bytes_total{tier=...}                          bytes moved
     adapter_manager_{hits,misses,evictions}_total{tier="slot"|"host"}
-    adapter_manager_exposed_wait_seconds{quantile=...} (+ _count, _sum)      time batches waited for adapters
+    adapter_manager_exposed_wait_seconds_bucket{le=...} (+ _count, _sum)     time batches waited for adapters
     adapter_manager_adapters{residency="slot"|"host"|"disk"}                 registered adapters by highest tier
     adapter_manager_slots, adapter_manager_slots_pinned, adapter_manager_host_tier_{used,capacity}_bytes
 """
@@ -19,13 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .manager import AdapterManager
-from .metrics import TierStats, WaitStats
+from .metrics import LatencyStats
 
-_QUANTILES = (("0.5", "p50_s"), ("0.95", "p95_s"), ("0.99", "p99_s"))
 _RESIDENCY = ("slot", "host", "disk")
 
 
@@ -40,12 +38,12 @@ class AdapterManagerCollector(Collector):
         manager, ns = self._manager, self._ns
         snapshot = manager.metrics()
 
-        moves = Metric(
-            f"{ns}_tier_move_seconds", "Latency of tier moves (hub download, disk->host, host->slot)", "summary"
+        moves = HistogramMetricFamily(
+            f"{ns}_tier_move_seconds", "Latency of tier moves (hub download, disk->host, host->slot)", labels=["tier"]
         )
         moved = CounterMetricFamily(f"{ns}_tier_move_bytes", "Bytes moved between tiers", labels=["tier"])
         for tier, stats in sorted(snapshot.tiers.items()):
-            _summary(moves, {"tier": tier}, stats)
+            moves.add_metric([tier], _buckets(stats), stats.total_seconds)
             moved.add_metric([tier], stats.total_bytes)
         yield moves
         yield moved
@@ -60,9 +58,9 @@ class AdapterManagerCollector(Collector):
                 family.add_metric([tier], count)
             yield family
 
-        wait = Metric(f"{ns}_exposed_wait_seconds", "Time runnable batches waited for their adapters", "summary")
+        wait = HistogramMetricFamily(f"{ns}_exposed_wait_seconds", "Time runnable batches waited for their adapters")
         if snapshot.exposed_wait is not None:
-            _summary(wait, {}, snapshot.exposed_wait)
+            wait.add_metric([], _buckets(snapshot.exposed_wait), snapshot.exposed_wait.total_seconds)
         yield wait
 
         by_tier = dict.fromkeys(_RESIDENCY, 0)
@@ -85,8 +83,5 @@ class AdapterManagerCollector(Collector):
         yield GaugeMetricFamily(f"{ns}_host_tier_capacity_bytes", "Byte bound of the host tier", host.capacity_bytes)
 
 
-def _summary(metric: Metric, labels: dict[str, str], stats: TierStats | WaitStats) -> None:
-    for quantile, field in _QUANTILES:
-        metric.add_sample(metric.name, {**labels, "quantile": quantile}, getattr(stats, field))
-    metric.add_sample(f"{metric.name}_count", labels, stats.count)
-    metric.add_sample(f"{metric.name}_sum", labels, stats.total_seconds)
+def _buckets(stats: LatencyStats) -> list[tuple[str, int]]:
+    return [(repr(bound), count) for bound, count in stats.buckets] + [("+Inf", stats.count)]

@@ -10,6 +10,7 @@ from adapter_manager import AdapterManager, AdapterManagerConfig, write_syntheti
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from adapter_manager.metrics import LATENCY_BUCKETS_S  # noqa: E402
 from adapter_manager.prometheus import AdapterManagerCollector  # noqa: E402
 
 
@@ -40,17 +41,18 @@ def test_scrape_matches_the_snapshot(manager):
     families = scrape(manager)
 
     moves = families["adapter_manager_tier_move_seconds"]
-    assert moves.type == "summary"
+    assert moves.type == "histogram"
     for tier, stats in snapshot.tiers.items():
         got = samples(moves, tier=tier)
         assert got["adapter_manager_tier_move_seconds_count"] == stats.count
         assert got["adapter_manager_tier_move_seconds_sum"] == pytest.approx(stats.total_seconds)
-        quantiles = {
-            s.labels["quantile"]: s.value
-            for s in moves.samples
-            if s.labels.get("tier") == tier and "quantile" in s.labels
-        }
-        assert quantiles == pytest.approx({"0.5": stats.p50_s, "0.95": stats.p95_s, "0.99": stats.p99_s})
+        buckets = [
+            (s.labels["le"], s.value) for s in moves.samples if s.labels.get("tier") == tier and "le" in s.labels
+        ]
+        assert buckets[-1] == ("+Inf", stats.count)
+        counts = [count for _, count in buckets]
+        assert counts == sorted(counts) and len(buckets) == len(LATENCY_BUCKETS_S) + 1
+        assert all(count == stats.count for le, count in buckets if le != "+Inf" and float(le) >= stats.max_s)
     assert (
         samples(families["adapter_manager_tier_move_bytes"], tier="host_to_slot")[
             "adapter_manager_tier_move_bytes_total"
@@ -84,7 +86,7 @@ def test_labels_stay_low_cardinality(manager):
     families = scrape(manager)
     assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 1
     label_names = {name for f in families.values() for s in f.samples for name in s.labels}
-    assert label_names <= {"tier", "quantile", "residency"}
+    assert label_names <= {"tier", "le", "residency"}
     assert not any("org/" in str(s.labels) for f in families.values() for s in f.samples)
 
 

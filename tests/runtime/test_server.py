@@ -229,10 +229,10 @@ def test_prometheus_text_and_swap_snapshot(server, client, admin):
     client.completions.create(model="team/ad0", prompt="metrics", max_tokens=1)
     families = {f.name: f for f in parser.text_string_to_metric_families(admin.get("/metrics").text)}
     moves = families["adapter_manager_tier_move_seconds"]
-    assert moves.type == "summary"
+    assert moves.type == "histogram"
     tiers = {s.labels["tier"] for s in moves.samples}
     assert {"disk_to_host", "host_to_slot"} <= tiers
-    assert any(s.labels.get("quantile") == "0.99" for s in moves.samples)
+    assert any(s.labels.get("le") == "+Inf" for s in moves.samples)
     hits = {s.labels["tier"]: s.value for s in families["adapter_manager_hits"].samples}
     snapshot = admin.get("/v1/metrics/swaps").json()
     assert hits["slot"] <= snapshot["hits"]["slot"]  # scraped first; counters only grow
