@@ -176,6 +176,8 @@ class Engine:
 
     def step(self) -> StepStats:
         """Run one scheduling + forward step (no-op when idle)."""
+        self._finished_in_step = 0
+        self._drop_cancelled()
         with self._lock:
             running = {r.adapter_id for r in self._running}
             held = sum(1 for s in self.manager.allocator.states() if s.manual and s.adapter_id not in running)
@@ -194,7 +196,6 @@ class Engine:
                 self._running.append(request)
             self._step += 1
         chunks = list(plan.chunks)
-        self._finished_in_step = 0
         lease = self._acquire(chunks, plan.admitted)
         try:
             if chunks:
@@ -217,6 +218,8 @@ class Engine:
         """Run steps in a daemon thread whenever there is work."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
+        with self._work:
+            self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -315,6 +318,15 @@ class Engine:
                 request.cache_row = None
         request.finish(reason, error)
         self._finished_in_step += 1
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            cancelled = [r for r in (*self._waiting, *self._running) if r.cancelled.is_set()]
+            for request in cancelled:
+                if request in self._waiting:
+                    self._waiting.remove(request)
+        for request in cancelled:
+            self._finish(request, "cancelled")
 
     def _requeue(self, request: Request) -> None:
         with self._lock:

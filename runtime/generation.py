@@ -91,7 +91,8 @@ class Generator:
     ) -> AsyncIterator[list[RequestHandle]]:
         """Queue the (prompt, params) requests, all or none, for the body of the `async with`: raises `OverloadedError`
         when they would exceed `max_pending`, and the engine's errors (unknown adapter, prompt too long) before
-        anything is queued. They count as in flight until the engine ends them, even if the client went away."""
+        anything is queued. Requests still running when the body exits (stop string, client gone) are cancelled;
+        they count as in flight until the engine has dropped them."""
         with self._lock:
             if self._pending + len(requests) > self.max_pending:
                 raise OverloadedError(
@@ -108,7 +109,8 @@ class Generator:
             for handle in handles:
                 if handle.done:
                     self._done(1)
-                else:  # stopped early (stop string, client gone): the engine still runs it to its end
+                else:  # stopped early (stop string, client gone): the engine drops it at its next step
+                    handle.cancel()
                     self._drain.submit(self._await_end, handle)
 
     async def tokens(self, handle: RequestHandle) -> AsyncIterator[int]:

@@ -36,10 +36,11 @@ class Request:
     cache_row: int | None = None  # KV cache row while running
     prefilled: int = 0  # prompt tokens already in the cache
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length", "stop", or "error"
+    finish_reason: str | None = None  # "length", "stop", "cancelled" or "error"
     error: BaseException | None = None
     _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)  # set by the caller
 
     @property
     def in_prefill(self) -> bool:
@@ -77,6 +78,11 @@ class RequestHandle:
     @property
     def finish_reason(self) -> str | None:
         return self._request.finish_reason
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request (a client went away); it ends at the next step with finish_reason
+        "cancelled", its KV cache row and batch place freed. No-op once done."""
+        self._request.cancelled.set()
 
     def stream(self, timeout: float | None = None) -> Iterator[int]:
         """Yield token ids as the engine produces them; raises `RequestFailedError` if the request fails."""

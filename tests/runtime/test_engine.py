@@ -97,3 +97,25 @@ def test_stop_ids_end_a_request(written, expected):
     assert out[-1] == stop and handle.finish_reason == "stop"
     assert out == expected[(tuple(prompt), name)][: out.index(stop) + 1]
     manager.close()
+
+
+def test_cancel_frees_the_request_and_the_engine_restarts(written):
+    engine, manager = make_engine(written, max_batch=2)
+    long = engine.submit([1, 2, 3], "qv", SamplingParams(max_tokens=40))
+    waiting = engine.submit([4, 5], None, SamplingParams(max_tokens=40))
+    queued = engine.submit([6], "spare", SamplingParams(max_tokens=2))
+    for _ in range(3):
+        engine.step()
+    long.cancel()
+    waiting.cancel()
+    engine.step()
+    assert long.done and long.finish_reason == "cancelled" and 0 < len(long.result(timeout=0)) < 40
+    assert waiting.finish_reason == "cancelled"
+    engine.start()
+    engine.stop()
+    engine.start()  # a stopped engine starts again
+    try:
+        assert len(queued.result(timeout=60)) == 2
+    finally:
+        engine.stop()
+        manager.close()
