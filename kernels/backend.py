@@ -25,7 +25,9 @@ class KernelBackend(Protocol):
 
     def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: object) -> torch.Tensor: ...
 
-    def expand(self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: object) -> torch.Tensor: ...
+    def expand(
+        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: object, accumulate: bool
+    ) -> torch.Tensor: ...
 
 
 def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:

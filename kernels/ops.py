@@ -44,13 +44,18 @@ def shrink(x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torc
     return meta.backend.shrink(x, a_stack, meta)
 
 
-def expand(y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
-    """Add each token's adapter output to y.
+def expand(
+    y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+) -> torch.Tensor:
+    """Add each token's adapter output to y (or, with ``accumulate=False``, write it: y's old values are ignored).
 
     Semantics::
 
-        y[t] += h[t] @ bt_stack[slot[t]]   if slot[t] >= 0
-        y[t] unchanged                     if slot[t] == -1
+        y[t] += h[t] @ bt_stack[slot[t]]   if slot[t] >= 0       (accumulate=False: y[t] = h[t] @ bt_stack[slot[t]])
+        y[t] unchanged                     if slot[t] == -1      (accumulate=False: y[t] = 0)
+
+    ``accumulate=False`` lets a layer write the LoRA term first and add the base matmul on top with one
+    ``addmm_`` (beta=1), so y is never read back by a separate pass.
 
     Shape: y [T, out]; h as returned by :func:`shrink`; bt_stack [S, R, out] (B pre-transposed, scale folded in).
     Eager backends (torch, reference) write y in place and return it; traced backends (xla, pallas) leave y as it
@@ -66,4 +71,4 @@ def expand(y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAK
         raise ValueError(f"bt_stack features {bt_stack.shape[2]} != y features {y.shape[1]} (y {_shape(y)})")
     if h.dtype != y.dtype:
         raise ValueError(f"h is {h.dtype}, expected y's dtype {y.dtype}")
-    return meta.backend.expand(y, h, bt_stack, meta)
+    return meta.backend.expand(y, h, bt_stack, meta, accumulate)

@@ -34,11 +34,14 @@ class PallasBackend:
         kwargs = {"blocks": blocks, "interpret": self._interpret}
         return call_jax(lora_shrink, (x, a_stack, meta.token_slots), kwargs)
 
-    def expand(self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
-        """Semantics: as :func:`kernels.pallas_kernels.lora_expand`.
+    def expand(
+        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+    ) -> torch.Tensor:
+        """Semantics: as :func:`kernels.pallas_kernels.lora_expand` (on zeros when ``accumulate=False``).
 
         Shape: y [T, out], h [T, S·R], bt_stack [S, R, out] -> y_new [T, out], a new tensor (y is not written).
         """
         blocks = self._table.lookup("expand", y.shape[0], y.shape[1])
         kwargs = {"blocks": blocks, "interpret": self._interpret}
-        return call_jax(lora_expand, (y, h, bt_stack, meta.token_slots), kwargs)
+        base = y if accumulate else torch.zeros_like(y)
+        return call_jax(lora_expand, (base, h, bt_stack, meta.token_slots), kwargs)

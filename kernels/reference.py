@@ -32,9 +32,12 @@ class ReferenceBackend:
                 h[t] = a_stack[s].float() @ x[t].float()
         return h.to(x.dtype)
 
-    def expand(self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    def expand(
+        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+    ) -> torch.Tensor:
         """Semantics::
 
+            if not accumulate: y[:] = 0
             for t in range(T):
                 if slot[t] >= 0:
                     y[t] += h[t] @ bt_stack[slot[t]]
@@ -42,6 +45,8 @@ class ReferenceBackend:
         Shape: y [T, out] (updated in place and returned), h [T, R], bt_stack [S, R, out].
         """
         slots = meta.token_slots.tolist()
+        if not accumulate:
+            y.zero_()
         for t, s in enumerate(slots):
             if s >= 0:
                 y[t] = (y[t].float() + h[t].float() @ bt_stack[s].float()).to(y.dtype)

@@ -70,28 +70,43 @@ class TorchEagerBackend:
         hg = torch.bmm(xg, a_active.transpose(1, 2)).mul_(grouping.valid)  # [A, C, R], padding rows zero
         return x.new_zeros(num_tokens, rank).index_add_(0, grouping.gather_index, hg.view(-1, rank))
 
-    def expand(self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    def expand(
+        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+    ) -> torch.Tensor:
         """Semantics::
 
             y[t] += h[t] @ bt_stack[slot[t]] for every t with slot[t] >= 0; other rows untouched
+            (accumulate=False: y[t] = h[t] @ bt_stack[slot[t]], other rows 0; y is written, never read)
 
         Shape: y [T, out] (updated in place and returned), h [T, R], bt_stack [S, R, out].
         """
         if meta.no_adapter:
-            return y
+            return y if accumulate else y.zero_()
         rank, out = bt_stack.shape[1], bt_stack.shape[2]
         if meta.single_slot is not None:
             if not meta.all_assigned:
                 h = h * (meta.token_slots >= 0)[:, None]
-            return y.addmm_(h, bt_stack[meta.single_slot])
+            if accumulate:
+                return y.addmm_(h, bt_stack[meta.single_slot])
+            return torch.mm(h, bt_stack[meta.single_slot], out=y)
         if meta.segments is not None:
+            if not accumulate and not meta.all_assigned:
+                _zero_gaps(y, meta.segments)
             for slot, start, count in meta.segments:
-                y[start : start + count].addmm_(h[start : start + count], bt_stack[slot])
+                rows = slice(start, start + count)
+                if accumulate:
+                    y[rows].addmm_(h[rows], bt_stack[slot])
+                else:
+                    torch.mm(h[rows], bt_stack[slot], out=y[rows])
             return y
         if meta.use_laned:
             assert meta.lane_onehot is not None
             laned = (h[:, None, :] * meta.lane_onehot).view(h.shape[0], -1)  # [T, S·R]
-            return y.addmm_(laned, bt_stack.reshape(-1, out))
+            if accumulate:
+                return y.addmm_(laned, bt_stack.reshape(-1, out))
+            return torch.mm(laned, bt_stack.reshape(-1, out), out=y)
+        if not accumulate:
+            y.zero_()
         grouping = meta.grouping
         assert grouping is not None
         if not grouping.padded:
@@ -104,3 +119,14 @@ class TorchEagerBackend:
         hg = h.index_select(0, grouping.gather_index).view(bt_active.shape[0], grouping.capacity, rank)
         delta = torch.bmm(hg.mul_(grouping.valid), bt_active)  # [A, C, out], padding rows exactly zero
         return y.index_add_(0, grouping.gather_index, delta.view(-1, out))
+
+
+def _zero_gaps(y: torch.Tensor, segments: tuple[tuple[int, int, int], ...]) -> None:
+    """Zero the rows of y no segment covers (tokens with slot -1); segments are in token order."""
+    cursor = 0
+    for _, start, count in segments:
+        if start > cursor:
+            y[cursor:start].zero_()
+        cursor = start + count
+    if cursor < y.shape[0]:
+        y[cursor:].zero_()

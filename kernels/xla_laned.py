@@ -38,13 +38,16 @@ class XlaLanedBackend:
         h = x @ lanes.T
         return torch.where(_lane_mask(meta), h, torch.zeros((), dtype=h.dtype, device=h.device))
 
-    def expand(self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    def expand(
+        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+    ) -> torch.Tensor:
         """Semantics::
 
             h[t, l] = 0 where lane_slot[l] != slot[t]   # re-masked, so any h is safe
-            y_new = y + h @ bt_stack.reshape(S·R, out)
+            y_new = y + h @ bt_stack.reshape(S·R, out)   # accumulate=False: y_new = h @ bt_stack.reshape(S·R, out)
 
         Shape: y [T, out], h [T, S·R], bt_stack [S, R, out] -> y_new [T, out], a new tensor (y is not written).
         """
         masked = torch.where(_lane_mask(meta), h, torch.zeros((), dtype=h.dtype, device=h.device))
-        return y + masked @ bt_stack.reshape(-1, bt_stack.shape[-1])
+        delta = masked @ bt_stack.reshape(-1, bt_stack.shape[-1])
+        return y + delta if accumulate else delta

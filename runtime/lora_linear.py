@@ -62,17 +62,31 @@ class LoRALinear(nn.Module):
                 y_p = expand(y_p, shrink(x, A_p, meta), Bt_p, meta)  # y_p[t] += x[t] @ A_p[slot[t]].T @ Bt_p[slot[t]]
             return [y_p for each part]
 
-        Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends, which write
-        the LoRA term into them in place; new tensors on traced backends).
+        On eager backends the LoRA terms are written first (``expand(accumulate=False)``) and the base matmul is added
+        on top by one ``addmm_``, so the output is never read back by a separate pass; traced backends add the LoRA
+        term to the base matmul's result.
+
+        Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends; new tensors
+        on traced backends).
         """
-        y = x @ self.weight.t()  # [T, sum(out)]
-        parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
-        if meta is None or meta.no_adapter:
+        if meta is None or meta.no_adapter or not self.has_lora:
+            y = x @ self.weight.t()  # [T, sum(out)]
+            return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+        if meta.backend.traced:
+            y = x @ self.weight.t()
+            parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+            for index, stacks in enumerate(self._lora):
+                if stacks is not None:
+                    parts[index] = expand(parts[index], shrink(x, stacks[0], meta), stacks[1], meta)
             return parts
+        y = x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
+        parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         for index, stacks in enumerate(self._lora):
-            if stacks is not None:
-                a_stack, bt_stack = stacks
-                parts[index] = expand(parts[index], shrink(x, a_stack, meta), bt_stack, meta)
+            if stacks is None:
+                parts[index].zero_()
+            else:
+                expand(parts[index], shrink(x, stacks[0], meta), stacks[1], meta, accumulate=False)
+        y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
         return parts
 
     def extra_repr(self) -> str:

@@ -2,8 +2,9 @@
 
     python scripts/bench_kernels.py [--quick] [--shapes bench,llama8b] [--write-table] [--out out/bench_kernels.json]
 
-Base and LoRA are timed side by side in one run (median of interleaved repeats). ``lora %`` is the in-layer cost:
-(base matmul then shrink+expand) minus the base matmul alone, so LoRA sees the caches the base matmul left;
+Base and LoRA are timed side by side in one run (median of interleaved repeats). ``lora %`` is the in-layer cost: the
+layer as runtime.LoRALinear runs it (shrink, expand writing the LoRA term, then one ``addmm_`` adding the base matmul)
+minus the base matmul alone;
 ``alone %`` times shrink+expand by themselves, both over the base matmul. The metadata is prepared once per
 step and shared by every layer, so its cost is reported separately (``meta %``), not inside the LoRA figure.
 ``--write-table`` also times the grouped and the laned forms per (S, R) and rewrites kernels/torch_dispatch.json.
@@ -75,9 +76,12 @@ def measure(backend, tokens: int, slots: int, rank: int, in_f: int, out_f: int, 
     meta = LoRAKernelMeta.make(backend, slots, rank, tokens, "cpu")
     meta.prepare(indices)
 
-    def layer() -> None:
-        torch.mm(x, weight.t(), out=y)
-        expand(y, shrink(x, a, meta), bt, meta)
+    def layer() -> None:  # as runtime.LoRALinear: LoRA terms written first, the base matmul added by one addmm_
+        if meta.no_adapter:
+            torch.mm(x, weight.t(), out=y)
+            return
+        expand(y, shrink(x, a, meta), bt, meta, accumulate=False)
+        y.addmm_(x, weight.t())
 
     base_ms, layer_ms, alone_ms, meta_ms = median_ms(
         [

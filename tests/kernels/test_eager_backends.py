@@ -103,3 +103,21 @@ def test_no_adapter_does_no_work():
 )
 def test_hypothesis(num_tokens, num_slots, rank, mix, name, seed):
     check(BACKENDS[name](), num_tokens, num_slots, rank, mix, torch.float32, seed=seed, in_f=24, out_f=40)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_expand_without_accumulate_writes_and_never_reads_y(name, mix):
+    """accumulate=False: y[t] = h[t] @ Bt[slot[t]] (0 for slot -1) whatever y held — NaN here, so a read shows."""
+    gen = torch.Generator().manual_seed(5)
+    backend = BACKENDS[name]()
+    a, bt = make_stacks(6, 8, 48, 80, gen)
+    x = torch.randn(37, 48, generator=gen)
+    slots = slot_mix(mix, 37, 6, gen)
+    _, y_ref = reference_forward(x, torch.zeros(37, 80), a, bt, slots)
+    meta = LoRAKernelMeta.make(backend, 6, 8, 64, "cpu")
+    meta.prepare(slots)
+    y = torch.full((37, 80), float("nan"))
+    y_new = expand(y, shrink(x, a, meta), bt, meta, accumulate=False)
+    torch.testing.assert_close(y_new, y_ref, **TOLERANCE[torch.float32])
+    assert torch.equal(y_new[slots < 0], torch.zeros_like(y_new[slots < 0]))
