@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
+
+from kernels._table_file import read_table
 
 SHIPPED_TABLE = "pallas_block_sizes.json"
 
@@ -59,12 +60,7 @@ class BlockSizeTable:
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> BlockSizeTable:
-        if path is None:
-            text = resources.files("kernels").joinpath(SHIPPED_TABLE).read_text()
-            source = f"kernels/{SHIPPED_TABLE}"
-        else:
-            text = Path(path).read_text()
-            source = str(path)
+        text, source = read_table(SHIPPED_TABLE, path)
         try:
             rows = json.loads(text)["entries"]
             entries = tuple(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
+
+from kernels._table_file import read_table
 
 SHIPPED_TABLE = "torch_dispatch.json"
 
@@ -44,12 +45,7 @@ class TorchDispatchTable:
     @classmethod
     def load(cls, path: str | Path | None = None) -> TorchDispatchTable:
         """Read a table written by ``scripts/bench_kernels.py --write-table``; None reads the shipped one."""
-        if path is None:
-            text = resources.files("kernels").joinpath(SHIPPED_TABLE).read_text()
-            source = f"kernels/{SHIPPED_TABLE}"
-        else:
-            text = Path(path).read_text()
-            source = str(path)
+        text, source = read_table(SHIPPED_TABLE, path)
         data = json.loads(text)
         try:
             entries = tuple(DispatchEntry(**e) for e in data["entries"])
