@@ -1,4 +1,6 @@
-"""Adapter lifecycle: hub resolution, PEFT validation, host preparation, host tier, metrics, local hub."""
+"""Adapter lifecycle: hub resolution, PEFT validation, host preparation, host tier, slot pool and allocator,
+prefetcher, metrics, local hub. The Prometheus collector is in `adapter_manager.prometheus` (it imports
+prometheus_client, which the rest does not need)."""
 
 from .allocator import SlotAllocator, SlotLease, SlotState
 from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
@@ -28,11 +30,10 @@ from .host_tier import HostTier
 from .hub import AdapterFiles, AdapterRef, HubConfig
 from .local_hub import HubFault, LocalHub
 from .manager import AdapterManager, AdapterManagerConfig
-from .metrics import AdapterResidency, MetricsSnapshot, SwapMetrics, Tier, TierMove, TierStats, WaitStats
+from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, Move, MoveStats, SwapMetrics, Tier, WaitStats
 from .peft_format import LoraAdapterConfig, ModuleLora
 from .prefetch import PrefetchConfig, Prefetcher
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
-from .prometheus import AdapterManagerCollector
 from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig, check_adapter_id
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, slots_for_budget
 from .synthetic import write_synthetic_adapter
@@ -46,8 +47,8 @@ __all__ = [
     "AdapterFiles",
     "AdapterFormatError",
     "AdapterManager",
-    "AdapterManagerCollector",
     "AdapterManagerConfig",
+    "AdapterMove",
     "AdapterNotFoundError",
     "AdapterNotPinnedError",
     "AdapterRecord",
@@ -69,6 +70,8 @@ __all__ = [
     "ModuleKey",
     "ModuleLora",
     "ModuleWeights",
+    "Move",
+    "MoveStats",
     "NonFiniteWeightsError",
     "PickleRefusedError",
     "PrefetchConfig",
@@ -89,8 +92,6 @@ __all__ = [
     "TensorKeyError",
     "TensorShapeError",
     "Tier",
-    "TierMove",
-    "TierStats",
     "UnsupportedAdapterError",
     "WaitStats",
     "bytes_needed",

@@ -27,11 +27,9 @@ from typing import Literal
 import torch
 
 from .errors import AdapterError, AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
-from .metrics import SwapMetrics, Tier
+from .metrics import Move, SwapMetrics, Tier
 from .prepare import PreparedAdapter
 from .slot_pool import SlotPool
-
-SLOT = "slot"
 
 
 @dataclass(eq=False)
@@ -243,12 +241,12 @@ class SlotAllocator:
                     residency.manual = True
                 else:
                     residency.pins += 1
-                self.metrics.hit(SLOT)
+                self.metrics.hit(Tier.SLOT)
             reserved = [self._reserve(a, manual) for a in missing]
             for residency in reserved:
                 residency.pins = 0 if manual else 1
                 residency.last_used = now
-                self.metrics.miss(SLOT)
+                self.metrics.miss(Tier.SLOT)
             by_id = {r.adapter_id: r for r in resident + reserved}
             entries = [by_id[a] for a in distinct]
         try:
@@ -280,7 +278,7 @@ class SlotAllocator:
                 raise SlotLoadError(
                     residency.adapter_id, f"loading into slot {residency.slot} failed: {error}"
                 ) from error
-            self.metrics.record(Tier.SLOT, residency.adapter_id, seconds, prepared.nbytes)
+            self.metrics.record(Move.HOST_TO_SLOT, residency.adapter_id, seconds, prepared.nbytes)
             with self._cond:
                 residency.nbytes = prepared.nbytes
                 residency.ready = True
@@ -299,7 +297,7 @@ class SlotAllocator:
             victim = self._lru.pop(victim) if victim is not None else self._lru.popitem(last=False)[1]
             del self._by_adapter[victim.adapter_id]
             self._slots[victim.slot] = None
-            self.metrics.evicted(SLOT)
+            self.metrics.evicted(Tier.SLOT)
             slot = victim.slot
         residency = _Residency(adapter_id, slot, manual=manual)
         self._slots[slot] = residency

@@ -7,10 +7,8 @@ from collections.abc import Callable, Hashable
 
 from cachetools import LRUCache
 
-from .metrics import SwapMetrics
+from .metrics import SwapMetrics, Tier
 from .prepare import PreparedAdapter
-
-HOST = "host"
 
 
 class _ByteLRU(LRUCache):
@@ -37,7 +35,7 @@ class HostTier:
         if capacity_bytes <= 0:
             raise ValueError(f"host tier capacity must be positive, got {capacity_bytes} bytes")
         self._metrics = metrics
-        self._cache = _ByteLRU(capacity_bytes, lambda: metrics.evicted(HOST))
+        self._cache = _ByteLRU(capacity_bytes, lambda: metrics.evicted(Tier.HOST))
         self._lock = threading.Lock()
         self._loading: dict[Hashable, threading.Event] = {}
 
@@ -64,9 +62,9 @@ class HostTier:
         with self._lock:
             prepared = self._cache.get(key)
         if prepared is None:
-            self._metrics.miss(HOST)
+            self._metrics.miss(Tier.HOST)
         else:
-            self._metrics.hit(HOST)
+            self._metrics.hit(Tier.HOST)
         return prepared
 
     def put(self, key: Hashable, prepared: PreparedAdapter) -> None:
@@ -91,14 +89,14 @@ class HostTier:
             with self._lock:
                 prepared = self._cache.get(key)
                 if prepared is not None:
-                    self._metrics.hit(HOST)
+                    self._metrics.hit(Tier.HOST)
                     return prepared
                 pending = self._loading.get(key)
                 if pending is None:
                     pending = self._loading[key] = threading.Event()
                     break
             pending.wait()
-        self._metrics.miss(HOST)
+        self._metrics.miss(Tier.HOST)
         try:
             prepared = loader()
             self.put(key, prepared)

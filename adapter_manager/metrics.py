@@ -1,5 +1,12 @@
-"""Timing of every tier move (hub download, disk -> host prepare, host -> slot copy), per-tier hit counts, the
-exposed wait of batches for their adapters, and (given by the manager) each adapter's residency."""
+"""Timing of every move between tiers, per-tier hit counts, the exposed wait of batches for their adapters, and
+(given by the manager) each adapter's residency.
+
+One vocabulary everywhere (Python snapshot, JSON endpoint, Prometheus labels, CLI, README): a **tier** is where an
+adapter lives — ``hub``, ``disk`` (the HF cache or a local directory), ``host`` (prepared weights), ``slot`` (a device
+slot) — and a **move** goes from one tier to the next, named ``<from>_to_<to>``: ``hub_to_disk`` (download),
+``disk_to_host`` (read, validate, fold, pad), ``host_to_slot`` (copy into the slot stacks). Hits, misses, evictions
+and residency are keyed by tier; latencies and bytes by move.
+"""
 
 from __future__ import annotations
 
@@ -16,18 +23,27 @@ import numpy as np
 
 
 class Tier(StrEnum):
-    """A move between storage tiers; the value is the label used in snapshots and Prometheus."""
+    """Where an adapter lives; the value labels hits, misses, evictions and residency."""
 
-    HUB = "hub_download"  # hub -> local disk (HF cache)
-    PREPARE = "disk_to_host"  # local files -> prepared host weights (read, validate, fold, pad)
-    SLOT = "host_to_slot"  # prepared host weights -> device slot
+    HUB = "hub"
+    DISK = "disk"  # adapter files on local disk: the HF cache or a registered local directory
+    HOST = "host"  # prepared weights in host memory (the host tier)
+    SLOT = "slot"  # a device slot
+
+
+class Move(StrEnum):
+    """A timed move of one adapter from one tier to the next; the value labels latencies and bytes."""
+
+    HUB_TO_DISK = "hub_to_disk"  # download into the HF cache
+    DISK_TO_HOST = "disk_to_host"  # read, validate, fold the scale, pad: prepared host weights
+    HOST_TO_SLOT = "host_to_slot"  # copy into a device slot
 
 
 @dataclass(frozen=True)
-class TierMove:
+class AdapterMove:
     """One timed move of one adapter."""
 
-    tier: Tier
+    move: Move
     adapter_id: str
     seconds: float
     nbytes: int
@@ -68,8 +84,8 @@ class LatencyStats:
 
 
 @dataclass(frozen=True)
-class TierStats(LatencyStats):
-    """One tier's moves: their latencies and the bytes they moved."""
+class MoveStats(LatencyStats):
+    """One kind of move: their latencies and the bytes they moved."""
 
     total_bytes: int = 0
 
@@ -107,7 +123,7 @@ class AdapterResidency:
     """Where one registered adapter lives now, and when a batch last used it."""
 
     adapter_id: str
-    tier: Literal["slot", "host", "disk"]  # highest tier holding it: a device slot, prepared on the host, disk only
+    tier: Literal["slot", "host", "disk"]  # highest tier holding it (a Tier value): a slot, prepared on the host, disk
     slot: int | None  # its device slot when tier == "slot"
     pinned: bool  # held by an in-flight batch or an operator pin
     last_used: float | None  # time.time() of its last acquire or release, None if never used
@@ -117,10 +133,10 @@ class AdapterResidency:
 class MetricsSnapshot:
     """A plain copy of the metrics at one moment."""
 
-    tiers: dict[str, TierStats]
-    hits: dict[str, int]
-    misses: dict[str, int]
-    evictions: dict[str, int]
+    moves: dict[str, MoveStats]  # by Move value: "hub_to_disk", "disk_to_host", "host_to_slot"
+    hits: dict[str, int]  # by Tier value: "host", "slot"
+    misses: dict[str, int]  # by Tier value
+    evictions: dict[str, int]  # by Tier value
     exposed_wait: WaitStats | None = None  # None until a batch has acquired its slots
     residency: dict[str, AdapterResidency] = field(default_factory=dict)  # by adapter id (from the manager)
 
@@ -132,15 +148,15 @@ class MetricsSnapshot:
 class SwapMetrics:
     """Thread-safe recorder of tier moves; `snapshot()` is what Python, the CLI and Prometheus read."""
 
-    window: int = 10_000  # moves per tier kept for percentiles
+    window: int = 10_000  # moves of each kind kept for percentiles
     history: int = 1_000  # most recent moves kept in order (any tier), for per-adapter histories
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _tiers: dict[Tier, _Latencies] = field(default_factory=dict, repr=False)
-    _bytes: dict[Tier, int] = field(default_factory=dict, repr=False)
-    _hits: dict[str, int] = field(default_factory=dict, repr=False)
-    _misses: dict[str, int] = field(default_factory=dict, repr=False)
-    _evictions: dict[str, int] = field(default_factory=dict, repr=False)
-    _recent: deque[TierMove] = field(init=False, repr=False)
+    _moves: dict[Move, _Latencies] = field(default_factory=dict, repr=False)
+    _bytes: dict[Move, int] = field(default_factory=dict, repr=False)
+    _hits: dict[Tier, int] = field(default_factory=dict, repr=False)
+    _misses: dict[Tier, int] = field(default_factory=dict, repr=False)
+    _evictions: dict[Tier, int] = field(default_factory=dict, repr=False)
+    _recent: deque[AdapterMove] = field(init=False, repr=False)
     _waits: _Latencies = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -149,23 +165,23 @@ class SwapMetrics:
         self._recent = deque(maxlen=self.history)
         self._waits = _Latencies(self.window)
 
-    def record(self, tier: Tier, adapter_id: str, seconds: float, nbytes: int) -> TierMove:
-        move = TierMove(tier, adapter_id, seconds, nbytes, time.time())
+    def record(self, move: Move, adapter_id: str, seconds: float, nbytes: int) -> AdapterMove:
+        done = AdapterMove(move, adapter_id, seconds, nbytes, time.time())
         with self._lock:
-            self._tiers.setdefault(tier, _Latencies(self.window)).add(seconds)
-            self._bytes[tier] = self._bytes.get(tier, 0) + nbytes
-            self._recent.append(move)
-        return move
+            self._moves.setdefault(move, _Latencies(self.window)).add(seconds)
+            self._bytes[move] = self._bytes.get(move, 0) + nbytes
+            self._recent.append(done)
+        return done
 
-    def hit(self, tier: str) -> None:
+    def hit(self, tier: Tier) -> None:
         with self._lock:
             self._hits[tier] = self._hits.get(tier, 0) + 1
 
-    def miss(self, tier: str) -> None:
+    def miss(self, tier: Tier) -> None:
         with self._lock:
             self._misses[tier] = self._misses.get(tier, 0) + 1
 
-    def evicted(self, tier: str) -> None:
+    def evicted(self, tier: Tier) -> None:
         with self._lock:
             self._evictions[tier] = self._evictions.get(tier, 0) + 1
 
@@ -174,7 +190,7 @@ class SwapMetrics:
         with self._lock:
             self._waits.add(seconds)
 
-    def moves(self, adapter_id: str | None = None) -> list[TierMove]:
+    def moves(self, adapter_id: str | None = None) -> list[AdapterMove]:
         """The most recent moves, oldest first, optionally of one adapter."""
         with self._lock:
             return [m for m in self._recent if adapter_id is None or m.adapter_id == adapter_id]
@@ -182,11 +198,16 @@ class SwapMetrics:
     def snapshot(self, residency: dict[str, AdapterResidency] | None = None) -> MetricsSnapshot:
         """A plain copy; `residency` (the manager's view of every adapter) is attached as given."""
         with self._lock:
-            tiers = {
-                tier.value: latencies.stats(TierStats, total_bytes=self._bytes[tier])
-                for tier, latencies in self._tiers.items()
+            moves = {
+                move.value: latencies.stats(MoveStats, total_bytes=self._bytes[move])
+                for move, latencies in self._moves.items()
             }
             wait = self._waits.stats(WaitStats) if self._waits.count else None
             return MetricsSnapshot(
-                tiers, dict(self._hits), dict(self._misses), dict(self._evictions), wait, dict(residency or {})
+                moves,
+                {t.value: n for t, n in self._hits.items()},
+                {t.value: n for t, n in self._misses.items()},
+                {t.value: n for t, n in self._evictions.items()},
+                wait,
+                dict(residency or {}),
             )

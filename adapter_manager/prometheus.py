@@ -1,16 +1,17 @@
 """Prometheus export of the manager's metrics: a prometheus_client custom collector reading `manager.metrics()` at
 scrape time.
 
-Labels stay low-cardinality: ``tier`` (and nothing per adapter; per-adapter data is in the snapshot and the
-server's adapter info endpoint). Latencies are histograms in seconds (buckets `metrics.LATENCY_BUCKETS_S`)::
+Labels stay low-cardinality and use the metrics module's vocabulary: ``move`` (``hub_to_disk``, ``disk_to_host``,
+``host_to_slot``) and ``tier`` (``hub``, ``disk``, ``host``, ``slot``); nothing per adapter (per-adapter data is in the
+snapshot and the server's adapter info endpoint). Latencies are histograms in seconds (`metrics.LATENCY_BUCKETS_S`)::
 
-    adapter_manager_tier_move_seconds_bucket{tier="host_to_slot",le="0.01"}  host -> slot copies that took <= 10 ms
-    adapter_manager_tier_move_seconds_count{tier="host_to_slot"}             every move since start
-    adapter_manager_tier_move_seconds_sum{tier="host_to_slot"}               their total seconds
-    adapter_manager_tier_move_bytes_total{tier=...}                          bytes moved
+    adapter_manager_move_seconds_bucket{move="host_to_slot",le="0.01"}  host -> slot copies that took <= 10 ms
+    adapter_manager_move_seconds_count{move="host_to_slot"}             every move since start
+    adapter_manager_move_seconds_sum{move="host_to_slot"}               their total seconds
+    adapter_manager_move_bytes_total{move=...}                          bytes moved
     adapter_manager_{hits,misses,evictions}_total{tier="slot"|"host"}
-    adapter_manager_exposed_wait_seconds_bucket{le=...} (+ _count, _sum)     time batches waited for adapters
-    adapter_manager_adapters{residency="slot"|"host"|"disk"}                 registered adapters by highest tier
+    adapter_manager_exposed_wait_seconds_bucket{le=...} (+ _count, _sum) time batches waited for adapters
+    adapter_manager_adapters{tier="slot"|"host"|"disk"}                 registered adapters by highest tier
     adapter_manager_slots, adapter_manager_slots_pinned, adapter_manager_host_tier_{used,capacity}_bytes
 """
 
@@ -22,9 +23,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .manager import AdapterManager
-from .metrics import LatencyStats
+from .metrics import LatencyStats, Tier
 
-_RESIDENCY = ("slot", "host", "disk")
+_RESIDENCY = (Tier.SLOT.value, Tier.HOST.value, Tier.DISK.value)
 
 
 class AdapterManagerCollector(Collector):
@@ -39,12 +40,14 @@ class AdapterManagerCollector(Collector):
         snapshot = manager.metrics()
 
         moves = HistogramMetricFamily(
-            f"{ns}_tier_move_seconds", "Latency of tier moves (hub download, disk->host, host->slot)", labels=["tier"]
+            f"{ns}_move_seconds",
+            "Latency of moves between tiers (<from>_to_<to>)",
+            labels=["move"],
         )
-        moved = CounterMetricFamily(f"{ns}_tier_move_bytes", "Bytes moved between tiers", labels=["tier"])
-        for tier, stats in sorted(snapshot.tiers.items()):
-            moves.add_metric([tier], _buckets(stats), stats.total_seconds)
-            moved.add_metric([tier], stats.total_bytes)
+        moved = CounterMetricFamily(f"{ns}_move_bytes", "Bytes moved between tiers", labels=["move"])
+        for move, stats in sorted(snapshot.moves.items()):
+            moves.add_metric([move], _buckets(stats), stats.total_seconds)
+            moved.add_metric([move], stats.total_bytes)
         yield moves
         yield moved
 
@@ -66,7 +69,7 @@ class AdapterManagerCollector(Collector):
         by_tier = dict.fromkeys(_RESIDENCY, 0)
         for residency in snapshot.residency.values():
             by_tier[residency.tier] += 1
-        adapters = GaugeMetricFamily(f"{ns}_adapters", "Registered adapters by highest tier", labels=["residency"])
+        adapters = GaugeMetricFamily(f"{ns}_adapters", "Registered adapters by highest tier", labels=["tier"])
         for tier, count in by_tier.items():
             adapters.add_metric([tier], count)
         yield adapters

@@ -26,7 +26,7 @@ from .errors import (
 )
 from .host_tier import HostTier
 from .hub import AdapterFiles, AdapterRef, HubConfig, HubResolver
-from .metrics import SwapMetrics, Tier
+from .metrics import Move, SwapMetrics
 from .peft_format import LoraAdapterConfig, ModuleLora
 from .prepare import PreparedAdapter, prepare_adapter
 
@@ -147,7 +147,7 @@ class AdapterRegistry:
             files = self._resolver.resolve(parsed, adapter_id)
             download_s = time.perf_counter() - start
             if not parsed.is_local:
-                self.metrics.record(Tier.HUB, adapter_id, download_s, files.downloaded_bytes)
+                self.metrics.record(Move.HUB_TO_DISK, adapter_id, download_s, files.downloaded_bytes)
             if previous is not None and previous.sha == files.sha:
                 record = _replace_ref(previous, parsed, files)
                 with self._lock:
@@ -211,7 +211,7 @@ class AdapterRegistry:
                 pinned = AdapterRef(record.ref.repo_id, record.sha, None)
                 start = time.perf_counter()
                 files = self._resolver.resolve(pinned, adapter_id)
-                self.metrics.record(Tier.HUB, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
+                self.metrics.record(Move.HUB_TO_DISK, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
             return self._prepare(adapter_id, files, record.modules)[0]
 
         return self.host.get_or_load((adapter_id, record.sha), load)
@@ -240,7 +240,7 @@ class AdapterRegistry:
             self.config.pin_memory,
         )
         seconds = time.perf_counter() - start
-        self.metrics.record(Tier.PREPARE, adapter_id, seconds, prepared.nbytes)
+        self.metrics.record(Move.DISK_TO_HOST, adapter_id, seconds, prepared.nbytes)
         return prepared, seconds
 
     def _check_base_model(self, adapter_id: str, base: str | None) -> tuple[str, ...]:

@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from kernels.config import BackendKind, KernelConfig
+from kernels.config import BackendKind, KernelConfig, LoRAForm
+from kernels.protocol import KernelBackend
 
 _EAGER_DEVICES = ("cpu", "cuda")
-
-
-class KernelBackend(Protocol):
-    """What every backend provides; ops in :mod:`kernels.ops` validate, then call these."""
-
-    traced: bool
-    """True when the ops trace into a graph (XLA): static shapes, no host sync, expand returns a new tensor."""
-    laned_output: bool
-    """True when shrink's h is laned ``[T, S·R]`` rather than ``[T, R]``."""
-    max_segment_runs: int
-    """Eager: at most max(this, 2 × active slots) runs of equal slots -> per-run row slices; 0 = never."""
-
-    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool: ...
-
-    def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: object) -> torch.Tensor: ...
-
-    def expand(
-        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: object, accumulate: bool
-    ) -> torch.Tensor: ...
 
 
 def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
@@ -39,7 +19,7 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
         from kernels.dispatch_table import TorchDispatchTable
         from kernels.torch_eager import TorchEagerBackend
 
-        return TorchEagerBackend(TorchDispatchTable.load(config.dispatch_table))
+        return TorchEagerBackend(TorchDispatchTable.load(config.dispatch_table), form=config.torch_form)
     if kind is BackendKind.XLA:
         from kernels.xla_laned import XlaLanedBackend
 
@@ -56,7 +36,7 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
     """Pick the backend once, outside the hot path: cpu/cuda -> torch, xla -> ``config.xla_backend``.
 
     A forced ``config.backend`` wins, except that eager-only backends (torch, reference) refuse an XLA device and the
-    Pallas backend refuses anything but an XLA device.
+    Pallas backend refuses anything but an XLA device; a forced ``torch_form`` needs the torch backend.
     """
     config = config or KernelConfig()
     device_type = torch.device(device).type
@@ -72,4 +52,8 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
         raise ValueError(f"backend {kind.value!r} is eager-only (host syncs per step); device is {device_type!r}")
     if kind is BackendKind.PALLAS and device_type != "xla":
         raise ValueError(f"backend 'pallas' needs an xla device (torch_xla), got {device_type!r}")
+    if config.torch_form is not LoRAForm.AUTO and kind is not BackendKind.TORCH:
+        raise ValueError(
+            f"torch_form={config.torch_form.value!r} applies to the torch backend only; got {kind.value!r}"
+        )
     return _build(kind, config)

@@ -16,6 +16,30 @@ class BackendKind(StrEnum):
     PALLAS = "pallas"
 
 
+class LoRAForm(StrEnum):
+    """How the eager torch backend computes one step's LoRA; ``LoRAKernelMeta.form`` records the one each step took.
+
+    ``KernelConfig.torch_form`` may force SEGMENTS, GROUPED or LANED for every step with an adapter (no single-slot
+    fast path then; a step with no adapter still skips LoRA), to compare the forms on the same batches.
+    """
+
+    AUTO = "auto"
+    """Config only: the fast paths when the step allows them, else segments, else the measured table's choice."""
+    NONE = "none"
+    """No token has an adapter: no LoRA work at all."""
+    SINGLE = "single"
+    """Every adapter token uses one slot: plain matmuls with it, rows of -1 tokens zeroed."""
+    SEGMENTS = "segments"
+    """One matmul per run of equal slots in token order, on row slices (a batch ordered by adapter)."""
+    GROUPED = "grouped"
+    """Tokens sorted by slot once per step and padded per active slot: two batched matmuls."""
+    LANED = "laned"
+    """One dense matmul over all S·R lanes, masked to each token's slot (small batches)."""
+
+
+_FORCIBLE_FORMS = (LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED)
+
+
 class PallasInterpret(StrEnum):
     """How the Pallas kernels run: compiled for a TPU, or interpreted on any backend."""
 
@@ -42,6 +66,8 @@ class KernelConfig:
     """Path of a torch dispatch table JSON written by scripts/bench_kernels.py; None uses the shipped one."""
     block_size_table: str | None = None
     """Path of a Pallas block-size table JSON; None uses the shipped one."""
+    torch_form: LoRAForm = LoRAForm.AUTO
+    """Torch backend only: AUTO picks per step; SEGMENTS, GROUPED or LANED forces that form (to compare forms)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, BackendKind):
@@ -50,3 +76,10 @@ class KernelConfig:
             raise ValueError(f"xla_backend must be BackendKind.XLA or BackendKind.PALLAS, got {self.xla_backend!r}")
         if not isinstance(self.pallas_interpret, PallasInterpret):
             raise ValueError(f"pallas_interpret must be a PallasInterpret, got {self.pallas_interpret!r}")
+        if self.torch_form in set(LoRAForm):  # a plain string ("laned") becomes the enum member
+            object.__setattr__(self, "torch_form", LoRAForm(self.torch_form))
+        if self.torch_form not in _FORCIBLE_FORMS:
+            raise ValueError(
+                f"torch_form must be one of {', '.join(f.value for f in _FORCIBLE_FORMS)}, got {self.torch_form!r} "
+                "(none and single are fast paths AUTO takes when a step allows them)"
+            )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import cast
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels.backend import KernelBackend
+from kernels.config import LoRAForm
+from kernels.protocol import EagerBackend, KernelBackend
+
+_log = logging.getLogger(__name__)
 
 
 _MAX_PADDING_WASTE = 1.5
@@ -53,6 +56,7 @@ class LoRAKernelMeta:
 
     Worked example, S = 4, R = 2, slot indices ``[2, -1, 0, 2, 2]``:
       slot_counts = (1, 0, 3, 0), no_adapter = False, single_slot = None, all_assigned = False,
+      runs = ((2, 0, 1), (0, 2, 1), (2, 3, 2)) -> form = segments (few runs) on the torch backend,
       lane_slot (traced)  = [0, 0, 1, 1, 2, 2, 3, 3]  (slot of each of the S·R lanes),
       lane_mask[1] = all False, lane_mask[0] = True only on lanes 4, 5 (slot 2).
     """
@@ -78,11 +82,15 @@ class LoRAKernelMeta:
     segments: tuple[tuple[int, int, int], ...] | None = field(init=False, default=None)
     """Eager only: (slot, start, count) per run of equal slots in token order, when the batch is grouped by slot
     (an engine that orders its batch by adapter gives one run per adapter): plain matmuls on row slices."""
+    form: LoRAForm | None = field(init=False, default=None)
+    """Eager only: the form this step takes (none, single, segments, grouped, laned); None on traced devices, whose
+    backend has one static form. Each new (token count, form) pair is logged once at DEBUG."""
     use_laned: bool = field(init=False, default=False)
     """Eager only: the backend chose the dense laned form for this step."""
     grouping: SlotGrouping | None = field(init=False, default=None)
     lane_onehot: torch.Tensor | None = field(init=False, default=None)
     """Eager laned form only. Shape: [T, S, 1] bool, True where the token's slot is that slot."""
+    _logged_forms: set[tuple[int, LoRAForm]] = field(init=False, default_factory=set, repr=False)
 
     @classmethod
     def make(
@@ -122,25 +130,36 @@ class LoRAKernelMeta:
         counts = torch.bincount(host.long() + 1, minlength=self.num_slots + 1).tolist()
         self.slot_counts = tuple(counts[1:])
         active = [s for s, c in enumerate(self.slot_counts) if c > 0]
-        self.no_adapter = not active
-        self.single_slot = active[0] if len(active) == 1 else None
         self.all_assigned = counts[0] == 0
         self.segments = None
         self.use_laned = False
         self.grouping = None
         self.lane_onehot = None
-        if len(active) < 2:
-            return
-        runs = _runs(host)
-        limit = self.backend.max_segment_runs
-        if limit > 0 and len(runs) <= max(limit, 2 * len(active)):
-            self.segments = runs
-        elif self.backend.prefers_laned(num_tokens, self.num_slots, self.rank):
-            self.use_laned = True
-            onehot = self.token_slots[:, None].long() == torch.arange(self.num_slots, device=self.device)[None, :]
-            self.lane_onehot = onehot[:, :, None]
+        self.single_slot = None
+        if not active:
+            form = LoRAForm.NONE
         else:
-            self.grouping = self._group(active)
+            runs = _runs(host)
+            form = cast(EagerBackend, self.backend).choose_form(
+                num_tokens, self.num_slots, self.rank, len(active), len(runs)
+            )
+            assert form is not LoRAForm.SINGLE or len(active) == 1, f"single-slot form for {len(active)} slots"
+            if form is LoRAForm.SINGLE:
+                self.single_slot = active[0]
+            elif form is LoRAForm.SEGMENTS:
+                self.segments = runs
+            elif form is LoRAForm.LANED:
+                self.use_laned = True
+                onehot = self.token_slots[:, None].long() == torch.arange(self.num_slots, device=self.device)[None, :]
+                self.lane_onehot = onehot[:, :, None]
+            else:
+                assert form is LoRAForm.GROUPED, f"backend chose {form!r}"
+                self.grouping = self._group(active)
+        self.form = form
+        self.no_adapter = form is LoRAForm.NONE
+        if (num_tokens, form) not in self._logged_forms:
+            self._logged_forms.add((num_tokens, form))
+            _log.debug("LoRA form %s for steps of %d tokens (%d active slots)", form.value, num_tokens, len(active))
 
     def _copy_slots(self, slot_indices: torch.Tensor) -> torch.Tensor:
         if slot_indices.device == self.device:

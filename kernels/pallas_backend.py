@@ -15,15 +15,11 @@ class PallasBackend:
     """Laned h ``[T, S·R]``; expand returns a new tensor. Block sizes come from the table, keyed by op and shape."""
 
     traced = True
-    max_segment_runs = 0
     laned_output = True
 
     def __init__(self, table: BlockSizeTable, *, interpret: PallasInterpret) -> None:
         self._table = table
         self._interpret = interpret
-
-    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool:
-        return True
 
     def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics: as :func:`kernels.pallas_kernels.lora_shrink`.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.config import LoRAForm
 from kernels.meta import LoRAKernelMeta
 
 
@@ -11,11 +12,10 @@ class ReferenceBackend:
     """Per-token Python loops in float32; results are cast back to the inputs' dtype."""
 
     traced = False
-    max_segment_runs = 0
     laned_output = False
 
-    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool:
-        return False
+    def choose_form(self, num_tokens: int, num_slots: int, rank: int, active_slots: int, runs: int) -> LoRAForm:
+        return LoRAForm.SINGLE if active_slots == 1 else LoRAForm.SEGMENTS  # the loops read only token_slots
 
     def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.config import LoRAForm
 from kernels.dispatch_table import TorchDispatchTable
 from kernels.meta import LoRAKernelMeta
 
@@ -24,14 +25,27 @@ class TorchEagerBackend:
     traced = False
     laned_output = False
 
-    def __init__(self, table: TorchDispatchTable, max_segment_runs: int = 16) -> None:
+    def __init__(self, table: TorchDispatchTable, max_segment_runs: int = 16, form: LoRAForm = LoRAForm.AUTO) -> None:
+        """``max_segment_runs``: AUTO uses segments while a step has ≤ max(this, 2 × active slots) runs (0: never).
+        ``form``: AUTO, or a forced SEGMENTS / GROUPED / LANED for every step with an adapter."""
         if max_segment_runs < 0:
             raise ValueError(f"max_segment_runs must be >= 0, got {max_segment_runs}")
+        if form not in (LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED):
+            raise ValueError(f"form must be auto, segments, grouped or laned, got {form!r}")
         self._table = table
         self.max_segment_runs = max_segment_runs
+        self.form = form
 
-    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool:
-        return self._table.prefers_laned(num_tokens, num_slots, rank)
+    def choose_form(self, num_tokens: int, num_slots: int, rank: int, active_slots: int, runs: int) -> LoRAForm:
+        if self.form is not LoRAForm.AUTO:
+            return self.form
+        if active_slots == 1:
+            return LoRAForm.SINGLE
+        if self.max_segment_runs > 0 and runs <= max(self.max_segment_runs, 2 * active_slots):
+            return LoRAForm.SEGMENTS
+        if self._table.prefers_laned(num_tokens, num_slots, rank):
+            return LoRAForm.LANED
+        return LoRAForm.GROUPED
 
     def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::

@@ -20,11 +20,7 @@ class XlaLanedBackend:
     """Laned shrink/expand; h is ``[T, S·R]`` with zeros outside each token's own slot's lanes."""
 
     traced = True
-    max_segment_runs = 0
     laned_output = True
-
-    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool:
-        return True
 
     def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from adapter_manager.local_hub import serve as serve_hub
 
-from .server_client import DEFAULT_URL, TOKEN_ENV, URL_ENV, ServerClient, ServerError
+from .client import DEFAULT_URL, TOKEN_ENV, URL_ENV, ServerClient, ServerError
 
 OK, SERVER_ERROR, USAGE_ERROR = 0, 1, 2
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?", re.IGNORECASE)
@@ -173,12 +173,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     from adapter_manager import AdapterManagerConfig
 
-    from .checkpoint import CheckpointError, CheckpointSource, write_random_checkpoint
-    from .config import LlamaConfig
-    from .engine import EngineConfig
-    from .launch import build_serving
-    from .server import serve
-    from .server_state import ServerConfig
+    from .engine.engine import EngineConfig
+    from .model.checkpoint import CheckpointError, CheckpointSource, write_random_checkpoint
+    from .model.config import LlamaConfig
+    from .server.app import serve
+    from .server.launch import build_serving
+    from .server.state import ServerConfig
 
     try:
         with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
@@ -258,10 +258,10 @@ def _adapter_table(adapters: list[dict]) -> str:
 
 
 def _metrics_table(snapshot: dict) -> str:
-    lines = [f"{'tier move':14} {'count':>6} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"]
-    for tier, s in sorted(snapshot["tiers"].items()):
+    lines = [f"{'move':14} {'count':>6} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"]
+    for move, s in sorted(snapshot["moves"].items()):
         ms = " ".join(f"{s[k] * 1e3:8.2f}" for k in ("p50_s", "p95_s", "p99_s", "max_s"))
-        lines.append(f"{tier:14} {s['count']:6d} {s['total_bytes'] / 1e6:9.2f} {ms}")
+        lines.append(f"{move:14} {s['count']:6d} {s['total_bytes'] / 1e6:9.2f} {ms}")
     for tier in sorted(set(snapshot["hits"]) | set(snapshot["misses"])):
         hits, misses = snapshot["hits"].get(tier, 0), snapshot["misses"].get(tier, 0)
         rate = snapshot["hit_rates"].get(tier, 0.0)

@@ -18,13 +18,13 @@ from huggingface_hub.utils import disable_progress_bars
 from adapter_manager import PROJECTIONS, AdapterManagerConfig, HubConfig, write_synthetic_adapter
 from adapter_manager.local_hub import LocalHub
 
-from .checkpoint import write_random_checkpoint
-from .config import LlamaConfig
-from .engine import EngineConfig
-from .launch import build_serving
-from .server import BackgroundServer
-from .server_client import ServerClient, ServerError
-from .server_state import ServerConfig
+from .client import ServerClient, ServerError
+from .engine.engine import EngineConfig
+from .model.checkpoint import write_random_checkpoint
+from .model.config import LlamaConfig
+from .server.app import BackgroundServer
+from .server.launch import build_serving
+from .server.state import ServerConfig
 
 _MB = 1e6
 _RANKS = (8, 16, 32, 64)
@@ -160,11 +160,11 @@ def _print_table(config: DemoConfig, snapshot: dict, wall: float, latencies: lis
             f"p50 {wait['p50_s'] * 1e3:.2f} ms   p99 {wait['p99_s'] * 1e3:.2f} ms   max {wait['max_s'] * 1e3:.2f} ms"
         )
     print(
-        f"\n{'swap latency by tier':22}{'moves':>7} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+        f"\n{'swap latency by move':22}{'moves':>7} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"
     )
-    for tier in ("hub_download", "disk_to_host", "host_to_slot"):
-        s = snapshot["tiers"].get(tier)
+    for move in ("hub_to_disk", "disk_to_host", "host_to_slot"):
+        s = snapshot["moves"].get(move)
         if s is None:
             continue
         ms = " ".join(f"{s[k] * 1e3:8.2f}" for k in ("p50_s", "p95_s", "p99_s", "max_s"))
-        print(f"{tier:22}{s['count']:>7d} {s['total_bytes'] / _MB:9.1f} {ms}")
+        print(f"{move:22}{s['count']:>7d} {s['total_bytes'] / _MB:9.1f} {ms}")

@@ -25,14 +25,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import DispatchEntry, LoRAKernelMeta, TorchDispatchTable, expand, select_backend, shrink  # noqa: E402
-from kernels.torch_eager import TorchEagerBackend  # noqa: E402
+from kernels import (  # noqa: E402
+    DispatchEntry,
+    KernelConfig,
+    LoRAForm,
+    LoRAKernelMeta,
+    TorchDispatchTable,
+    expand,
+    select_backend,
+    shrink,
+)
 
 SHAPES = {"bench": [(1024, 2816), (2816, 1024)], "llama8b": [(4096, 14336), (14336, 4096)]}
 TARGET = {"tokens": 512, "slots": 8, "rank": 16, "in": 1024, "out": 2816}
 TARGET_LIMITS = {"uniform": 8.0, "sorted": 8.0, "single": 4.0, "none": 0.5}
-NEVER_LANED = TorchDispatchTable((DispatchEntry(1, 1, 0),))
-ALWAYS_LANED = TorchDispatchTable((DispatchEntry(1, 1, 1 << 30),))
+GROUPED = KernelConfig(torch_form=LoRAForm.GROUPED)
+LANED = KernelConfig(torch_form=LoRAForm.LANED)
 
 
 def slot_indices(mix: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -125,8 +133,8 @@ def write_table(args: argparse.Namespace) -> None:
             laned_max = 0
             for tokens in token_list:
                 reps = repeats_for(tokens, in_f, out_f, args.quick)
-                grouped = measure(TorchEagerBackend(NEVER_LANED), tokens, slots, rank, in_f, out_f, "uniform", reps)
-                laned = measure(TorchEagerBackend(ALWAYS_LANED), tokens, slots, rank, in_f, out_f, "uniform", reps)
+                grouped = measure(select_backend("cpu", GROUPED), tokens, slots, rank, in_f, out_f, "uniform", reps)
+                laned = measure(select_backend("cpu", LANED), tokens, slots, rank, in_f, out_f, "uniform", reps)
                 print(
                     f"table S={slots:2d} R={rank:2d} T={tokens:4d} grouped {grouped['lora_pct']:7.2f}% "
                     f"laned {laned['lora_pct']:7.2f}%"

@@ -9,6 +9,7 @@ Targets: >= -1 %, >= -3 %, >= -5 %. lora_none runs exactly base's code path, so 
 Prints a table and writes out/bench_slowdown.json.
 
   .venv/bin/python scripts/bench_slowdown.py [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
+      [--dtype float32|bfloat16] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from pathlib import Path
 import torch
 
 from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, write_synthetic_adapter
-from runtime.checkpoint import load_model, write_random_checkpoint
-from runtime.config import LlamaConfig
-from runtime.engine import Engine, EngineConfig
-from runtime.sampling import SamplingParams
-from runtime.scheduler import SchedulerConfig
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model.checkpoint import load_model, write_random_checkpoint
+from runtime.model.config import LlamaConfig
 
 CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
 TARGETS = {"lora_none": -1.0, "lora_1": -3.0, "lora_8": -5.0}
@@ -51,20 +52,24 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--out", type=Path, default=Path("out/bench_slowdown.json"))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     inputs = [int(n) for n in args.inputs.split(",")]
     config = LlamaConfig.bench()
-    results = {"dtype": args.dtype, "requests": args.requests, "output": args.output, "rows": []}
+    results = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "output": args.output, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_random_checkpoint(config, root / "model", dtype=dtype)
         spec = config.to_spec("bench")
         for i in range(8):
             write_synthetic_adapter(root / f"a{i}", spec, r=16, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
-        model = load_model(root / "model", dtype=dtype)
-        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=8, max_rank=16, dtype=dtype, prefetch_workers=0))
+        model = load_model(root / "model", dtype=dtype, device=args.device)
+        manager_config = AdapterManagerConfig(
+            max_slots=8, max_rank=16, dtype=dtype, device=args.device, prefetch_workers=0
+        )
+        manager = AdapterManager(spec, manager_config)
         for i in range(8):
             manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
         gen = torch.Generator().manual_seed(0)

@@ -121,7 +121,7 @@ def trace(args: argparse.Namespace, prefetch: bool) -> dict:
     return {
         "prefetch": prefetch,
         "slot_hit_rate": hits / (hits + misses),
-        "slot_loads": snapshot.tiers["host_to_slot"].count,
+        "slot_loads": snapshot.moves["host_to_slot"].count,
         "exposed_p50_s": wait.p50_s,
         "exposed_p99_s": wait.p99_s,
         "exposed_max_s": wait.max_s,

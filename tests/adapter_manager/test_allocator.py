@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from adapter_manager import AdapterNotFoundError, AdapterRegistry, RegistryConfig, Tier, write_synthetic_adapter
+from adapter_manager import AdapterNotFoundError, AdapterRegistry, Move, RegistryConfig, write_synthetic_adapter
 from adapter_manager.allocator import SlotAllocator
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
@@ -73,8 +73,8 @@ def test_acquire_loads_pins_and_hits(tiny_spec, catalog):
     assert dict(again.slots) == {"b": 1} and catalog.fetches == ["a", "b"]
     snapshot = allocator.metrics.snapshot()
     assert snapshot.hits["slot"] == 1 and snapshot.misses["slot"] == 2
-    assert snapshot.tiers[Tier.SLOT.value].count == 2
-    assert snapshot.tiers[Tier.SLOT.value].total_bytes == 2 * allocator.pool.slot_nbytes
+    assert snapshot.moves[Move.HOST_TO_SLOT].count == 2
+    assert snapshot.moves[Move.HOST_TO_SLOT].total_bytes == 2 * allocator.pool.slot_nbytes
     assert snapshot.exposed_wait.count == 2
     assert allocator.resident_bytes == 2 * allocator.pool.slot_nbytes
 
@@ -212,7 +212,7 @@ def test_registry_backed_slots_equal_prepared_weights(tmp_path, tiny_spec):
             expected_a = torch.zeros_like(stacks.a[slot]) if weights is None else weights.a
             expected_bt = torch.zeros_like(stacks.bt[slot]) if weights is None else weights.bt
             assert torch.equal(stacks.a[slot], expected_a) and torch.equal(stacks.bt[slot], expected_bt)
-    assert registry.metrics.snapshot().tiers[Tier.SLOT.value].total_bytes == sum(
+    assert registry.metrics.snapshot().moves[Move.HOST_TO_SLOT].total_bytes == sum(
         registry.get(a).nbytes for a in ("one", "two")
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterError, AdapterNotFoundError, Tier, write_synthetic_adapter
+from adapter_manager import AdapterError, AdapterNotFoundError, Move, write_synthetic_adapter
 from adapter_manager.manager import AdapterManager, AdapterManagerConfig
 from adapter_manager.prefetch import PrefetchConfig, Prefetcher
 
@@ -55,7 +55,7 @@ def test_acquire_serves_prepared_weights_and_reports_residency(folders, tiny_spe
         manager.release(lease)
         assert not manager.residency()["a"].pinned
         snapshot = manager.metrics()
-        assert snapshot.tiers[Tier.SLOT.value].count == 2 and snapshot.exposed_wait.count == 1
+        assert snapshot.moves[Move.HOST_TO_SLOT].count == 2 and snapshot.exposed_wait.count == 1
         as_dict = snapshot.to_dict()
         assert as_dict["residency"]["b"]["tier"] == "slot" and as_dict["misses"]["slot"] == 2
 

@@ -40,24 +40,22 @@ def test_scrape_matches_the_snapshot(manager):
     snapshot = manager.metrics()
     families = scrape(manager)
 
-    moves = families["adapter_manager_tier_move_seconds"]
+    moves = families["adapter_manager_move_seconds"]
     assert moves.type == "histogram"
-    for tier, stats in snapshot.tiers.items():
-        got = samples(moves, tier=tier)
-        assert got["adapter_manager_tier_move_seconds_count"] == stats.count
-        assert got["adapter_manager_tier_move_seconds_sum"] == pytest.approx(stats.total_seconds)
+    for move, stats in snapshot.moves.items():
+        got = samples(moves, move=move)
+        assert got["adapter_manager_move_seconds_count"] == stats.count
+        assert got["adapter_manager_move_seconds_sum"] == pytest.approx(stats.total_seconds)
         buckets = [
-            (s.labels["le"], s.value) for s in moves.samples if s.labels.get("tier") == tier and "le" in s.labels
+            (s.labels["le"], s.value) for s in moves.samples if s.labels.get("move") == move and "le" in s.labels
         ]
         assert buckets[-1] == ("+Inf", stats.count)
         counts = [count for _, count in buckets]
         assert counts == sorted(counts) and len(buckets) == len(LATENCY_BUCKETS_S) + 1
         assert all(count == stats.count for le, count in buckets if le != "+Inf" and float(le) >= stats.max_s)
     assert (
-        samples(families["adapter_manager_tier_move_bytes"], tier="host_to_slot")[
-            "adapter_manager_tier_move_bytes_total"
-        ]
-        == snapshot.tiers["host_to_slot"].total_bytes
+        samples(families["adapter_manager_move_bytes"], move="host_to_slot")["adapter_manager_move_bytes_total"]
+        == snapshot.moves["host_to_slot"].total_bytes
     )
 
     for name in ("hits", "misses", "evictions"):
@@ -69,7 +67,7 @@ def test_scrape_matches_the_snapshot(manager):
     wait = samples(families["adapter_manager_exposed_wait_seconds"])
     assert wait["adapter_manager_exposed_wait_seconds_count"] == snapshot.exposed_wait.count == 4
 
-    residency = {s.labels["residency"]: s.value for s in families["adapter_manager_adapters"].samples}
+    residency = {s.labels["tier"]: s.value for s in families["adapter_manager_adapters"].samples}
     assert residency == {"slot": 1, "host": 2, "disk": 0}
     assert samples(families["adapter_manager_slots"])["adapter_manager_slots"] == 1
     used = samples(families["adapter_manager_host_tier_used_bytes"])["adapter_manager_host_tier_used_bytes"]
@@ -86,12 +84,12 @@ def test_labels_stay_low_cardinality(manager):
     families = scrape(manager)
     assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 1
     label_names = {name for f in families.values() for s in f.samples for name in s.labels}
-    assert label_names <= {"tier", "le", "residency"}
+    assert label_names <= {"tier", "move", "le"}
     assert not any("org/" in str(s.labels) for f in families.values() for s in f.samples)
 
 
 def test_an_idle_manager_scrapes_cleanly(tiny_spec):
     with AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0)) as manager:
         families = scrape(manager)
-    assert families["adapter_manager_tier_move_seconds"].samples == []
+    assert families["adapter_manager_move_seconds"].samples == []
     assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 0

@@ -14,8 +14,8 @@ from adapter_manager import (
     AdapterNotFoundError,
     AdapterRegistry,
     InvalidAdapterRefError,
+    Move,
     RegistryConfig,
-    Tier,
     write_synthetic_adapter,
 )
 from adapter_manager.peft_format import CONFIG_NAME
@@ -60,9 +60,9 @@ def test_valid_adapter_registers_with_timings(good, tiny_spec):
     assert result.record.sha.startswith("local-") and result.downloaded_bytes == 0
     assert result.prepare_s > 0
     snapshot = registry.metrics.snapshot()
-    assert snapshot.tiers[Tier.PREPARE.value].count == 1
-    assert snapshot.tiers[Tier.PREPARE.value].total_bytes == result.record.nbytes
-    assert Tier.HUB.value not in snapshot.tiers
+    assert snapshot.moves[Move.DISK_TO_HOST].count == 1
+    assert snapshot.moves[Move.DISK_TO_HOST].total_bytes == result.record.nbytes
+    assert Move.HUB_TO_DISK not in snapshot.moves
     assert registry.host.used_bytes == result.record.nbytes
 
 
@@ -116,7 +116,7 @@ def test_evicted_adapter_is_prepared_again_from_disk(tmp_path, tiny_spec):
     assert registry.metrics.snapshot().evictions["host"] == 2
     prepared = registry.prepared("a0")
     assert prepared.adapter_id == "a0" and {k[0] for k in registry.host.keys()} == {"a3", "a0"}
-    assert registry.metrics.snapshot().tiers[Tier.PREPARE.value].count == 5
+    assert registry.metrics.snapshot().moves[Move.DISK_TO_HOST].count == 5
 
 
 def test_host_cache_smaller_than_one_adapter_is_a_config_error(tiny_spec):
@@ -166,7 +166,7 @@ def test_concurrent_registers_of_one_adapter_prepare_it_once(good, tiny_spec):
     for t in threads:
         t.join()
     assert sorted(r.action for r in results) == ["registered"] + ["unchanged"] * 5
-    assert registry.metrics.snapshot().tiers[Tier.PREPARE.value].count == 1
+    assert registry.metrics.snapshot().moves[Move.DISK_TO_HOST].count == 1
 
 
 def test_changed_local_files_are_not_served_under_the_old_sha(good, tiny_spec):

@@ -20,9 +20,9 @@ from adapter_manager import (
     AdapterRevisionNotFoundError,
     HubConfig,
     HubUnavailableError,
+    Move,
     PickleRefusedError,
     RegistryConfig,
-    Tier,
     write_synthetic_adapter,
 )
 from adapter_manager.local_hub import HubFault, LocalHub
@@ -78,9 +78,9 @@ def test_register_by_hub_id_records_sha_and_timings(hub, tmp_path, tiny_spec):
     assert result.downloaded_bytes == (hub.root / "org/good" / WEIGHTS_NAME).stat().st_size + len(
         (hub.root / "org/good/adapter_config.json").read_bytes()
     )
-    tiers = registry.metrics.snapshot().tiers
-    assert tiers[Tier.HUB.value].count == 1 and tiers[Tier.HUB.value].total_bytes == result.downloaded_bytes
-    assert tiers[Tier.PREPARE.value].count == 1
+    moves = registry.metrics.snapshot().moves
+    assert moves[Move.HUB_TO_DISK].count == 1 and moves[Move.HUB_TO_DISK].total_bytes == result.downloaded_bytes
+    assert moves[Move.DISK_TO_HOST].count == 1
     assert downloads(hub) == 2
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import LoRAKernelMeta, expand, select_backend, shrink
+from kernels import KernelConfig, LoRAForm, LoRAKernelMeta, expand, select_backend, shrink
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.torch_eager import TorchEagerBackend
 from kernels.xla_laned import XlaLanedBackend
@@ -20,6 +20,10 @@ BACKENDS = {
     "torch_laned": lambda: TorchEagerBackend(ALWAYS_LANED, max_segment_runs=0),
     "torch_segments": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=1 << 30),
     "torch_table": lambda: select_backend("cpu"),
+    # forced through the config: the same form for every step with an adapter, single-slot steps included
+    "forced_segments": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.SEGMENTS)),
+    "forced_grouped": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED)),
+    "forced_laned": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.LANED)),
     "xla_laned_on_cpu": XlaLanedBackend,
 }
 

@@ -10,6 +10,7 @@ import torch
 from kernels import (
     BackendKind,
     KernelConfig,
+    LoRAForm,
     LoRAKernelMeta,
     TorchDispatchTable,
     expand,
@@ -114,6 +115,34 @@ def test_seam_picks_by_device_and_config():
         select_backend("meta")
     with pytest.raises(ValueError, match="xla_backend"):
         KernelConfig(xla_backend=BackendKind.TORCH)
+
+
+@pytest.mark.parametrize(
+    ("slots", "auto", "forced"),
+    [
+        ([-1, -1], LoRAForm.NONE, LoRAForm.NONE),  # no adapter: nothing to force
+        ([3, -1, 3], LoRAForm.SINGLE, LoRAForm.GROUPED),
+        ([2, 2, -1, 0, 0], LoRAForm.SEGMENTS, LoRAForm.GROUPED),
+    ],
+)
+def test_the_form_is_chosen_per_step_or_forced_and_recorded(slots, auto, forced, caplog):
+    with caplog.at_level("DEBUG", logger="kernels.meta"):
+        assert prepared(slots, backend=select_backend("cpu")).form is auto
+    assert f"LoRA form {auto.value} for steps of {len(slots)} tokens" in caplog.text
+    backend = select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED))
+    meta = prepared(slots, backend=backend)
+    assert meta.form is forced and (meta.grouping is not None) == (forced is LoRAForm.GROUPED)
+    assert meta.single_slot is None and meta.segments is None
+
+
+def test_forced_forms_are_checked():
+    with pytest.raises(ValueError, match="none and single are fast paths"):
+        KernelConfig(torch_form=LoRAForm.SINGLE)
+    with pytest.raises(ValueError, match="torch_form must be one of"):
+        KernelConfig(torch_form="fused")
+    assert KernelConfig(torch_form="laned").torch_form is LoRAForm.LANED
+    with pytest.raises(ValueError, match="applies to the torch backend only"):
+        select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE, torch_form=LoRAForm.LANED))
 
 
 def test_dispatch_table_round_trip(tmp_path):

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from kernels import LoRAKernelMeta
-from runtime.batch import ForwardBatch, SequenceChunk
-from runtime.model import Llama
+from runtime.model.batch import ForwardBatch, SequenceChunk
+from runtime.model.llama import Llama
 
 
 def step(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.checkpoint import (
+from runtime.model.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
@@ -18,7 +18,7 @@ from runtime.checkpoint import (
     load_model,
     write_random_checkpoint,
 )
-from runtime.config import LlamaConfig, RopeScaling
+from runtime.model.config import LlamaConfig, RopeScaling
 from tests.conftest import make_tiny_llama
 from tests.runtime._steps import prefill_logits
 

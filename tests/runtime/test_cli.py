@@ -82,7 +82,7 @@ def test_help_explains_every_command():
 
 def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
     """The server runs as a subprocess; the client commands run in-process through `main` (same exit codes)."""
-    from runtime.config import LlamaConfig
+    from runtime.model.config import LlamaConfig
 
     adapter = write_synthetic_adapter(tmp_path / "my-adapter", LlamaConfig.tiny().to_spec("random-tiny"), r=4)
     proc = subprocess.Popen(
@@ -136,7 +136,7 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
         metrics = in_process(capsys, "metrics", "--url", url)
         assert metrics.code == 0 and "host_to_slot" in metrics.out and "slot tier: hit rate" in metrics.out
         prometheus = in_process(capsys, "metrics", "--url", url, "--prometheus")
-        assert "adapter_manager_tier_move_seconds" in prometheus.out
+        assert "adapter_manager_move_seconds" in prometheus.out
 
         assert in_process(capsys, "unregister", "team/x", *auth).code == 0
         missing = in_process(capsys, "unregister", "team/x", *auth)
@@ -159,5 +159,5 @@ def test_demo_small_run_prints_its_table(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "registered 6 adapters by hub id" in out and "40 ok, 0 failed" in out
-    for row in ("throughput", "slot tier", "host tier", "exposed wait", "hub_download", "host_to_slot"):
+    for row in ("throughput", "slot tier", "host tier", "exposed wait", "hub_to_disk", "host_to_slot"):
         assert row in out, row

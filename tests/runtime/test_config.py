@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from adapter_manager import BaseModelSpec
-from runtime.config import LlamaConfig, RopeScaling
-from runtime.rope import inv_frequencies
+from runtime.model.config import LlamaConfig, RopeScaling
+from runtime.model.rope import inv_frequencies
 
 transformers = pytest.importorskip("transformers")
 

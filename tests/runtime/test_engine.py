@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterNotFoundError
-from runtime.checkpoint import load_model
-from runtime.engine import Engine, EngineConfig
-from runtime.request import RequestFailedError
-from runtime.sampling import SamplingParams
-from runtime.scheduler import SchedulerConfig
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.request import RequestFailedError
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import ADAPTERS, ROWS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 
 
-def make_engine(written, max_slots=2, token_budget=12, max_batch=4, **manager_kwargs):
-    model = load_model(written[None][0], dtype=torch.float32)
+def make_engine(written, max_slots=2, token_budget=12, max_batch=4, eos_ids=(), checkpoint=None, **manager_kwargs):
+    """eos_ids=() as the oracle's generate runs with no eos; None takes the checkpoint's."""
+    model = load_model(checkpoint or written[None][0], dtype=torch.float32)
     spec = model.config.to_spec(TINY_NAME)
     manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, max_rank=8, **manager_kwargs))
     for name in ADAPTERS:
         manager.register(str(written[name][0]), adapter_id=name)
-    config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=SchedulerConfig(token_budget=token_budget))
+    scheduler = SchedulerConfig(token_budget=token_budget)
+    config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=scheduler, eos_ids=eos_ids)
     return Engine(model, manager, config), manager
 
 
@@ -37,7 +40,7 @@ def test_many_adapters_few_slots_match_peft(written, expected):
         assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
         assert handle.finish_reason == "length"
     snapshot = manager.metrics()
-    assert snapshot.tiers["host_to_slot"].count >= len(ADAPTERS)  # 5 adapters through 2 slots: swaps happened
+    assert snapshot.moves["host_to_slot"].count >= len(ADAPTERS)  # 5 adapters through 2 slots: swaps happened
     assert steps < 500
     manager.close()
 
@@ -96,6 +99,31 @@ def test_stop_ids_end_a_request(written, expected):
     out = handle.result(timeout=0)
     assert out[-1] == stop and handle.finish_reason == "stop"
     assert out == expected[(tuple(prompt), name)][: out.index(stop) + 1]
+    manager.close()
+
+
+@pytest.mark.parametrize("where", ["generation_config", "config", "engine_config"])
+def test_requests_stop_at_the_checkpoints_eos_by_default(written, expected, tmp_path, where):
+    """A Python-API user gets the checkpoint's eos ids without passing stop_ids; ignore_eos runs on to max_tokens."""
+    prompt, name = ROWS[0]
+    full = expected[(tuple(prompt), name)]
+    eos = full[2]
+    checkpoint = tmp_path / "base"
+    shutil.copytree(written[None][0], checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["eos_token_id"] = [eos, 63] if where == "config" else 63
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    generation = checkpoint / "generation_config.json"
+    if where == "generation_config":
+        generation.write_text(json.dumps({"eos_token_id": [63, eos]}))  # wins over config.json's
+    else:
+        generation.unlink(missing_ok=True)
+    engine, manager = make_engine(written, checkpoint=checkpoint, eos_ids=(eos,) if where == "engine_config" else None)
+    stopped = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS))
+    ignoring = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    engine.run_until_idle(max_steps=100)
+    assert stopped.result(timeout=0) == full[: full.index(eos) + 1] and stopped.finish_reason == "stop"
+    assert ignoring.result(timeout=0) == full and ignoring.finish_reason == "length"
     manager.close()
 
 

@@ -21,11 +21,11 @@ import torch_xla.debug.metrics as metrics  # noqa: E402
 from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterRegistry, RegistryConfig  # noqa: E402
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
 from kernels import LoRAKernelMeta, select_backend  # noqa: E402
-from runtime.batch import ForwardBatch, SequenceChunk, StaticPadding  # noqa: E402
-from runtime.checkpoint import load_model  # noqa: E402
-from runtime.engine import Engine, EngineConfig  # noqa: E402
-from runtime.sampling import SamplingParams  # noqa: E402
-from runtime.scheduler import SchedulerConfig  # noqa: E402
+from runtime.engine.engine import Engine, EngineConfig  # noqa: E402
+from runtime.engine.sampling import SamplingParams  # noqa: E402
+from runtime.engine.scheduler import SchedulerConfig  # noqa: E402
+from runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding  # noqa: E402
+from runtime.model.checkpoint import load_model  # noqa: E402
 from tests.conftest import TINY_NAME  # noqa: E402
 from tests.runtime._oracle import (  # noqa: E402
     ADAPTERS,
@@ -110,7 +110,7 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
         manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
         assert engine.warm_up() == len(BUCKETS)
         warmed = compile_count()
-        loads_before = manager.metrics().tiers["host_to_slot"].count
+        loads_before = manager.metrics().moves["host_to_slot"].count
         combos = sorted(expected, key=str)
         rng = random.Random(0)
         handles, mixes, buckets_seen = [], set(), set()
@@ -127,7 +127,7 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
                 buckets_seen.add(next(b for b in BUCKETS if b >= stats.tokens))
         assert compile_count() == warmed, "a step after warm-up compiled"
         assert not engine.has_work
-        assert manager.metrics().tiers["host_to_slot"].count - loads_before >= len(ADAPTERS)  # swaps happened
+        assert manager.metrics().moves["host_to_slot"].count - loads_before >= len(ADAPTERS)  # swaps happened
         assert len(mixes) >= 4 and len(buckets_seen) >= 2, (mixes, buckets_seen)
         for handle, prompt, name, max_tokens in handles:
             assert handle.result(timeout=0) == expected[(tuple(prompt), name)][:max_tokens], (prompt, name)

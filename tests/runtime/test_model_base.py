@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.batch import ForwardBatch, SequenceChunk
-from runtime.checkpoint import load_model
-from runtime.model import Llama
+from runtime.model.batch import ForwardBatch, SequenceChunk
+from runtime.model.checkpoint import load_model
+from runtime.model.llama import Llama
 from tests.conftest import TINY, make_tiny_llama
 from tests.runtime._steps import greedy, prefill_logits, step
 

@@ -16,9 +16,9 @@ import torch
 from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
-from runtime.checkpoint import load_model
-from runtime.lora_linear import LoRALinear
-from runtime.model import Llama
+from runtime.model.checkpoint import load_model
+from runtime.model.llama import Llama
+from runtime.model.lora_linear import LoRALinear
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import (
     ADAPTERS,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from runtime.request import Request
-from runtime.sampling import SamplingParams
-from runtime.scheduler import SchedulerConfig, plan_step
+from runtime.engine.request import Request
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig, plan_step
 
 
 def req(i: int, adapter: str | None, arrival: int = 0, prompt_len: int = 4) -> Request:

@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from adapter_manager import AdapterManagerConfig, HubConfig, HubFault, LocalHub, write_synthetic_adapter
-from runtime.checkpoint import write_random_checkpoint
-from runtime.config import LlamaConfig
-from runtime.engine import EngineConfig
-from runtime.launch import build_serving
-from runtime.server import BackgroundServer
-from runtime.server_state import ServerConfig
+from runtime.engine.engine import EngineConfig
+from runtime.model.checkpoint import write_random_checkpoint
+from runtime.model.config import LlamaConfig
+from runtime.server.app import BackgroundServer
+from runtime.server.launch import build_serving
+from runtime.server.state import ServerConfig
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -124,7 +124,7 @@ def test_models_lists_base_and_adapters_with_residency(client):
     models = {m.id: m for m in client.models.list().data}
     assert NAME in models and {"team/ad0", "team/ad1", "team/ad2"} <= set(models)
     assert models["team/ad0"].model_extra["parent"] == NAME
-    assert models["team/ad0"].model_extra["residency"] in ("slot", "host", "disk")
+    assert models["team/ad0"].model_extra["tier"] in ("slot", "host", "disk")
 
 
 def test_errors_have_the_openai_shape_and_status(server, client):
@@ -169,7 +169,7 @@ def test_admin_api_registers_by_hub_id_pins_and_unregisters(server, admin):
     assert pinned["pinned"] and 0 <= pinned["slot"] < 2
     detail = admin.get("/v1/adapters/org/hubbed").json()
     assert detail["tier"] == "slot" and detail["pinned"] and detail["status"] == "ready"
-    assert [s["tier"] for s in detail["swaps"]] == ["hub_download", "disk_to_host", "host_to_slot"]
+    assert [m["move"] for m in detail["moves"]] == ["hub_to_disk", "disk_to_host", "host_to_slot"]
     assert admin.post("/v1/adapters/org/hubbed/unpin").json() == {"id": "org/hubbed", "pinned": False}
     assert admin.post("/v1/adapters/org/hubbed/unpin").status_code == 409  # not pinned any more
     assert "org/hubbed" in [a["id"] for a in admin.get("/v1/adapters").json()["data"]]
@@ -228,16 +228,16 @@ def test_registration_runs_off_the_event_loop(server, admin, client):
 def test_prometheus_text_and_swap_snapshot(server, client, admin):
     client.completions.create(model="team/ad0", prompt="metrics", max_tokens=1)
     families = {f.name: f for f in parser.text_string_to_metric_families(admin.get("/metrics").text)}
-    moves = families["adapter_manager_tier_move_seconds"]
+    moves = families["adapter_manager_move_seconds"]
     assert moves.type == "histogram"
-    tiers = {s.labels["tier"] for s in moves.samples}
+    tiers = {s.labels["move"] for s in moves.samples}
     assert {"disk_to_host", "host_to_slot"} <= tiers
     assert any(s.labels.get("le") == "+Inf" for s in moves.samples)
     hits = {s.labels["tier"]: s.value for s in families["adapter_manager_hits"].samples}
     snapshot = admin.get("/v1/metrics/swaps").json()
     assert hits["slot"] <= snapshot["hits"]["slot"]  # scraped first; counters only grow
     assert 0.0 <= snapshot["hit_rates"]["slot"] <= 1.0
-    assert snapshot["tiers"]["host_to_slot"]["p99_s"] >= snapshot["tiers"]["host_to_slot"]["p50_s"]
+    assert snapshot["moves"]["host_to_slot"]["p99_s"] >= snapshot["moves"]["host_to_slot"]["p50_s"]
     assert snapshot["exposed_wait"]["count"] > 0 and "team/ad0" in snapshot["residency"]
     served = families["adapter_manager_http_requests"].samples
     assert any(s.labels["route"] == "/v1/completions" and s.labels["status"] == "200" for s in served)
@@ -304,6 +304,6 @@ def test_load_2000_requests_over_200_adapters_with_churn(files):
 
 
 def _greedy(max_tokens: int):
-    from runtime.sampling import SamplingParams
+    from runtime.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens)

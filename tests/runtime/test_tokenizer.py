@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 

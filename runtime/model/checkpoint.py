@@ -7,7 +7,7 @@ with ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "we
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,10 +15,11 @@ from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import LlamaConfig
-from .model import Llama
+from .config import LlamaConfig, eos_ids
+from .llama import Llama
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 HUB_PATTERNS = (
@@ -28,7 +29,7 @@ HUB_PATTERNS = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "generation_config.json",
+    GENERATION_CONFIG_FILE,
 )
 """What a hub download fetches: never pickle weights."""
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt")
@@ -107,12 +108,22 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: t
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
 
     Every parameter is written exactly once (fused q/k/v and gate/up row slices included); tensors are read one at a
-    time from the memory-mapped files, so at no point does a second copy of the weights exist.
+    time from the memory-mapped files, so at no point does a second copy of the weights exist. The end-of-sequence
+    ids come from ``generation_config.json`` when it names them (as transformers' ``generate`` reads them), else
+    from ``config.json``.
     """
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     config = LlamaConfig.from_hf(folder / CONFIG_FILE)
+    generation = folder / GENERATION_CONFIG_FILE
+    if generation.is_file():
+        try:
+            generation_eos = json.loads(generation.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise CheckpointError(f"{generation} is not a JSON object: {err}") from err
+        if generation_eos is not None:
+            config = replace(config, eos_token_ids=eos_ids(generation_eos))
     with torch.device("meta"):
         model = Llama(config)
     model = model.to(dtype=dtype).to_empty(device=device)

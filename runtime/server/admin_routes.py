@@ -26,7 +26,7 @@ from adapter_manager import AdapterManager, AdapterRecord, AdapterResidency, che
 
 from .http_errors import to_api_error
 from .openai_schema import LoadLoraAdapterRequest, RegisterAdapterRequest, UnloadLoraAdapterRequest
-from .server_state import ServerState
+from .state import ServerState
 
 
 def admin_router(state: ServerState) -> APIRouter:
@@ -82,7 +82,7 @@ def admin_router(state: ServerState) -> APIRouter:
         record = _record(manager, adapter_id)
         info = adapter_info(manager, record)
         moves = manager.swap_metrics.moves(adapter_id)
-        info["swaps"] = [{"tier": m.tier.value, "seconds": m.seconds, "bytes": m.nbytes, "at": m.at} for m in moves]
+        info["moves"] = [{"move": m.move.value, "seconds": m.seconds, "bytes": m.nbytes, "at": m.at} for m in moves]
         return info
 
     @router.delete("/v1/adapters/{adapter_id:path}", dependencies=admin)

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .engine import Engine
-from .request import RequestHandle
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from ..engine.engine import Engine
+from ..engine.request import RequestHandle
+from ..engine.sampling import SamplingParams
+from ..model.tokenizer import Tokenizer
 
 _END = object()
 

@@ -26,8 +26,8 @@ from adapter_manager import AdapterError, AdapterManager, SlotsExhaustedError
 from adapter_manager.allocator import SlotLease
 from kernels import KernelConfig, LoRAKernelMeta, select_backend
 
-from .batch import ForwardBatch, SequenceChunk, StaticPadding
-from .model import Llama
+from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
+from ..model.llama import Llama
 from .request import Request, RequestHandle
 from .sampling import SamplingParams, sample
 from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
@@ -43,6 +43,8 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + generated tokens of one sequence, at most
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # token budget and fairness bound
     kernels: KernelConfig | None = None  # shrink/expand backend choice (None: by device)
+    eos_ids: tuple[int, ...] | None = None  # end-of-sequence ids stopping every request; None: the model config's
+    # (generation_config.json, else config.json); () never stops on eos. A request's ignore_eos skips them.
     token_buckets: tuple[int, ...] | None = None  # traced devices: step token counts padded up to one of these
     # (ascending; the last >= the token budget); None: powers of two from 16 up to the budget. Eager devices ignore it.
 
@@ -86,6 +88,8 @@ class Engine:
         self.model = model
         self.manager = manager
         self.config = config or EngineConfig()
+        eos = self.config.eos_ids if self.config.eos_ids is not None else model.config.eos_token_ids
+        self.eos_ids: frozenset[int] = frozenset(eos)  # end every request not submitted with ignore_eos
         backend = select_backend(model.device, self.config.kernels)
         max_batch = self.config.max_batch
         # Traced: static shapes. Tokens pad up to a bucket, into a spare cache row (row max_batch) that no sequence
@@ -136,7 +140,8 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
             generator = torch.Generator().manual_seed(seed)
         with self._work:
-            request = Request(next(self._ids), prompt, adapter_id, params, self._step, generator)
+            stops = frozenset(params.stop_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+            request = Request(next(self._ids), prompt, adapter_id, params, self._step, generator, stops)
             self._waiting.append(request)
             self._work.notify()
         return RequestHandle(request)
@@ -293,7 +298,7 @@ class Engine:
                     continue
             token = sample(logits[row], request.params, request.generator)
             request.emit(token)
-            if token in request.params.stop_ids:
+            if token in request.stop_ids:
                 self._finish(request, "stop")
             elif len(request.output) >= request.params.max_tokens:
                 self._finish(request, "length")

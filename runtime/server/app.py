@@ -28,12 +28,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from adapter_manager import AdapterManager
 from adapter_manager.prometheus import AdapterManagerCollector
 
+from ..engine.engine import Engine
+from ..model.tokenizer import Tokenizer
 from .admin_routes import admin_router
-from .engine import Engine
 from .http_errors import error_body, install_handlers
 from .openai_routes import openai_router
-from .server_state import ServerConfig, ServerState
-from .tokenizer import Tokenizer
+from .state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from fastapi import FastAPI
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 
+from ..engine.engine import Engine, EngineConfig
+from ..model.checkpoint import load_model
+from ..model.tokenizer import load_tokenizer
+from .app import create_app
 from .chat_template import ChatTemplate
-from .checkpoint import load_model
-from .engine import Engine, EngineConfig
-from .server import create_app
-from .server_state import ServerConfig
-from .tokenizer import load_tokenizer
+from .state import ServerConfig
 
 
 @dataclass

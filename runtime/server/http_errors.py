@@ -22,8 +22,8 @@ from adapter_manager import (
     SlotsExhaustedError,
 )
 
+from ..engine.request import RequestFailedError
 from .generation import OverloadedError
-from .request import RequestFailedError
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from contextlib import AsyncExitStack
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
+from ..engine.sampling import SamplingParams
 from .chat_template import ChatTemplateError
 from .generation import TextDecoder, finish_reason
 from .http_errors import APIError, error_body, to_api_error
@@ -35,8 +36,7 @@ from .openai_schema import (
     SamplingFields,
     Usage,
 )
-from .sampling import SamplingParams
-from .server_state import ServerState
+from .state import ServerState
 
 # (choice index, text delta, finish reason or None) -> one SSE chunk body
 _ChunkFn = Callable[[int, str, str | None], dict]
@@ -60,7 +60,7 @@ def openai_router(state: ServerState) -> APIRouter:
                     "owned_by": "adapter-manager",
                     "root": str(record.ref),
                     "parent": state.config.model_name,
-                    "residency": where.tier if where else "disk",
+                    "tier": where.tier if where else "disk",
                 }
             )
         return {"object": "list", "data": data}
@@ -139,7 +139,7 @@ def _requests(
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j
             try:
-                params = SamplingParams(max_tokens, body.temperature, body.top_p, seed, stop_ids)
+                params = SamplingParams(max_tokens, body.temperature, body.top_p, seed, stop_ids, body.ignore_eos)
             except ValueError as err:
                 raise APIError(400, str(err), "max_tokens") from err
             out.append((prompt, params))

@@ -33,6 +33,7 @@ class Request:
     params: SamplingParams
     arrival_step: int  # engine step at which it was submitted
     generator: torch.Generator | None = None  # seeded sampler (None when greedy)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: params.stop_ids plus the eos ids unless ignore_eos
     cache_row: int | None = None  # KV cache row while running
     prefilled: int = 0  # prompt tokens already in the cache
     output: list[int] = field(default_factory=list)

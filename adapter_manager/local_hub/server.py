@@ -6,7 +6,7 @@ Layout of the hub root::
     ROOT/<org>/<name>/.revisions/<rev>/   optional other revisions (branches/tags), each a full file set
 
 Each revision's commit sha is a sha1 over its sorted ``(relative path, sha256 of content)`` pairs (see
-`_hub_layout.commit_sha`), so editing any file changes the sha. A request may name a revision by branch/tag or by
+`layout.commit_sha`), so editing any file changes the sha. A request may name a revision by branch/tag or by
 its 40-hex sha. Everything is recomputed on each request, so a test can edit a repo between calls. Symlinks,
 ``.revisions`` and hidden or dotted repo names are never served.
 
@@ -40,7 +40,7 @@ from types import TracebackType
 from typing import cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from adapter_manager._hub_layout import HubLayout, HubLookupError, HubRevision, model_info, tree
+from adapter_manager.local_hub.layout import HubLayout, HubLookupError, HubRevision, model_info, tree
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept when sampling
     seed: int | None = None  # sampling seed; the same seed, prompt and adapter give the same tokens
-    stop_ids: tuple[int, ...] = ()  # token ids that end the request (the stop token is returned)
+    stop_ids: tuple[int, ...] = ()  # token ids that end the request beside the model's eos ids (the stop is returned)
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence ids (vLLM's ignore_eos)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

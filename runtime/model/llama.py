@@ -2,7 +2,7 @@
 
 One forward is one engine step over a flat, ragged token batch (:class:`ForwardBatch`): prefill chunks and decode
 tokens of many sequences together, each with its own KV cache row and its own adapter slot. Build it on the ``meta``
-device and load weights into it (:func:`runtime.checkpoint.load_checkpoint`), then size the caches with
+device and load weights into it (:func:`runtime.model.checkpoint.load_checkpoint`), then size the caches with
 :meth:`Llama.setup_caches` (gpt-fast).
 """
 
@@ -115,7 +115,7 @@ class Llama(nn.Module):
     """A Llama causal LM whose every projection is a :class:`LoRALinear` fed by the slot pool's stacks.
 
     Lifetime: ``Llama(config)`` under ``torch.device("meta")`` -> weights loaded (``to_empty`` + copies, or
-    :func:`runtime.checkpoint.load_checkpoint`) -> :meth:`setup_caches` -> optionally :meth:`attach_lora` ->
+    :func:`runtime.model.checkpoint.load_checkpoint`) -> :meth:`setup_caches` -> optionally :meth:`attach_lora` ->
     :meth:`forward` once per step.
     """
 

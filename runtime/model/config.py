@@ -77,8 +77,8 @@ class LlamaConfig:
     """Longest context the model was built for (an upper bound for setup_caches' max_seq_len)."""
     bos_token_id: int | None = 1
     """Beginning-of-sequence token, if any."""
-    eos_token_id: int | None = 2
-    """End-of-sequence token, if any."""
+    eos_token_ids: tuple[int, ...] = (2,)
+    """End-of-sequence tokens (HF allows one id or a list); the engine stops a request at any of them by default."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -148,7 +148,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             bos_token_id=config.get("bos_token_id"),
-            eos_token_id=_first(config.get("eos_token_id")),
+            eos_token_ids=eos_ids(config.get("eos_token_id")),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -169,7 +169,7 @@ class LlamaConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
@@ -188,8 +188,8 @@ class LlamaConfig:
         )
 
 
-def _first(value: int | list[int] | None) -> int | None:
-    """HF allows a list of eos ids; the model config keeps the first (the engine takes stop ids per request)."""
-    if isinstance(value, list):
-        return value[0] if value else None
-    return value
+def eos_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """An HF ``eos_token_id`` (one id, a list, or absent) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)

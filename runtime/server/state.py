@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 from adapter_manager import AdapterManager
 
+from ..engine.engine import Engine
+from ..model.tokenizer import Tokenizer
 from .chat_template import ChatTemplate
-from .engine import Engine
 from .generation import Generator
 from .http_errors import APIError
-from .tokenizer import Tokenizer
 
 _MIB = 1 << 20
 

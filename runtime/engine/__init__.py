@@ -1,0 +1,21 @@
+"""Continuous batching over the model with adapter-aware scheduling; importable without any web stack."""
+
+from .engine import Engine, EngineConfig, StepStats
+from .request import Request, RequestFailedError, RequestHandle
+from .sampling import SamplingParams, sample
+from .scheduler import ScheduledChunk, SchedulerConfig, StepPlan, plan_step
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Request",
+    "RequestFailedError",
+    "RequestHandle",
+    "SamplingParams",
+    "ScheduledChunk",
+    "SchedulerConfig",
+    "StepPlan",
+    "StepStats",
+    "plan_step",
+    "sample",
+]
