@@ -35,8 +35,10 @@ from .peft_format import LoraAdapterConfig, ModuleLora
 from .prefetch import PrefetchConfig, Prefetcher
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
 from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig, check_adapter_id
-from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, slots_for_budget
+from .row_layout import ModuleColumns, RowLayout
+from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, units_for
 from .synthetic import write_synthetic_adapter
+from .workers import background_executor
 
 __all__ = [
     "PROJECTIONS",
@@ -69,6 +71,7 @@ __all__ = [
     "MetricsSnapshot",
     "ModuleKey",
     "ModuleLora",
+    "ModuleColumns",
     "ModuleWeights",
     "Move",
     "MoveStats",
@@ -79,6 +82,7 @@ __all__ = [
     "PreparedAdapter",
     "RankTooLargeError",
     "RegisterResult",
+    "RowLayout",
     "RegistryConfig",
     "SlotAllocator",
     "SlotLease",
@@ -94,9 +98,10 @@ __all__ = [
     "Tier",
     "UnsupportedAdapterError",
     "WaitStats",
+    "background_executor",
     "bytes_needed",
     "check_adapter_id",
     "prepare_adapter",
-    "slots_for_budget",
+    "units_for",
     "write_synthetic_adapter",
 ]

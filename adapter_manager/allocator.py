@@ -1,21 +1,33 @@
-"""The slot allocator: adapter -> slot, LRU over unpinned slots, refcounted pins for in-flight batches.
+"""The slot allocator: adapter -> a range of pool units, LRU over evictable adapters, refcounted pins.
+
+An adapter of rank r takes ``pool.units_for(r)`` units (a power of two) from slot s on: the kernels read its rows
+``[s*G, s*G + r)``. Ranges come from a buddy allocator (`row_space.RowSpace`). An adapter is *evictable* when it is
+ready (published), pinned by no lease and not pinned by an operator.
 
 Policy (exact, so a reference model can mirror it):
-- `acquire(ids)` pins every distinct adapter of a batch. Resident ones are hits; missing ones take the lowest free
-  slot, else evict the least recently used unpinned slot, in first-appearance order. If the missing ones outnumber
-  the free plus evictable slots, `SlotsExhaustedError` is raised and nothing changes.
-- Loads run outside the lock, into slots reserved for them (not free, not evictable). A slot is published only after
-  its copy completed; a failed load frees its slot, frees the slots reserved after it unloaded, unpins every other
-  adapter of the call (loaded ones stay resident, unpinned) and re-raises: no partial pin is ever left behind.
-- A released slot (no batch pins, no operator pin) goes to the most recent end of the LRU order.
-- `forget` (unregister) frees an unpinned slot at once; a pinned or loading one is drained: it leaves the
-  adapter -> slot map at once (a re-registered adapter loads afresh) and its slot is freed when the last lease
+- `acquire(ids)` pins every distinct adapter of a batch. Resident ones are hits. The rank of each missing one is
+  read with `rank_of` before anything changes (its error passes through, nothing changed). Missing ones, in
+  first-appearance order, each take ``space.alloc(units)``: the lowest-addressed free block of the smallest order
+  that fits. While a request does not fit, the least recently used evictable adapter not wanted by the call is
+  evicted (its range freed, merging buddies) and the request is retried. The whole call is planned on a copy of the
+  space first: when it cannot be satisfied — fewer free plus evictable units than needed, or enough in total but no
+  free range large enough even after evicting every evictable adapter (fragmentation) — `SlotsExhaustedError` is
+  raised and nothing changes.
+- `pin(id)` is the same for one adapter with an operator pin instead of a lease pin. `preload(id, protect)` is the
+  same for one adapter with no pin, evicting only adapters not in `protect`; it returns False, changing nothing,
+  when the adapter is resident or loading, or cannot be placed.
+- Loads run outside the lock, in order, into ranges reserved for them (not free, not evictable). A range is
+  published only after its copy completed; a failed load frees its range and every range reserved after it
+  (unloaded), unpins every other adapter of the call (loaded ones stay resident, unpinned) and re-raises
+  (`SlotLoadError` wrapping an error that is not an `AdapterError`): no partial pin is ever left behind.
+- An adapter nobody pins any more (no lease, no operator pin) goes to the most recent end of the LRU order.
+- `forget` (unregister) frees an unpinned range at once; a pinned or loading one is drained: it leaves the
+  adapter -> slot map at once (a re-registered adapter loads afresh) and its range is freed when the last lease
   holding it is released.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import threading
 import time
@@ -29,15 +41,18 @@ import torch
 from .errors import AdapterError, AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
 from .metrics import Move, SwapMetrics, Tier
 from .prepare import PreparedAdapter
+from .row_space import Block, RowSpace
 from .slot_pool import SlotPool
 
 
 @dataclass(eq=False)
 class _Residency:
-    """One adapter's stay in one slot, from reservation to the slot being freed."""
+    """One adapter's stay in one range of units, from reservation to the range being freed."""
 
     adapter_id: str
-    slot: int
+    slot: int  # first unit of the range
+    rank: int  # rows the kernels read, from row slot * G on
+    units: int  # units reserved: pool.units_for(rank)
     pins: int = 0  # leases holding it
     manual: bool = False  # operator pin
     ready: bool = False  # copy complete, published
@@ -48,11 +63,13 @@ class _Residency:
 
 @dataclass(frozen=True)
 class SlotState:
-    """A plain copy of one occupied slot."""
+    """A plain copy of one occupied range."""
 
-    slot: int
+    slot: int  # first unit; rows [slot * G, slot * G + rank)
     adapter_id: str
     state: Literal["loading", "ready", "draining"]
+    units: int  # units the range takes (a power of two)
+    rank: int  # rows the kernels read
     pins: int  # in-flight batches holding it
     manual: bool  # pinned by an operator
     nbytes: int  # bytes moved host -> slot when it was loaded
@@ -65,6 +82,7 @@ class SlotLease:
 
     lease_id: int
     slots: Mapping[str, int]  # adapter id -> slot, stable until released
+    slot_rows: Mapping[int, int]  # slot -> the adapter's rank: rows [slot * G, slot * G + rank) hold it
     _entries: tuple[_Residency, ...] = field(repr=False)
 
     def slot_indices(
@@ -89,52 +107,70 @@ class SlotLease:
         return indices if device is None else indices.to(device)
 
 
-class SlotAllocator:
-    """Maps adapters to the slots of a `SlotPool`; thread-safe (engine, prefetch workers and admin calls).
+@dataclass(frozen=True)
+class _Plan:
+    """A call's placement worked out on a copy of the space: adopt `space`, evict `victims`, occupy `starts`."""
 
-    `fetch(adapter_id)` returns the adapter's prepared host weights (the registry's `prepared`); it and the copy run
-    without the allocator's lock held.
+    space: RowSpace
+    victims: tuple[_Residency, ...]  # in eviction order
+    starts: tuple[int, ...]  # slot of each missing adapter, in call order
+
+
+class SlotAllocator:
+    """Maps adapters to unit ranges of a `SlotPool`; thread-safe (engine, prefetch workers and admin calls).
+
+    `fetch(adapter_id)` returns the adapter's prepared host weights (the registry's `prepared`); `rank_of(adapter_id)`
+    its rank before they are fetched (the registry's record). Both, and the copy, run without the allocator's lock.
     """
 
     def __init__(
         self,
         pool: SlotPool,
         fetch: Callable[[str], PreparedAdapter],
+        rank_of: Callable[[str], int],
         metrics: SwapMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.pool = pool
         self.num_slots = pool.num_slots
+        self.num_units = pool.num_units
         self.metrics = metrics or SwapMetrics()
         self._fetch = fetch
+        self._rank_of = rank_of
         self._clock = clock
         self._cond = threading.Condition()
-        self._slots: list[_Residency | None] = [None] * self.num_slots
+        self._space = RowSpace(pool.num_units, pool.max_units)
+        self._ranges: dict[int, _Residency] = {}  # slot -> occupied range (loading, ready or draining)
         self._by_adapter: dict[str, _Residency] = {}  # live residencies (loading or ready), not draining
-        self._lru: OrderedDict[str, _Residency] = OrderedDict()  # ready, unpinned; oldest first
-        self._free: list[int] = list(range(self.num_slots))  # heap: the lowest free slot is taken first
+        self._lru: OrderedDict[str, _Residency] = OrderedDict()  # evictable; oldest first
         self._leases: set[int] = set()
         self._last_used: dict[str, float] = {}  # adapter id -> clock() of its last acquire or release
         self._lease_ids = itertools.count()
 
     def acquire(self, adapter_ids: Iterable[str | None]) -> SlotLease:
-        """Pin one slot per distinct adapter of a batch (None = no adapter), loading the missing ones.
+        """Pin one range per distinct adapter of a batch (None = no adapter), loading the missing ones.
 
-        Raises `SlotsExhaustedError` when they cannot all be pinned, or the failed adapter's error (an
-        `AdapterError`; `SlotLoadError` for a failed copy) when a load fails — in both cases nothing stays pinned.
+        Raises `SlotsExhaustedError` when they cannot all be placed, `rank_of`'s error for an unknown adapter, or the
+        failed adapter's error (an `AdapterError`; `SlotLoadError` for a failed copy) when a load fails — in every
+        case nothing stays pinned.
         """
         start = time.perf_counter()
         distinct = list(dict.fromkeys(a for a in adapter_ids if a is not None))
         entries = self._bring_in(distinct, manual=False)
         with self._cond:
-            lease = SlotLease(next(self._lease_ids), {r.adapter_id: r.slot for r in entries}, tuple(entries))
+            lease = SlotLease(
+                next(self._lease_ids),
+                {r.adapter_id: r.slot for r in entries},
+                {r.slot: r.rank for r in entries},
+                tuple(entries),
+            )
             self._leases.add(lease.lease_id)
             self._last_used.update((r.adapter_id, r.last_used) for r in entries if not r.draining)
         self.metrics.waited(time.perf_counter() - start)
         return lease
 
     def release(self, lease: SlotLease) -> None:
-        """Unpin a lease's slots; a slot nobody pins any more becomes the most recently used evictable one."""
+        """Unpin a lease's ranges; an adapter nobody pins any more becomes the most recently used evictable one."""
         with self._cond:
             if lease.lease_id not in self._leases:
                 names = ", ".join(lease.slots) or "<no adapter>"
@@ -163,23 +199,25 @@ class SlotAllocator:
             self._cond.notify_all()
 
     def preload(self, adapter_id: str, protect: Container[str] = ()) -> bool:
-        """Load `adapter_id` without pinning it (prefetch), into a free slot or in place of the least recently used
-        evictable adapter not in `protect`. Returns whether it loaded anything; a failed load frees the slot and
-        raises."""
-        with self._cond:
-            if adapter_id in self._by_adapter:
-                return False
-            victim = None
-            if not self._free:
-                victim = next((a for a in self._lru if a not in protect), None)
-                if victim is None:
+        """Load `adapter_id` without pinning it (prefetch), evicting least recently used adapters not in `protect`
+        as needed. Returns whether it loaded anything; a failed load frees its range and raises."""
+        rank: int | None = None
+        while True:
+            with self._cond:
+                if adapter_id in self._by_adapter:
                     return False
-            residency = self._reserve(adapter_id, manual=False, victim=victim)
-        self._load_reserved([residency])
+                if rank is not None:
+                    plan = self._plan([adapter_id], {adapter_id: rank}, protect)
+                    if plan is None:
+                        return False
+                    reserved = self._commit(plan, [adapter_id], {adapter_id: rank})
+                    break
+            rank = self._rank(adapter_id)
+        self._load_reserved(reserved)
         return True
 
     def forget(self, adapter_id: str) -> None:
-        """The adapter was unregistered: free its slot now if unpinned, else when its last lease is released."""
+        """The adapter was unregistered: free its range now if unpinned, else when its last lease is released."""
         with self._cond:
             self._last_used.pop(adapter_id, None)
             residency = self._by_adapter.pop(adapter_id, None)
@@ -188,7 +226,7 @@ class SlotAllocator:
             self._lru.pop(adapter_id, None)
             residency.manual = False
             if residency.ready and residency.pins == 0:
-                self._free_slot(residency)
+                self._free_range(residency)
             else:
                 residency.draining = True
             self._cond.notify_all()
@@ -209,46 +247,44 @@ class SlotAllocator:
         with self._cond:
             return list(self._lru)
 
-    def free_slots(self) -> list[int]:
+    def free_units(self) -> int:
+        """Units in no range."""
         with self._cond:
-            return sorted(self._free)
+            return self._space.free_units
+
+    def free_blocks(self) -> list[Block]:
+        """The free unit ranges (maximal buddy blocks), by start."""
+        with self._cond:
+            return self._space.free_blocks()
 
     def states(self) -> list[SlotState]:
-        """Every occupied slot, by slot index."""
+        """Every occupied range, by slot."""
         with self._cond:
-            return [_state(r) for r in self._slots if r is not None]
+            return [_state(self._ranges[slot]) for slot in sorted(self._ranges)]
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the adapters published in slots (<= pool.nbytes)."""
+        """Bytes of the adapters published in the pool (<= pool.nbytes)."""
         with self._cond:
-            return sum(r.nbytes for r in self._slots if r is not None and r.ready)
+            return sum(r.nbytes for r in self._ranges.values() if r.ready)
+
+    def _rank(self, adapter_id: str) -> int:
+        rank = self._rank_of(adapter_id)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self.pool.max_rank:
+            raise SlotLoadError(adapter_id, f"rank {rank!r} is outside 1..max_rank {self.pool.max_rank}")
+        return rank
 
     def _bring_in(self, distinct: list[str], manual: bool) -> list[_Residency]:
-        with self._cond:
-            self._cond.wait_for(lambda: not any(self._loading(a) for a in distinct))
-            resident = [self._by_adapter[a] for a in distinct if a in self._by_adapter]
-            missing = [a for a in distinct if a not in self._by_adapter]
-            wanted = set(distinct)
-            available = len(self._free) + sum(1 for a in self._lru if a not in wanted)
-            if len(missing) > available:
-                raise SlotsExhaustedError(tuple(missing), len(missing), available, self.num_slots)
-            now = self._clock()
-            for residency in resident:
-                self._lru.pop(residency.adapter_id, None)
-                residency.last_used = now
-                if manual:
-                    residency.manual = True
-                else:
-                    residency.pins += 1
-                self.metrics.hit(Tier.SLOT)
-            reserved = [self._reserve(a, manual) for a in missing]
-            for residency in reserved:
-                residency.pins = 0 if manual else 1
-                residency.last_used = now
-                self.metrics.miss(Tier.SLOT)
-            by_id = {r.adapter_id: r for r in resident + reserved}
-            entries = [by_id[a] for a in distinct]
+        ranks: dict[str, int] = {}
+        while True:  # ranks are read without the lock; retried until every missing adapter's rank is known
+            with self._cond:
+                self._cond.wait_for(lambda: not any(self._loading(a) for a in distinct))
+                missing = [a for a in distinct if a not in self._by_adapter]
+                unknown = [a for a in missing if a not in ranks]
+                if not unknown:
+                    entries, reserved = self._place(distinct, missing, ranks, manual)
+                    break
+            ranks.update((a, self._rank(a)) for a in unknown)
         try:
             self._load_reserved(reserved)
         except BaseException:
@@ -260,18 +296,81 @@ class SlotAllocator:
             raise
         return entries
 
+    def _place(
+        self, distinct: list[str], missing: list[str], ranks: Mapping[str, int], manual: bool
+    ) -> tuple[list[_Residency], list[_Residency]]:
+        """Plan, then commit: pin the resident adapters and reserve ranges for the missing ones (lock held)."""
+        wanted = set(distinct)
+        plan = self._plan(missing, ranks, wanted)
+        if plan is None:
+            needed = sum(self.pool.units_for(ranks[a]) for a in missing)
+            evictable = sum(r.units for a, r in self._lru.items() if a not in wanted)
+            raise SlotsExhaustedError(tuple(missing), needed, self._space.free_units, evictable, self.num_units)
+        resident = [self._by_adapter[a] for a in distinct if a in self._by_adapter]
+        reserved = self._commit(plan, missing, ranks)
+        now = self._clock()
+        for residency in resident:
+            self._lru.pop(residency.adapter_id, None)
+            self.metrics.hit(Tier.SLOT)
+        for _ in reserved:
+            self.metrics.miss(Tier.SLOT)
+        for residency in resident + reserved:
+            residency.last_used = now
+            if manual:
+                residency.manual = True
+            else:
+                residency.pins += 1
+        by_id = {r.adapter_id: r for r in resident + reserved}
+        return [by_id[a] for a in distinct], reserved
+
+    def _plan(self, missing: list[str], ranks: Mapping[str, int], keep: Container[str]) -> _Plan | None:
+        """Place `missing` in order on a copy of the space, evicting LRU adapters not in `keep` until each fits;
+        None when they cannot all be placed."""
+        space = self._space.clone()
+        candidates = iter([r for a, r in self._lru.items() if a not in keep])
+        victims, starts = [], []
+        for adapter_id in missing:
+            units = self.pool.units_for(ranks[adapter_id])
+            while (start := space.alloc(units)) is None:
+                victim = next(candidates, None)
+                if victim is None:
+                    return None
+                space.free(victim.slot, victim.units)
+                victims.append(victim)
+            starts.append(start)
+        return _Plan(space, tuple(victims), tuple(starts))
+
+    def _commit(self, plan: _Plan, missing: list[str], ranks: Mapping[str, int]) -> list[_Residency]:
+        """Evict the plan's victims, adopt its space and reserve its ranges (lock held)."""
+        for victim in plan.victims:
+            del self._ranges[victim.slot], self._by_adapter[victim.adapter_id], self._lru[victim.adapter_id]
+            self.metrics.evicted(Tier.SLOT)
+        self._space = plan.space
+        reserved = []
+        for adapter_id, start in zip(missing, plan.starts, strict=True):
+            rank = ranks[adapter_id]
+            residency = _Residency(adapter_id, start, rank, self.pool.units_for(rank))
+            self._ranges[start] = self._by_adapter[adapter_id] = residency
+            reserved.append(residency)
+        return reserved
+
     def _load_reserved(self, reserved: list[_Residency]) -> None:
-        """Load each reserved slot in turn; on the first failure free it and every later one, then re-raise."""
+        """Load each reserved range in turn; on the first failure free it and every later one, then re-raise."""
         for i, residency in enumerate(reserved):
             try:
                 prepared = self._fetch(residency.adapter_id)
+                if prepared.rows != residency.rank:
+                    raise SlotLoadError(
+                        residency.adapter_id,
+                        f"prepared block has {prepared.rows} rows but rank_of gave rank {residency.rank}",
+                    )
                 start = time.perf_counter()
                 self.pool.load(residency.slot, prepared)
                 seconds = time.perf_counter() - start
             except BaseException as error:
                 with self._cond:
                     for failed in reserved[i:]:
-                        self._free_slot(failed)
+                        self._free_range(failed)
                     self._cond.notify_all()
                 if isinstance(error, AdapterError) or not isinstance(error, Exception):
                     raise
@@ -289,21 +388,6 @@ class SlotAllocator:
         residency = self._by_adapter.get(adapter_id)
         return residency is not None and not residency.ready
 
-    def _reserve(self, adapter_id: str, manual: bool, victim: str | None = None) -> _Residency:
-        """Take the lowest free slot, else evict `victim` (default: the least recently used evictable adapter)."""
-        if self._free:
-            slot = heapq.heappop(self._free)
-        else:
-            victim = self._lru.pop(victim) if victim is not None else self._lru.popitem(last=False)[1]
-            del self._by_adapter[victim.adapter_id]
-            self._slots[victim.slot] = None
-            self.metrics.evicted(Tier.SLOT)
-            slot = victim.slot
-        residency = _Residency(adapter_id, slot, manual=manual)
-        self._slots[slot] = residency
-        self._by_adapter[adapter_id] = residency
-        return residency
-
     def _unpin(self, residency: _Residency) -> None:
         assert residency.pins > 0, f"unpin of {residency.adapter_id!r} with no pins"
         residency.pins -= 1
@@ -314,30 +398,22 @@ class SlotAllocator:
         if not residency.ready or residency.pins > 0:
             return
         if residency.draining:
-            self._free_slot(residency)
+            self._free_range(residency)
         elif not residency.manual:
             self._lru[residency.adapter_id] = residency
             self._lru.move_to_end(residency.adapter_id)
 
-    def _free_slot(self, residency: _Residency) -> None:
-        if self._slots[residency.slot] is not residency:
+    def _free_range(self, residency: _Residency) -> None:
+        if self._ranges.get(residency.slot) is not residency:
             return
-        self._slots[residency.slot] = None
-        heapq.heappush(self._free, residency.slot)
+        del self._ranges[residency.slot]
+        self._space.free(residency.slot, residency.units)
         if self._by_adapter.get(residency.adapter_id) is residency:
             del self._by_adapter[residency.adapter_id]
         if self._lru.get(residency.adapter_id) is residency:
             del self._lru[residency.adapter_id]
 
 
-def _state(residency: _Residency) -> SlotState:
-    state = "draining" if residency.draining else "ready" if residency.ready else "loading"
-    return SlotState(
-        residency.slot,
-        residency.adapter_id,
-        state,
-        residency.pins,
-        residency.manual,
-        residency.nbytes,
-        residency.last_used,
-    )
+def _state(r: _Residency) -> SlotState:
+    state = "draining" if r.draining else "ready" if r.ready else "loading"
+    return SlotState(r.slot, r.adapter_id, state, r.units, r.rank, r.pins, r.manual, r.nbytes, r.last_used)

@@ -79,21 +79,38 @@ class BaseModelMismatchError(AdapterFormatError):
 
 
 class SlotsExhaustedError(AdapterError, RuntimeError):
-    """A batch needs more distinct adapters than there are slots free or evictable; nothing was pinned.
+    """A call needs more pool units than it can get: too few free plus evictable units, or enough in total but no
+    free range large enough even after evicting every evictable adapter (fragmentation). Nothing was changed.
 
-    The scheduler can act on it: run a smaller batch, or wait for in-flight batches to release their slots.
+    The scheduler can act on it: run a smaller batch, or wait for in-flight batches to release their ranges.
     """
 
-    def __init__(self, adapters: tuple[str, ...], needed: int, available: int, num_slots: int) -> None:
-        super().__init__(
-            ", ".join(adapters),
-            f"needs {needed} more slot(s) but only {available} of {num_slots} are free or evictable "
-            "(the others are pinned by in-flight batches or operators)",
-        )
+    def __init__(self, adapters: tuple[str, ...], needed: int, free: int, evictable: int, num_units: int) -> None:
+        available = free + evictable
+        if needed > available:
+            why = (
+                f"needs {needed} unit(s) but only {available} of {num_units} are free ({free}) or evictable "
+                f"({evictable}); the others hold adapters pinned by in-flight batches or operators, wanted by this "
+                "call, or loading"
+            )
+        else:
+            why = (
+                f"needs {needed} unit(s) and {available} of {num_units} are free ({free}) or evictable "
+                f"({evictable}), but no free range is large enough even after evicting every evictable adapter "
+                "(fragmentation: pinned or loading adapters split the free units)"
+            )
+        super().__init__(", ".join(adapters), why)
         self.adapters = adapters
         self.needed = needed
+        self.free = free
+        self.evictable = evictable
         self.available = available
-        self.num_slots = num_slots
+        self.num_units = num_units
+
+    @property
+    def fragmented(self) -> bool:
+        """Enough free plus evictable units in total, but no range large enough."""
+        return self.needed <= self.available
 
 
 class SlotLoadError(AdapterError, RuntimeError):

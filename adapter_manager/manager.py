@@ -33,12 +33,13 @@ _GIB = 1 << 30
 class AdapterManagerConfig:
     """Everything the manager is built from."""
 
-    max_slots: int | Literal["auto"] = 8  # S: device slots; "auto" sizes them from slot_memory_bytes
-    max_rank: int = 64  # R: highest rank accepted, the padded rank of every slot
+    max_slots: int | Literal["auto"] = 8  # pool rows for this many max-rank adapters; "auto": slot_memory_bytes
+    max_rank: int = 64  # R: highest rank accepted; an adapter takes pool rows in proportion to its own rank
     host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier of prepared adapters
     device: torch.device | str = "cpu"  # serving device of the slot stacks: cpu, cuda[:i] or xla[:i]
     dtype: torch.dtype = torch.float32  # serving dtype of prepared weights and slots
-    slot_memory_bytes: int | None = None  # with max_slots="auto": device bytes the slot stacks may take
+    slot_memory_bytes: int | None = None  # with max_slots="auto": device bytes the row pool may take
+    granule: int | None = None  # pool rows per unit (slot index step); None: min(8, max_rank)
     prefetch_workers: int = 2  # prefetch threads; 0 turns prefetching off
     prefetch_depth: int = 16  # the most queued adapters one prefetch call considers
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
@@ -55,7 +56,9 @@ class AdapterManagerConfig:
         self.registry_config()
 
     def pool_config(self) -> SlotPoolConfig:
-        return SlotPoolConfig(self.max_slots, self.max_rank, self.dtype, self.device, self.slot_memory_bytes)
+        return SlotPoolConfig(
+            self.max_slots, self.max_rank, self.dtype, self.device, self.slot_memory_bytes, self.granule
+        )
 
     def prefetch_config(self) -> PrefetchConfig:
         return PrefetchConfig(self.prefetch_workers, self.prefetch_depth)
@@ -73,7 +76,7 @@ class AdapterManagerConfig:
 
 
 class AdapterManager:
-    """Serves many adapters through `num_slots` device slots; thread-safe. Close it (or use `with`) when done."""
+    """Serves many adapters through a rank-packed device row pool; thread-safe. Close it (or use `with`) when done."""
 
     def __init__(self, spec: BaseModelSpec, config: AdapterManagerConfig | None = None) -> None:
         self.spec = spec
@@ -81,17 +84,30 @@ class AdapterManager:
         self.swap_metrics = SwapMetrics()
         self.registry = AdapterRegistry(spec, self.config.registry_config(), self.swap_metrics)
         self.pool = SlotPool(spec, self.config.pool_config())
-        self.allocator = SlotAllocator(self.pool, self.registry.prepared, self.swap_metrics)
+        self.allocator = SlotAllocator(self.pool, self.registry.prepared, self.rank_of, self.swap_metrics)
         self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config())
 
     @property
     def num_slots(self) -> int:
+        """Slot indices (pool units): the most adapters resident at once, all at the smallest rank."""
         return self.pool.num_slots
 
     @property
+    def num_units(self) -> int:
+        return self.pool.num_units
+
+    @property
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
-        """`A_stack [S, R, in]` and `Bt_stack [S, R, out]` of every module, for the LoRA linears."""
+        """`A [N, in]` and `Bt [N, out]` row views of every module, for the LoRA linears."""
         return self.pool.stacks
+
+    def rank_of(self, adapter_id: str) -> int:
+        """A registered adapter's rank (its highest module rank): the pool rows it takes."""
+        return self.registry.get(adapter_id).rank
+
+    def units_of(self, adapter_id: str) -> int:
+        """Pool units a registered adapter takes."""
+        return self.pool.units_for(self.rank_of(adapter_id))
 
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
         """Register a hub ref or local directory (see `AdapterRegistry.register`). An update to a new revision

@@ -138,6 +138,7 @@ class MetricsSnapshot:
     misses: dict[str, int]  # by Tier value
     evictions: dict[str, int]  # by Tier value
     exposed_wait: WaitStats | None = None  # None until a batch has acquired its slots
+    prefetch: dict[str, int] = field(default_factory=dict)  # "host_to_slot" loads done, "skipped_no_room" jobs
     residency: dict[str, AdapterResidency] = field(default_factory=dict)  # by adapter id (from the manager)
 
     def to_dict(self) -> dict:
@@ -156,6 +157,7 @@ class SwapMetrics:
     _hits: dict[Tier, int] = field(default_factory=dict, repr=False)
     _misses: dict[Tier, int] = field(default_factory=dict, repr=False)
     _evictions: dict[Tier, int] = field(default_factory=dict, repr=False)
+    _prefetch: dict[str, int] = field(default_factory=dict, repr=False)
     _recent: deque[AdapterMove] = field(init=False, repr=False)
     _waits: _Latencies = field(init=False, repr=False)
 
@@ -185,6 +187,11 @@ class SwapMetrics:
         with self._lock:
             self._evictions[tier] = self._evictions.get(tier, 0) + 1
 
+    def prefetched(self, outcome: str) -> None:
+        """Count one prefetch job's outcome: ``host_to_slot`` (it loaded a slot) or ``skipped_no_room``."""
+        with self._lock:
+            self._prefetch[outcome] = self._prefetch.get(outcome, 0) + 1
+
     def waited(self, seconds: float) -> None:
         """Record the exposed wait of one batch for its adapters (0.0 when every adapter was resident)."""
         with self._lock:
@@ -209,5 +216,6 @@ class SwapMetrics:
                 {t.value: n for t, n in self._misses.items()},
                 {t.value: n for t, n in self._evictions.items()},
                 wait,
+                dict(self._prefetch),
                 dict(residency or {}),
             )

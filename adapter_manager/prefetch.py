@@ -4,6 +4,9 @@ hub -> disk -> host always (the registry's `prepared`); host -> slot only into a
 victim that nothing queued ahead of the adapter needs, so it never evicts something needed sooner than what it
 brings in. Work is bounded (`depth` adapters per call, `workers` threads), a newer queue cancels the jobs of adapters
 it no longer holds, and a failure is recorded against its adapter until the manager surfaces it at `acquire`.
+Each job's slot outcome is counted in the metrics (``prefetch``: ``host_to_slot`` loads, ``skipped_no_room`` when
+no free or evictable range could take the adapter). Workers run torch ops on one intra-op thread
+(`workers.background_executor`), so a prefetch never slows the engine's own parallel ops.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .allocator import SlotAllocator
 from .prepare import PreparedAdapter
+from .workers import background_executor
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class Prefetcher:
         self._errors: dict[str, BaseException] = {}
         self._queue: tuple[str, ...] = ()
         workers = self.config.workers
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="adapter-prefetch") if workers else None
+        self._executor = background_executor(workers, "adapter-prefetch") if workers else None
 
     def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
         """Start moving the head of a waiting queue (one entry per waiting request, None = no adapter) up the
@@ -130,7 +134,11 @@ class Prefetcher:
                 return
         try:
             self._fetch(adapter_id)  # hub -> disk -> host
-            self._allocator.preload(adapter_id, protect=ahead)  # host -> slot, if it evicts nothing needed sooner
+            loaded = self._allocator.preload(adapter_id, protect=ahead)  # host -> slot, evicting nothing needed sooner
+            if self._allocator.slot_of(adapter_id) is None:
+                self._allocator.metrics.prefetched("skipped_no_room")
+            elif loaded:
+                self._allocator.metrics.prefetched("host_to_slot")
         except Exception as error:
             log.warning("prefetch of adapter %r failed: %s", adapter_id, error)
             with self._lock:

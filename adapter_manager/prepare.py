@@ -1,7 +1,8 @@
-"""Host-side preparation: a validated PEFT safetensors file -> per-module `A [R, in]`, `Bt [R, out]`, scale folded.
+"""Host-side preparation: a validated PEFT safetensors file -> per-module `A [r, in]`, `Bt [r, out]`, scale folded.
 
-All modules of one adapter live in one flat host buffer (pinned when serving on CUDA), so a prepared adapter is a
-single allocation whose byte size is known exactly and which a slot load copies view by view.
+A prepared adapter of rank r (its highest module rank) is one ``[r, width]`` block in the pool's row layout
+(`row_layout.RowLayout`): pinned when serving on CUDA, its byte size proportional to its own rank, moved into the
+slot pool by one contiguous copy. Modules it does not target, and rows past a module's own rank, are zero.
 """
 
 from __future__ import annotations
@@ -16,28 +17,33 @@ from safetensors import SafetensorError, safe_open
 from .base_model import BaseModelSpec, ModuleKey
 from .errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError, TensorShapeError
 from .peft_format import ModuleLora, parse_tensor_key
+from .row_layout import RowLayout
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
 class ModuleWeights:
-    """One module's prepared LoRA weights; rows past `rank` are zero."""
+    """One module's prepared LoRA weights: strided views of the adapter's block; rows past `rank` are zero."""
 
-    a: torch.Tensor  # Shape: [R, in]
-    bt: torch.Tensor  # Shape: [R, out] = (scaling * B).T, zero-padded
-    rank: int  # the module's true rank r <= R
+    a: torch.Tensor  # Shape: [r, in] (r: the adapter's rank)
+    bt: torch.Tensor  # Shape: [r, out] = (scaling * B).T, zero past the module's rank
+    rank: int  # the module's own rank <= r
 
 
 @dataclass(frozen=True)
 class PreparedAdapter:
-    """An adapter ready to be copied into a slot: padded to `max_rank`, in the serving dtype."""
+    """An adapter ready to be copied into a slot range: one row block in the serving dtype."""
 
     adapter_id: str
     sha: str  # revision the weights came from
-    max_rank: int  # R
     modules: Mapping[ModuleKey, ModuleWeights]  # targeted modules only; the others are zero
-    storage: torch.Tensor  # the flat buffer every module's `a` and `bt` view into
+    storage: torch.Tensor  # Shape: [r, width], the block every module's `a` and `bt` view into
+
+    @property
+    def rows(self) -> int:
+        """r: rows of the block, the adapter's highest module rank."""
+        return self.storage.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +60,6 @@ def prepare_adapter(
     weights_path: Path,
     modules: Mapping[ModuleKey, ModuleLora],
     spec: BaseModelSpec,
-    max_rank: int,
     dtype: torch.dtype,
     pin_memory: bool = False,
 ) -> PreparedAdapter:
@@ -68,7 +73,7 @@ def prepare_adapter(
             keys = list(handle.keys())
             tensors = _match_keys(adapter_id, keys, modules)
             _check_shapes(adapter_id, handle, tensors, modules, spec)
-            return _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin_memory)
+            return _build(adapter_id, sha, handle, tensors, modules, RowLayout.of(spec), dtype, pin_memory)
     except FileNotFoundError:
         raise CorruptWeightsError(adapter_id, f"{weights_path.name} is missing") from None
     except SafetensorError as err:
@@ -107,22 +112,15 @@ def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> 
                 raise TensorShapeError(adapter_id, f"tensor {key!r} has dtype {dtype}, expected a float type")
 
 
-def _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin_memory) -> PreparedAdapter:
-    order = sorted(modules)
-    sizes = [max_rank * sum(spec.projection_shape(m.proj)) for m in order]
-    storage = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin_memory)
+def _build(adapter_id, sha, handle, tensors, modules, layout: RowLayout, dtype, pin_memory) -> PreparedAdapter:
+    rank = max(lora.rank for lora in modules.values())
+    storage = torch.zeros(rank, layout.width, dtype=dtype, pin_memory=pin_memory)  # [r, width]
     prepared: dict[ModuleKey, ModuleWeights] = {}
-    offset = 0
-    for module, size in zip(order, sizes, strict=True):
-        fan_in, fan_out = spec.projection_shape(module.proj)
+    for module in sorted(modules):
         lora = modules[module]
-        a_view = storage[offset : offset + max_rank * fan_in].view(max_rank, fan_in)
-        bt_view = storage[offset + max_rank * fan_in : offset + size].view(max_rank, fan_out)
-        offset += size
-        a_view[lora.rank :].zero_()
-        bt_view[lora.rank :].zero_()
-        a_view[: lora.rank].copy_(handle.get_tensor(tensors[module]["A"]))  # [r, in]
-        b = handle.get_tensor(tensors[module]["B"])  # [out, r]
+        a_view, bt_view = layout.a_view(storage, module), layout.bt_view(storage, module)  # [r, in], [r, out]
+        a_view[: lora.rank].copy_(handle.get_tensor(tensors[module]["A"]))  # [r_m, in]
+        b = handle.get_tensor(tensors[module]["B"])  # [out, r_m]
         bt_view[: lora.rank].copy_((b.to(torch.float32) * lora.scaling).t())
         prepared[module] = ModuleWeights(a=a_view, bt=bt_view, rank=lora.rank)
     # A finite sum proves every element finite (NaN and inf propagate); a non-finite one is checked element-wise,
@@ -134,4 +132,4 @@ def _build(adapter_id, sha, handle, tensors, modules, spec, max_rank, dtype, pin
                     raise NonFiniteWeightsError(
                         adapter_id, f"tensor {tensors[module][ab]!r} holds NaN or infinity (in {dtype} after scaling)"
                     )
-    return PreparedAdapter(adapter_id=adapter_id, sha=sha, max_rank=max_rank, modules=prepared, storage=storage)
+    return PreparedAdapter(adapter_id=adapter_id, sha=sha, modules=prepared, storage=storage)

@@ -48,7 +48,7 @@ def check_adapter_id(adapter_id: str) -> str:
 class RegistryConfig:
     """How adapters are accepted and prepared."""
 
-    max_rank: int = 64  # R: highest LoRA rank accepted; prepared weights are zero-padded to it
+    max_rank: int = 64  # R: highest LoRA rank accepted
     dtype: torch.dtype = torch.float32  # serving dtype of prepared weights
     host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
@@ -235,7 +235,6 @@ class AdapterRegistry:
             files.weights_path,
             modules,
             self.spec,
-            self.config.max_rank,
             self.config.dtype,
             self.config.pin_memory,
         )

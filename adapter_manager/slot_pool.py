@@ -1,13 +1,21 @@
-"""The slot pool: preallocated device stacks `A_stack [S, R, in]` and `Bt_stack [S, R, out]` per LoRA-able module.
+"""The slot pool: one preallocated device tensor of rank rows, ``rows [N, width]``, in the row layout of prepared
+adapters (`row_layout.RowLayout`), and per module the strided views the kernels read.
 
-A slot `s` is one index of every stack. `SlotPool.load(s, prepared)` writes an adapter into slot `s` of every stack
-in place and returns only once the copy has completed on the device; which slots hold which adapter, and when a slot
-may be published to the kernels, is the allocator's business (`allocator.py`).
+Rows are handed out in units of ``granule`` rows. A slot is the index of a unit: slot ``s`` starts at row
+``s * granule``; an adapter of rank r loaded there takes rows ``[s*G, s*G + r)`` and, for allocation, the
+``units_for(r)`` units from ``s`` on (a power of two, so a buddy allocator packs them). Which slots hold which
+adapter, and when a slot may be published to the kernels, is the allocator's business (`allocator.py`). The last row
+(``zero_row``) is never written: it stays zero, for the kernels to pad gathers with.
+
+    Worked example, G = 8, 4 units (N = 33 rows): a rank-16 adapter at slot 0 (rows 0-15, units 0-1), a rank-8 one
+    at slot 2 (rows 16-23), a rank-3 one at slot 3 (rows 24-26; rows 27-31 unused), row 32 the zero row.
+
+`SlotPool.load(slot, prepared)` is one contiguous copy of the adapter's block into its rows, in place, and returns
+once the copy has completed on the device.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,35 +26,32 @@ import torch
 from .base_model import BaseModelSpec, ModuleKey
 from .errors import SlotLoadError
 from .prepare import PreparedAdapter
+from .row_layout import RowLayout
 
 _GIB = 1 << 30
 
 
-def bytes_needed(spec: BaseModelSpec, max_slots: int, max_rank: int, dtype: torch.dtype) -> int:
-    """Device bytes a pool of `max_slots` slots at `max_rank` takes: S * R * sum over modules of (in + out)."""
-    return max_slots * spec.max_adapter_bytes(max_rank, dtype.itemsize)
+def units_for(rank: int, granule: int) -> int:
+    """Units an adapter of rank ``rank`` takes: ceil(rank / granule) rounded up to a power of two."""
+    units = -(-rank // granule)
+    return 1 << (units - 1).bit_length()
 
 
-def slots_for_budget(spec: BaseModelSpec, budget_bytes: int, max_rank: int, dtype: torch.dtype) -> int:
-    """The most slots whose stacks fit in `budget_bytes`; ValueError if not even one does."""
-    per_slot = bytes_needed(spec, 1, max_rank, dtype)
-    if budget_bytes < per_slot:
-        raise ValueError(
-            f"memory_budget_bytes ({budget_bytes / _GIB:.3f} GiB) is smaller than one slot at max_rank {max_rank} "
-            f"in {dtype} ({per_slot / _GIB:.3f} GiB)"
-        )
-    return budget_bytes // per_slot
+def bytes_needed(spec: BaseModelSpec, rows: int, dtype: torch.dtype) -> int:
+    """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row)."""
+    return rows * RowLayout.of(spec).row_bytes(dtype)
 
 
 @dataclass
 class SlotPoolConfig:
-    """Size, dtype and device of the slot stacks."""
+    """Size, granule, dtype and device of the row pool."""
 
-    max_slots: int | Literal["auto"] = 8  # S; "auto": as many as fit in memory_budget_bytes
-    max_rank: int = 64  # R: every slot holds adapters zero-padded to this rank
+    max_slots: int | Literal["auto"] = 8  # rows for this many adapters at max_rank; "auto": memory_budget_bytes
+    max_rank: int = 64  # R: the highest rank one adapter may have
     dtype: torch.dtype = torch.float32  # serving dtype; prepared adapters must match it
     device: torch.device | str = "cpu"  # cpu, cuda[:i] or xla[:i]
-    memory_budget_bytes: int | None = None  # with max_slots="auto": device bytes the stacks may take
+    memory_budget_bytes: int | None = None  # with max_slots="auto": device bytes the rows may take
+    granule: int | None = None  # rows per unit (slot index step); None: min(8, max_rank)
 
     def __post_init__(self) -> None:
         if self.max_slots == "auto":
@@ -58,75 +63,110 @@ class SlotPoolConfig:
             raise ValueError(f"max_slots must be a positive int or 'auto', got {self.max_slots!r}")
         if not isinstance(self.max_rank, int) or self.max_rank <= 0:
             raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
+        if self.granule is None:
+            self.granule = min(8, self.max_rank)
+        if not isinstance(self.granule, int) or not 0 < self.granule <= self.max_rank:
+            raise ValueError(f"granule must be an int in 1..max_rank ({self.max_rank}), got {self.granule!r}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
         self.device = torch.device(self.device)
         if self.device.type not in ("cpu", "cuda", "xla"):
             raise ValueError(f"device must be cpu, cuda or xla, got {self.device}")
 
-    def resolve_slots(self, spec: BaseModelSpec) -> int:
-        """S: `max_slots`, or for "auto" the most slots that fit in `memory_budget_bytes`."""
-        if self.max_slots == "auto":
-            assert self.memory_budget_bytes is not None
-            return slots_for_budget(spec, self.memory_budget_bytes, self.max_rank, self.dtype)
-        return self.max_slots
+    @property
+    def max_units(self) -> int:
+        """Units of an adapter at max_rank: the largest block the allocator hands out."""
+        assert self.granule is not None
+        return units_for(self.max_rank, self.granule)
+
+    def resolve_units(self, spec: BaseModelSpec) -> int:
+        """Units in the pool: ``max_slots`` max-rank blocks, or as many whole max-rank blocks as fit in the budget."""
+        assert self.granule is not None
+        if self.max_slots != "auto":
+            return self.max_slots * self.max_units
+        assert self.memory_budget_bytes is not None
+        block = bytes_needed(spec, self.max_units * self.granule, self.dtype)
+        zero_row = bytes_needed(spec, 1, self.dtype)
+        if self.memory_budget_bytes < block + zero_row:
+            raise ValueError(
+                f"memory_budget_bytes ({self.memory_budget_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
+                f"max_rank {self.max_rank} in {self.dtype} ({block / _GIB:.3f} GiB)"
+            )
+        return (self.memory_budget_bytes - zero_row) // block * self.max_units
 
 
-@dataclass(frozen=True)
 class SlotStacks:
-    """The two stacks of one module, as the kernels take them."""
+    """One module's rows, as the kernels take them: strided views of the pool's row tensor.
 
-    a: torch.Tensor  # Shape: [S, R, in]
-    bt: torch.Tensor  # Shape: [S, R, out]
+    On eager devices the two views are made once. On XLA each access makes a fresh view, so a step's graph always
+    slices the pool's row tensor (device data after every load): a view kept alive across syncs would be
+    materialised as a copy of its own, and a slot load would then switch the step between two graphs.
+    """
+
+    def __init__(self, rows: torch.Tensor, a_cols: slice, bt_cols: slice) -> None:
+        self._rows, self._a_cols, self._bt_cols = rows, a_cols, bt_cols
+        self._fresh = rows.device.type == "xla"
+        self._a, self._bt = rows[:, a_cols], rows[:, bt_cols]
+
+    @property
+    def a(self) -> torch.Tensor:
+        """Shape: [N, in]."""
+        return self._rows[:, self._a_cols] if self._fresh else self._a
+
+    @property
+    def bt(self) -> torch.Tensor:
+        """Shape: [N, out]."""
+        return self._rows[:, self._bt_cols] if self._fresh else self._bt
 
 
 class SlotPool:
-    """Every module's stacks on one device, allocated once (zero-filled), written slot by slot in place.
+    """The row pool on one device, allocated once (zero-filled), written one adapter range at a time in place.
 
-    `load` is safe to call from several threads for *different* slots (the allocator guarantees a slot has one
-    writer); on XLA loads are serialised, as lazy-tensor tracing of one stack from two threads is not.
+    `load` is safe to call from several threads for *disjoint* ranges (the allocator guarantees a range has one
+    writer); on XLA loads are serialised, as lazy-tensor tracing of one tensor from two threads is not.
     """
 
     def __init__(self, spec: BaseModelSpec, config: SlotPoolConfig | None = None) -> None:
         self.spec = spec
         self.config = config or SlotPoolConfig()
-        self.num_slots = self.config.resolve_slots(spec)
+        self.layout = RowLayout.of(spec)
+        self.granule: int = self.config.granule  # type: ignore[assignment]
+        self.num_units = self.config.resolve_units(spec)
+        self.max_units = self.config.max_units
         self.max_rank = self.config.max_rank
         self.dtype = self.config.dtype
         self.device = torch.device(self.config.device)
-        self._stacks: dict[ModuleKey, SlotStacks] = {}
-        xla = self.device.type == "xla"
-        for key in spec.module_keys():
-            fan_in, fan_out = spec.projection_shape(key.proj)
-            shape_a, shape_bt = (self.num_slots, self.max_rank, fan_in), (self.num_slots, self.max_rank, fan_out)
-            if xla:  # zeros made on the host and moved whole: device data at once, no graph to compile
-                a, bt = torch.zeros(shape_a, dtype=self.dtype), torch.zeros(shape_bt, dtype=self.dtype)
-                self._stacks[key] = SlotStacks(a=a.to(self.device), bt=bt.to(self.device))
-            else:
-                self._stacks[key] = SlotStacks(
-                    a=torch.zeros(shape_a, dtype=self.dtype, device=self.device),  # [S, R, in]
-                    bt=torch.zeros(shape_bt, dtype=self.dtype, device=self.device),  # [S, R, out]
-                )
-        # Per slot, every module's (key, A view [R, in], Bt view [R, out]): made once, reused by every load (eager
-        # devices only; on XLA a slot view would bake the slot number into the graph).
-        self._views: list[list[tuple[ModuleKey, torch.Tensor, torch.Tensor]]] = []
-        if self.device.type != "xla":
-            self._views = [
-                [(k, s.a[slot], s.bt[slot]) for k, s in self._stacks.items()] for slot in range(self.num_slots)
-            ]
+        self.num_rows = self.num_units * self.granule + 1  # N, the last one the zero row
+        shape = (self.num_rows, self.layout.width)
+        if self.device.type == "xla":  # zeros made on the host and moved whole: device data, no graph to compile
+            self.rows = torch.zeros(shape, dtype=self.dtype).to(self.device)
+        else:
+            self.rows = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [N, width]
+        self._stacks = {key: self._module_stacks(key) for key in spec.module_keys()}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._xla_lock = threading.Lock()
-        # XLA: every module's (A, Bt) element range in one slot's flat host layout; the load graph slices the moved
-        # buffer at these fixed offsets, so it is the same graph for every slot and every adapter.
-        self._xla_layout: list[tuple[ModuleKey, int, int]] = []
-        self._xla_numel = 0
-        if xla:
-            for key, stacks in self._stacks.items():
-                a_numel, bt_numel = math.prod(stacks.a.shape[1:]), math.prod(stacks.bt.shape[1:])
-                self._xla_layout.append((key, self._xla_numel, self._xla_numel + a_numel))
-                self._xla_numel += a_numel + bt_numel
-            with self._xla_lock:  # compile the load graph now (slot 0 is free and zero): no load compiles later
-                self._copy_xla(0, torch.zeros(self._xla_numel, dtype=self.dtype))
+        if self.device.type == "xla":
+            with self._xla_lock:  # compile each block size's load graph now, into unit 0 (free, zero)
+                # a first copy into the freshly transferred rows traces a graph of its own: do it once more below
+                self._copy_xla(0, torch.zeros(self.granule, self.layout.width, dtype=self.dtype))
+                units = 1
+                while units <= min(self.max_units, self.num_units):
+                    self._copy_xla(0, torch.zeros(units * self.granule, self.layout.width, dtype=self.dtype))
+                    units *= 2
+
+    def _module_stacks(self, key: ModuleKey) -> SlotStacks:
+        c = self.layout.columns[key]
+        a_cols = slice(c.a_start, c.a_start + c.in_features)
+        return SlotStacks(self.rows, a_cols, slice(c.bt_start, c.bt_start + c.out_features))
+
+    @property
+    def num_slots(self) -> int:
+        """Slot indices 0 <= s < num_slots (one per unit): the most adapters the pool can hold at once."""
+        return self.num_units
+
+    @property
+    def zero_row(self) -> int:
+        return self.num_rows - 1
 
     @property
     def device_lock(self) -> threading.Lock:
@@ -137,124 +177,73 @@ class SlotPool:
 
     @property
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
-        """Every module's stacks, layer-major; the tensors never change identity, only their contents."""
+        """Every module's row views, layer-major; the tensors never change identity, only their contents."""
         return self._stacks
 
     @property
     def nbytes(self) -> int:
-        return bytes_needed(self.spec, self.num_slots, self.max_rank, self.dtype)
+        return self.rows.numel() * self.rows.element_size()
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes of one slot over every stack: the most one adapter can move host -> slot."""
-        return bytes_needed(self.spec, 1, self.max_rank, self.dtype)
+        """Bytes of one adapter at max_rank: the most one load can move host -> slot."""
+        return bytes_needed(self.spec, self.max_rank, self.dtype)
+
+    def units_for(self, rank: int) -> int:
+        """Units an adapter of rank ``rank`` takes in this pool."""
+        return units_for(rank, self.granule)
 
     def load(self, slot: int, prepared: PreparedAdapter) -> None:
-        """Write `prepared` into slot `slot` of every stack in place; modules it does not target are zeroed.
+        """Copy `prepared`'s block into rows ``[slot * G, slot * G + r)`` in place: one contiguous copy.
 
         Semantics:
-            for key in modules: A_stack[key][slot] = prepared.a[key] if targeted else 0   # [R, in]
-                                Bt_stack[key][slot] = prepared.bt[key] if targeted else 0  # [R, out]
+            rows[slot * G : slot * G + r] = prepared.storage      # [r, width]; the other rows are untouched
         Returns once the copy has completed on the device. Raises `SlotLoadError` (naming the adapter) on a bad
-        rank, dtype, module or shape, before writing anything; if a copy itself fails the slot may be partly
-        written and must not be published.
+        slot, rank, dtype or width before writing anything; if a copy itself fails the range may be partly written
+        and must not be published.
         """
-        if not 0 <= slot < self.num_slots:
-            raise SlotLoadError(prepared.adapter_id, f"slot {slot} is outside 0..{self.num_slots - 1}")
-        if prepared.max_rank != self.max_rank or prepared.dtype != self.dtype:
+        if not 0 <= slot < self.num_units:
+            raise SlotLoadError(prepared.adapter_id, f"slot {slot} is outside 0..{self.num_units - 1}")
+        storage = prepared.storage
+        if storage.dim() != 2 or storage.shape[1] != self.layout.width or storage.dtype != self.dtype:
             raise SlotLoadError(
                 prepared.adapter_id,
-                f"prepared at rank {prepared.max_rank} in {prepared.dtype}, the pool holds rank {self.max_rank} "
-                f"in {self.dtype}",
+                f"prepared block is {list(storage.shape)} {storage.dtype}, the pool holds rows of "
+                f"{self.layout.width} in {self.dtype}",
             )
-        unknown = sorted(set(prepared.modules) - set(self._stacks))
-        if unknown:
-            raise SlotLoadError(prepared.adapter_id, f"modules {unknown} are not in the base model")
+        rank = storage.shape[0]
+        if not 0 < rank <= self.max_rank:
+            raise SlotLoadError(prepared.adapter_id, f"rank {rank} is outside 1..max_rank {self.max_rank}")
+        end_unit = slot + self.units_for(rank)
+        if end_unit > self.num_units:
+            raise SlotLoadError(
+                prepared.adapter_id, f"rank {rank} at slot {slot} needs units up to {end_unit}, the pool has "
+                f"{self.num_units}"
+            )  # fmt: skip
+        start = slot * self.granule
         if self.device.type == "xla":
             with self._xla_lock:
-                self._load_xla(slot, prepared)
-            return
-        copies, zeros = self._plan(slot, prepared)
-        if self.device.type == "cuda":
-            self._load_cuda(prepared, copies, zeros)
+                padded = torch.zeros(self.units_for(rank) * self.granule, self.layout.width, dtype=self.dtype)
+                padded[:rank].copy_(storage)  # the graph depends on the block size class only
+                self._copy_xla(slot, padded)
+        elif self._stream is not None:
+            # One async host -> device copy from the pinned block, on a side stream that first waits for work
+            # already queued on the compute stream (a kernel still reading the range's previous adapter); the host
+            # waits on an event before the allocator publishes the slot, which keeps the host block alive until read.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self.rows[start : start + rank].copy_(storage, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            done.synchronize()
         else:
-            if copies:
-                torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
-            if zeros:
-                torch._foreach_zero_(zeros)
+            self.rows[start : start + rank].copy_(storage)
 
-    def _plan(self, slot: int, prepared: PreparedAdapter) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list]:
-        """(slot view, host source) for each targeted stack, and the slot views to zero; every shape is checked
-        before anything is written, so a refused adapter leaves the slot as it was."""
-        copies, zeros = [], []
-        modules = prepared.modules
-        for key, dst_a, dst_bt in self._views[slot]:  # [R, in], [R, out]
-            weights = modules.get(key)
-            if weights is None:
-                zeros += [dst_a, dst_bt]
-                continue
-            if weights.a.shape != dst_a.shape or weights.bt.shape != dst_bt.shape:
-                _check_shape(prepared.adapter_id, key, "a", weights.a, dst_a)
-                _check_shape(prepared.adapter_id, key, "bt", weights.bt, dst_bt)
-            copies += [(dst_a, weights.a), (dst_bt, weights.bt)]
-        return copies, zeros
-
-    def _load_cuda(self, prepared: PreparedAdapter, copies: list, zeros: list[torch.Tensor]) -> None:
-        # One host -> device copy of the adapter's flat (pinned) buffer into a staging buffer, then one fused
-        # device -> device copy into the slot views, all on a side stream. The side stream first waits for work
-        # already queued on the compute stream (a kernel still reading the slot's previous adapter); the host waits
-        # on an event before the allocator publishes the slot, which also keeps the host buffer alive until read.
-        assert self._stream is not None
-        storage = prepared.storage
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            staged = storage.to(self.device, non_blocking=True)  # [N]
-            sources = []
-            for _, src in copies:
-                offset = (src.data_ptr() - storage.data_ptr()) // storage.element_size()
-                sources.append(staged.as_strided(src.shape, src.stride(), offset))
-            if copies:
-                torch._foreach_copy_([dst for dst, _ in copies], sources)
-            if zeros:
-                torch._foreach_zero_(zeros)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        done.synchronize()
-
-    def _load_xla(self, slot: int, prepared: PreparedAdapter) -> None:
-        # One host buffer in the slot's flat layout (zeros where the adapter does not target a module), one transfer,
-        # one graph whatever the slot and the adapter: the slot is a device index tensor, never a Python int.
-        flat = torch.zeros(self._xla_numel, dtype=self.dtype)  # [sum over modules of R * (in + out)]
-        for key, offset_a, offset_bt in self._xla_layout:
-            weights = prepared.modules.get(key)
-            if weights is None:
-                continue
-            stacks = self._stacks[key]
-            _check_shape(prepared.adapter_id, key, "a", weights.a, stacks.a.shape[1:])
-            _check_shape(prepared.adapter_id, key, "bt", weights.bt, stacks.bt.shape[1:])
-            flat[offset_a:offset_bt].view_as(weights.a).copy_(weights.a)
-            flat[offset_bt : offset_bt + weights.bt.numel()].view_as(weights.bt).copy_(weights.bt)
-        self._copy_xla(slot, flat)
-
-    def _copy_xla(self, slot: int, flat: torch.Tensor) -> None:
-        index = torch.tensor([slot], dtype=torch.long).to(self.device)  # [1]
-        source = flat.to(self.device)
-        for key, offset_a, offset_bt in self._xla_layout:
-            stacks = self._stacks[key]
-            bt_end = offset_bt + math.prod(stacks.bt.shape[1:])
-            a = source[offset_a:offset_bt].view(1, *stacks.a.shape[1:])  # [1, R, in]
-            bt = source[offset_bt:bt_end].view(1, *stacks.bt.shape[1:])  # [1, R, out]
-            stacks.a.index_copy_(0, index, a)  # [1, R, in] -> [S, R, in]
-            stacks.bt.index_copy_(0, index, bt)  # [1, R, out] -> [S, R, out]
+    def _copy_xla(self, slot: int, block: torch.Tensor) -> None:
+        # The start row is a device index tensor, never a Python int: one graph per block size for every slot.
+        index = (torch.arange(block.shape[0]) + slot * self.granule).to(self.device)  # [rows]
+        self.rows.index_copy_(0, index, block.to(self.device))
         _xla_sync()
-
-
-def _check_shape(adapter_id: str, key: ModuleKey, name: str, src: torch.Tensor, dst: torch.Tensor | torch.Size):
-    expected = dst if isinstance(dst, torch.Size) else dst.shape
-    if src.shape != expected:
-        raise SlotLoadError(
-            adapter_id, f"{key.module_name} {name} has shape {list(src.shape)}, the slot expects {list(expected)}"
-        )
 
 
 def _xla_sync() -> None:

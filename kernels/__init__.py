@@ -3,11 +3,13 @@
 from kernels.backend import select_backend
 from kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
-from kernels.meta import LoRAKernelMeta, SlotGrouping
+from kernels.grouping import AdapterRows, Segment, SlotGrouping
+from kernels.meta import LoRAKernelMeta
 from kernels.ops import expand, shrink
 from kernels.protocol import EagerBackend, KernelBackend
 
 __all__ = [
+    "AdapterRows",
     "BackendKind",
     "DispatchEntry",
     "EagerBackend",
@@ -16,6 +18,7 @@ __all__ = [
     "LoRAForm",
     "LoRAKernelMeta",
     "PallasInterpret",
+    "Segment",
     "SlotGrouping",
     "TorchDispatchTable",
     "expand",

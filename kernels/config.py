@@ -28,13 +28,15 @@ class LoRAForm(StrEnum):
     NONE = "none"
     """No token has an adapter: no LoRA work at all."""
     SINGLE = "single"
-    """Every adapter token uses one slot: plain matmuls with it, rows of -1 tokens zeroed."""
+    """Every adapter token uses one slot: plain matmuls with its pool rows, rows of -1 tokens zeroed."""
     SEGMENTS = "segments"
     """One matmul per run of equal slots in token order, on row slices (a batch ordered by adapter)."""
     GROUPED = "grouped"
-    """Tokens sorted by slot once per step and padded per active slot: two batched matmuls."""
+    """Tokens sorted by slot once per step: per-slot matmuls, or, padded per active slot, two batched matmuls
+    against the compact active table."""
     LANED = "laned"
-    """One dense matmul over all S·R lanes, masked to each token's slot (small batches)."""
+    """One dense matmul over the k·R lanes of the step's k active adapters, masked to each token's slot (small
+    batches)."""
 
 
 _FORCIBLE_FORMS = (LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED)

@@ -1,4 +1,4 @@
-"""The measured table that picks the eager torch backend's form (grouped or dense laned) by batch shape."""
+"""The measured table that picks the eager torch backend's form (grouped or dense laned) by the step's active lanes."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ SHIPPED_TABLE = "torch_dispatch.json"
 
 @dataclass(frozen=True)
 class DispatchEntry:
-    """One measured (S, R) point: the laned form wins up to ``laned_max_tokens`` tokens, grouping beyond."""
+    """One measured (k, R) point: the laned form wins up to ``laned_max_tokens`` tokens, grouping beyond."""
 
     slots: int
-    """S, slots in the stacks."""
+    """k, the active slots of the step (the laned form's lanes are k·R, whatever the pool size)."""
     rank: int
     """R, the padded rank."""
     laned_max_tokens: int
@@ -31,7 +31,7 @@ class DispatchEntry:
 
 @dataclass(frozen=True)
 class TorchDispatchTable:
-    """Entries keyed by (S, R); a lookup uses the entry with the nearest lane count S·R (ties: the smaller)."""
+    """Entries keyed by (k, R); a lookup uses the entry with the nearest active lane count k·R (ties: the smaller)."""
 
     entries: tuple[DispatchEntry, ...]
     """The measured points, at least one."""
@@ -53,8 +53,9 @@ class TorchDispatchTable:
             raise ValueError(f"dispatch table {source} is malformed: {err}") from err
         return cls(entries, source)
 
-    def prefers_laned(self, num_tokens: int, num_slots: int, rank: int) -> bool:
-        lanes = num_slots * rank
+    def prefers_laned(self, num_tokens: int, active_slots: int, rank: int) -> bool:
+        """True when laned was measured faster for ``num_tokens`` tokens over ``active_slots``·``rank`` lanes."""
+        lanes = active_slots * rank
         best = min(self.entries, key=lambda e: (abs(e.slots * e.rank - lanes), e.slots * e.rank, e.rank))
         return num_tokens <= best.laned_max_tokens
 

@@ -3,62 +3,41 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import cast
 
+import numpy as np
 import torch
 
+from kernels.active_table import CompactTable, bucket_for, check_active_buckets, compact_ids, default_active_buckets
 from kernels.config import LoRAForm
+from kernels.grouping import AdapterRows, Segment, SlotGrouping, count_runs, group_by_slot, token_runs
 from kernels.protocol import EagerBackend, KernelBackend
 
 _log = logging.getLogger(__name__)
-
-
-_MAX_PADDING_WASTE = 1.5
-"""Padded grouping is used while A·C ≤ this × the assigned tokens."""
-
-
-@dataclass(frozen=True)
-class SlotGrouping:
-    """Tokens sorted by slot once per step, padded per active slot for batched matmuls (eager backends).
-
-    Worked example, S = 4, slot indices ``[2, -1, 0, 2, 2]`` (T = 5):
-      counts per slot      ``[1, 0, 3, 0]``  -> active slots ``(0, 2)``, C = max count = 3
-      gather_index [2, 3]  ``[[2, 2, 2], [0, 3, 4]]``   (row per active slot; padding repeats a real token)
-      valid        [2, 3]  ``[[T, F, F], [T, T, T]]``   (padding rows are zeroed before anything is added)
-    Token 1 (slot -1) appears nowhere, so it receives exactly nothing.
-    """
-
-    active_slots: torch.Tensor
-    """Shape: [A] int64, the slots that have at least one token, ascending."""
-    gather_index: torch.Tensor
-    """Shape: [A·C] int64, token of each (active slot, position) cell; padding cells repeat a token of that slot."""
-    valid: torch.Tensor
-    """Shape: [A, C, 1] bool: True for real cells, False for padding."""
-    capacity: int
-    """C, the largest token count of any active slot."""
-    segments: tuple[tuple[int, int, int], ...]
-    """(slot, start, count) per active slot, into the slot-sorted token order ``order``."""
-    order: torch.Tensor
-    """Shape: [N] int64, the tokens with a slot, sorted by slot (stable): N = sum of counts."""
-    padded: bool
-    """Use the padded batched form; False when padding would waste too much (skewed mixes): per-slot matmuls."""
 
 
 @dataclass
 class LoRAKernelMeta:
     """Fixed-shape batch metadata: made once per engine, prepared once per forward step, read by every LoRA layer.
 
-    ``make`` allocates; ``prepare(slot_indices)`` fills it from the step's per-token slot indices (int32, -1 = no
-    adapter); the backend ops read it through :meth:`args`. On eager devices ``prepare`` performs the step's single
-    host sync (one ``bincount`` brought to the host) and derives the fast-path flags and the grouping; on traced
-    (XLA) devices it performs none: the indices, already padded to a token bucket with -1 on the host, move whole.
+    The LoRA weights of one (layer, projection) are row pools ``a_rows [N, in]`` and ``bt_rows [N, out]``,
+    N = S·G + 1: slot s's adapter of rank r_s sits in rows ``[s·G, s·G + r_s)`` (G = granule; r_s > G spans several
+    granules), rows past r_s may hold stale data, and the last row (``zero_row``) is all zeros.
+    ``prepare(slot_indices, slot_rows)`` fills the metadata from the step's per-token slots (-1 = no adapter) and the
+    active slots' ranks. Eager devices: one host sync (none when the indices are on the host), then the fast-path
+    flags and the form. Traced (XLA) devices: the indices must be on the host; the compact table is built there and
+    moved whole, so the graph depends only on (T, A).
 
-    Worked example, S = 4, R = 2, slot indices ``[2, -1, 0, 2, 2]``:
-      slot_counts = (1, 0, 3, 0), no_adapter = False, single_slot = None, all_assigned = False,
-      runs = ((2, 0, 1), (0, 2, 1), (2, 3, 2)) -> form = segments (few runs) on the torch backend,
-      lane_slot (traced)  = [0, 0, 1, 1, 2, 2, 3, 3]  (slot of each of the S·R lanes),
-      lane_mask[1] = all False, lane_mask[0] = True only on lanes 4, 5 (slot 2).
+    Worked example, S = 6, G = 2, R = 4 (N = 13, zero_row = 12, active buckets (1, 4, 6)), slot_rows {0: 3, 3: 2},
+    slot indices ``[3, -1, 0, 3, 3]``:
+      pool rows: slot 0 -> rows 0..2 (spans granules 0 and 1; slot 1 is unused), slot 3 -> rows 6..7
+      active_slots = (0, 3), k = 2 -> active_width A = 4, token_compact = [1, -1, 0, 1, 1]
+      gather_rows [A·R] = [0, 1, 2, 12,  6, 7, 12, 12,  12, 12, 12, 12,  12, 12, 12, 12]
+      lane_owner  [A·R] = [0, 0, 0, 0,  1, 1, 1, 1,  2, 2, 2, 2,  3, 3, 3, 3]
+      eager: runs = slot 3 (0, 1), slot 0 (2, 1), slot 3 (3, 2) -> form segments on the torch backend.
     """
 
     backend: KernelBackend
@@ -66,48 +45,90 @@ class LoRAKernelMeta:
     rank: int
     max_tokens: int
     device: torch.device
-    token_slots: torch.Tensor = field(init=False)
-    """Shape: [T] int32 on ``device``: the step's slot per token, -1 = no adapter."""
-    lane_slot: torch.Tensor = field(init=False)
-    """Shape: [S·R] int32 on ``device``: the slot owning each lane of the laned form."""
+    granule: int
+    """G, pool rows per slot id."""
+    active_buckets: tuple[int, ...]
+    """Ascending widths A of the compact active table."""
     num_tokens: int = field(init=False, default=0)
-    slot_counts: tuple[int, ...] | None = field(init=False, default=None)
-    """Eager only: tokens per slot (host ints); None on traced devices."""
+    active_adapters: tuple[AdapterRows, ...] = field(init=False, default=())
+    """The step's distinct slots ≥ 0 with their pool rows, ascending by slot (compact id c = position here)."""
+    active_width: int = field(init=False, default=0)
+    """A, the smallest active bucket ≥ len(active_slots)."""
+    gather_rows: torch.Tensor | None = field(init=False, default=None)
+    """Shape: [A·R] int64 on ``device``: pool row of each lane (see :mod:`kernels.active_table`). Traced backends
+    always; eager only for the grouped-padded and laned forms (they read the first k·R)."""
+    token_compact: torch.Tensor | None = field(init=False, default=None)
+    """Shape: [T] int32 on ``device``: each token's compact id, -1 = no adapter. Set with ``gather_rows``."""
+    lane_owner: torch.Tensor | None = field(init=False, default=None)
+    """Traced only. Shape: [A·R] int32 on ``device``: ``lane // R``, made once per active width."""
+    token_slots: torch.Tensor | None = field(init=False, default=None)
+    """Eager only. Shape: [T] int32 on ``device``: the step's slot per token, -1 = no adapter."""
     no_adapter: bool = field(init=False, default=False)
     """Eager only: no token has an adapter, LoRA is skipped."""
-    single_slot: int | None = field(init=False, default=None)
-    """Eager only: the one slot used when every adapter token uses the same slot."""
     all_assigned: bool = field(init=False, default=False)
     """Eager only: no token has slot -1 (no row needs zeroing)."""
-    segments: tuple[tuple[int, int, int], ...] | None = field(init=False, default=None)
-    """Eager only: (slot, start, count) per run of equal slots in token order, when the batch is grouped by slot
-    (an engine that orders its batch by adapter gives one run per adapter): plain matmuls on row slices."""
+    single: AdapterRows | None = field(init=False, default=None)
+    """Eager only: the one adapter, when every adapter token uses the same slot."""
+    segments: tuple[Segment, ...] | None = field(init=False, default=None)
+    """Eager only: one per run of equal slots in token order, when the batch is grouped by slot (an engine that
+    orders its batch by adapter gives one run per adapter): plain matmuls on row slices."""
+    grouping: SlotGrouping | None = field(init=False, default=None)
+    lane_onehot: torch.Tensor | None = field(init=False, default=None)
+    """Eager laned form only. Shape: [T, k, 1] bool, True where the token's compact id is c."""
     form: LoRAForm | None = field(init=False, default=None)
     """Eager only: the form this step takes (none, single, segments, grouped, laned); None on traced devices, whose
     backend has one static form. Each new (token count, form) pair is logged once at DEBUG."""
-    use_laned: bool = field(init=False, default=False)
-    """Eager only: the backend chose the dense laned form for this step."""
-    grouping: SlotGrouping | None = field(init=False, default=None)
-    lane_onehot: torch.Tensor | None = field(init=False, default=None)
-    """Eager laned form only. Shape: [T, S, 1] bool, True where the token's slot is that slot."""
+    _lane_owners: dict[int, torch.Tensor] = field(init=False, default_factory=dict, repr=False)
     _logged_forms: set[tuple[int, LoRAForm]] = field(init=False, default_factory=set, repr=False)
 
     @classmethod
     def make(
-        cls, backend: KernelBackend, num_slots: int, rank: int, max_tokens: int, device: torch.device | str
+        cls,
+        backend: KernelBackend,
+        num_slots: int,
+        rank: int,
+        max_tokens: int,
+        device: torch.device | str,
+        *,
+        granule: int | None = None,
+        active_buckets: Sequence[int] | None = None,
     ) -> LoRAKernelMeta:
-        """Allocate the metadata for stacks of ``num_slots`` slots of rank ``rank`` and batches of ≤ max_tokens."""
-        for name, value in (("num_slots", num_slots), ("rank", rank), ("max_tokens", max_tokens)):
-            if not isinstance(value, int) or value < 1:
+        """Allocate the metadata for row pools of ``num_slots`` slot ids (``granule`` rows each, default ``rank``),
+        adapters of rank ≤ ``rank`` and batches of ≤ ``max_tokens`` tokens."""
+        granule = rank if granule is None else granule
+        checks = (("num_slots", num_slots), ("rank", rank), ("max_tokens", max_tokens), ("granule", granule))
+        for name, value in checks:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        meta = cls(backend, num_slots, rank, max_tokens, torch.device(device))
-        lanes = torch.arange(num_slots * rank, dtype=torch.int32) // rank
-        meta.lane_slot = lanes.to(meta.device)
-        meta.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=meta.device)
-        return meta
+        buckets = default_active_buckets(num_slots) if active_buckets is None else check_active_buckets(active_buckets)
+        return cls(backend, num_slots, rank, max_tokens, torch.device(device), granule, buckets)
 
-    def prepare(self, slot_indices: torch.Tensor) -> None:
-        """Fill the metadata for one step. ``slot_indices``: Shape: [T] int32, each in [-1, S)."""
+    @property
+    def num_rows(self) -> int:
+        """N = S·G + 1, the rows of every pool tensor."""
+        return self.num_slots * self.granule + 1
+
+    @property
+    def zero_row(self) -> int:
+        """N - 1, the pool's all-zero row that pads every gather."""
+        return self.num_slots * self.granule
+
+    @property
+    def active_slots(self) -> tuple[int, ...]:
+        """The step's distinct slots ≥ 0, ascending."""
+        return tuple(a.slot for a in self.active_adapters)
+
+    @property
+    def num_active(self) -> int:
+        """k, the step's distinct active slots."""
+        return len(self.active_adapters)
+
+    def prepare(self, slot_indices: torch.Tensor, slot_rows: Mapping[int, int]) -> None:
+        """Fill the metadata for one step.
+
+        ``slot_indices``: Shape: [T] int32, each in [-1, S); on the host for traced backends. ``slot_rows``: r_s for
+        (at least) every slot in slot_indices, 1 ≤ r_s ≤ R.
+        """
         if slot_indices.dim() != 1 or slot_indices.dtype != torch.int32:
             raise ValueError(
                 f"slot_indices must be a 1-D int32 tensor, got shape {tuple(slot_indices.shape)} {slot_indices.dtype}"
@@ -115,98 +136,112 @@ class LoRAKernelMeta:
         num_tokens = slot_indices.shape[0]
         if not 1 <= num_tokens <= self.max_tokens:
             raise ValueError(f"slot_indices has {num_tokens} tokens, expected 1..max_tokens={self.max_tokens}")
-        self.num_tokens = num_tokens
-        if self.backend.traced:
-            self.token_slots = slot_indices.to(self.device)
-            return
-        self.token_slots = self._copy_slots(slot_indices)
-        host = slot_indices.cpu()  # the step's one host sync (none when the engine passes host indices)
+        if self.backend.traced and slot_indices.device.type != "cpu":
+            raise ValueError(
+                f"slot_indices must be a CPU tensor on a traced backend (the compact table is built on the host), "
+                f"got one on {slot_indices.device}"
+            )
+        host = slot_indices.cpu().numpy()  # eager: the step's one host sync (none when the engine passes host indices)
         low, high = int(host.min()), int(host.max())
         if low < -1 or high >= self.num_slots:
             raise ValueError(
                 f"slot_indices must lie in [-1, {self.num_slots}) for num_slots={self.num_slots}; "
                 f"got values in [{low}, {high}]"
             )
-        counts = torch.bincount(host.long() + 1, minlength=self.num_slots + 1).tolist()
-        self.slot_counts = tuple(counts[1:])
-        active = [s for s, c in enumerate(self.slot_counts) if c > 0]
-        self.all_assigned = counts[0] == 0
-        self.segments = None
-        self.use_laned = False
-        self.grouping = None
-        self.lane_onehot = None
-        self.single_slot = None
-        if not active:
+        active, counts, compact = compact_ids(host)
+        adapters = self._adapters(tuple(active.tolist()), slot_rows)
+        self.num_tokens = num_tokens
+        self.active_adapters = adapters
+        self.active_width = bucket_for(len(adapters), self.active_buckets)
+        self.gather_rows = self.token_compact = self.lane_owner = None
+        if self.backend.traced:
+            self._build_table(compact, adapters)
+            self.lane_owner = self._lane_owner(self.active_width)
+            return
+        self._prepare_eager(slot_indices, host, compact, adapters, tuple(counts.tolist()))
+
+    def _adapters(self, active: tuple[int, ...], slot_rows: Mapping[int, int]) -> tuple[AdapterRows, ...]:
+        adapters: list[AdapterRows] = []
+        for slot in active:
+            if slot not in slot_rows:
+                raise ValueError(f"slot_rows has no entry for slot {slot}, which slot_indices uses")
+            rows = slot_rows[slot]
+            if not isinstance(rows, Integral) or isinstance(rows, bool) or not 1 <= rows <= self.rank:
+                raise ValueError(f"slot_rows[{slot}] = {rows!r} is outside 1..rank={self.rank}")
+            rows = int(rows)
+            first = slot * self.granule
+            if first + rows > self.zero_row:
+                raise ValueError(
+                    f"slot {slot} of rank {rows} needs rows [{first}, {first + rows}) but the pool has "
+                    f"{self.zero_row} adapter rows (num_slots={self.num_slots}, granule={self.granule})"
+                )
+            if adapters and adapters[-1].first + adapters[-1].rank > first:
+                prev = adapters[-1]
+                raise ValueError(
+                    f"slot {prev.slot} (rows [{prev.first}, {prev.first + prev.rank})) overlaps slot {slot} "
+                    f"(rows [{first}, {first + rows})) with granule={self.granule}"
+                )
+            adapters.append(AdapterRows(slot, first, rows))
+        return tuple(adapters)
+
+    def _build_table(self, compact: np.ndarray, adapters: tuple[AdapterRows, ...]) -> None:
+        table = CompactTable.build(compact, adapters, self.active_width, self.rank, self.zero_row)
+        self.gather_rows = table.gather_rows.to(self.device)
+        self.token_compact = table.token_compact.to(self.device)
+
+    def _lane_owner(self, width: int) -> torch.Tensor:
+        if width not in self._lane_owners:
+            lanes = torch.arange(width * self.rank, dtype=torch.int32) // self.rank
+            self._lane_owners[width] = lanes.to(self.device)
+        return self._lane_owners[width]
+
+    def _prepare_eager(
+        self,
+        slot_indices: torch.Tensor,
+        host: np.ndarray,
+        compact: np.ndarray,
+        adapters: tuple[AdapterRows, ...],
+        counts: tuple[int, ...],
+    ) -> None:
+        if slot_indices.device != self.device:
+            slot_indices = torch.from_numpy(host).to(self.device, non_blocking=True)
+        self.token_slots = slot_indices
+        self.all_assigned = sum(counts) == host.shape[0]
+        self.single = self.segments = self.grouping = self.lane_onehot = None
+        if not adapters:
             form = LoRAForm.NONE
         else:
-            runs = _runs(host)
-            form = cast(EagerBackend, self.backend).choose_form(
-                num_tokens, self.num_slots, self.rank, len(active), len(runs)
-            )
-            assert form is not LoRAForm.SINGLE or len(active) == 1, f"single-slot form for {len(active)} slots"
+            runs = count_runs(host)
+            form = cast(EagerBackend, self.backend).choose_form(self.num_tokens, len(adapters), self.rank, runs)
+            assert form is not LoRAForm.SINGLE or len(adapters) == 1, f"single-slot form for {len(adapters)} slots"
             if form is LoRAForm.SINGLE:
-                self.single_slot = active[0]
+                self.single = adapters[0]
             elif form is LoRAForm.SEGMENTS:
-                self.segments = runs
+                self.segments = token_runs(host, {a.slot: a for a in adapters})
             elif form is LoRAForm.LANED:
-                self.use_laned = True
-                onehot = self.token_slots[:, None].long() == torch.arange(self.num_slots, device=self.device)[None, :]
-                self.lane_onehot = onehot[:, :, None]
+                self._build_table(compact, adapters)
+                assert self.token_compact is not None
+                ids = torch.arange(len(adapters), device=self.device, dtype=torch.int32)
+                self.lane_onehot = (self.token_compact[:, None] == ids[None, :])[:, :, None]
             else:
                 assert form is LoRAForm.GROUPED, f"backend chose {form!r}"
-                self.grouping = self._group(active)
+                self.grouping = group_by_slot(self.token_slots, adapters, counts, self.num_slots)
+                if self.grouping.padded:
+                    self._build_table(compact, adapters)
         self.form = form
         self.no_adapter = form is LoRAForm.NONE
-        if (num_tokens, form) not in self._logged_forms:
-            self._logged_forms.add((num_tokens, form))
-            _log.debug("LoRA form %s for steps of %d tokens (%d active slots)", form.value, num_tokens, len(active))
+        if (self.num_tokens, form) not in self._logged_forms:
+            self._logged_forms.add((self.num_tokens, form))
+            _log.debug(
+                "LoRA form %s for steps of %d tokens (%d active slots)", form.value, self.num_tokens, len(adapters)
+            )
 
-    def _copy_slots(self, slot_indices: torch.Tensor) -> torch.Tensor:
-        if slot_indices.device == self.device:
-            return slot_indices
-        return slot_indices.to(self.device, non_blocking=True)
+    def active_gather_rows(self) -> torch.Tensor:
+        """Shape: [k·R] int64: the compact table's rows of the k active slots (no bucket padding; eager forms)."""
+        assert self.gather_rows is not None, "no compact table this step"
+        return self.gather_rows[: self.num_active * self.rank]
 
-    def _group(self, active: list[int]) -> SlotGrouping:
-        counts = [self.slot_counts[s] for s in active]  # type: ignore[index]
-        capacity = max(counts)
-        slots = self.token_slots.long()
-        # stable sort puts each slot's tokens together in token order; -1 tokens are pushed to the end
-        order = torch.argsort(torch.where(slots < 0, self.num_slots, slots), stable=True)
-        starts, offset = [], 0
-        for c in counts:
-            starts.append(offset)
-            offset += c
-        assigned = offset
-        padded = capacity * len(counts) <= _MAX_PADDING_WASTE * assigned
-        count_t = torch.tensor(counts, device=self.device)[:, None]
-        pos = torch.arange(capacity, device=self.device)[None, :]
-        valid = pos < count_t  # [A, C]
-        sorted_pos = torch.tensor(starts, device=self.device)[:, None] + torch.minimum(pos, count_t - 1)
-        return SlotGrouping(
-            active_slots=torch.tensor(active, device=self.device),
-            gather_index=order[sorted_pos].reshape(-1),
-            valid=valid[:, :, None],
-            capacity=capacity,
-            segments=tuple(zip(active, starts, counts, strict=True)),
-            order=order[:assigned],
-            padded=padded,
-        )
-
-    def args(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The traced kernels' operands: ``(token_slots [T] int32, lane_slot [S·R] int32)``."""
-        return self.token_slots, self.lane_slot
-
-
-def _runs(host: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
-    """(slot, start, count) of each maximal run of one slot (>= 0) in token order; -1 runs are left out.
-
-    Example: ``[2, 2, -1, 0, 0, 0, 2]`` -> ``((2, 0, 2), (0, 3, 3), (2, 6, 1))``.
-    """
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(host[1:] != host[:-1]).flatten() + 1])
-    ends = torch.cat([starts[1:], torch.tensor([host.shape[0]])])
-    slots = host[starts]
-    return tuple(
-        (slot, start, end - start)
-        for slot, start, end in zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)
-        if slot >= 0
-    )
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The traced kernels' operands: ``(token_compact [T] int32, gather_rows [A·R] int64, lane_owner [A·R])``."""
+        assert self.token_compact is not None and self.gather_rows is not None and self.lane_owner is not None
+        return self.token_compact, self.gather_rows, self.lane_owner

@@ -11,11 +11,18 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _check_stack(name: str, stack: torch.Tensor, meta: LoRAKernelMeta, like: torch.Tensor) -> None:
-    if stack.dim() != 3 or stack.shape[0] != meta.num_slots or stack.shape[1] != meta.rank:
-        raise ValueError(f"{name} must have shape [S={meta.num_slots}, R={meta.rank}, features], got {_shape(stack)}")
-    if stack.dtype != like.dtype or stack.device != like.device:
-        raise ValueError(f"{name} is {stack.dtype} on {stack.device}, expected {like.dtype} on {like.device}")
+def _check_rows(name: str, rows: torch.Tensor, meta: LoRAKernelMeta, like_name: str, like: torch.Tensor) -> None:
+    if rows.dim() != 2 or rows.shape[0] != meta.num_rows:
+        raise ValueError(
+            f"{name} must have shape [N={meta.num_rows}, features] (N = num_slots·granule + 1 = "
+            f"{meta.num_slots}·{meta.granule} + 1), got {_shape(rows)}"
+        )
+    if rows.shape[1] != like.shape[1]:
+        raise ValueError(
+            f"{name} features {rows.shape[1]} != {like_name} features {like.shape[1]} ({like_name} {_shape(like)})"
+        )
+    if rows.dtype != like.dtype or rows.device != like.device:
+        raise ValueError(f"{name} is {rows.dtype} on {rows.device}, expected {like.dtype} on {like.device}")
 
 
 def _check_tokens(name: str, t: torch.Tensor, meta: LoRAKernelMeta) -> None:
@@ -25,50 +32,47 @@ def _check_tokens(name: str, t: torch.Tensor, meta: LoRAKernelMeta) -> None:
         raise ValueError(f"{name} must be floating point, got {t.dtype}")
 
 
-def shrink(x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
-    """Project each token onto its adapter's A.
+def shrink(x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    """Project each token onto its adapter's A rows.
 
-    Semantics::
+    Semantics (s = slot[t], r = r_s, G = granule)::
 
-        h[t] = x[t] @ a_stack[slot[t]].T   if slot[t] >= 0
-        h[t] = 0                           if slot[t] == -1
+        h[t, :r] = x[t] @ a_rows[s·G : s·G + r].T   if s >= 0
+        h[t, r:] = 0;  h[t] = 0 if s == -1          (stale rows past r are never read)
 
-    Shape: x [T, in]; a_stack [S, R, in]; returns a new h, [T, R] or, for laned backends
-    (``meta.backend.laned_output``), [T, S·R] with zeros outside the token's own slot's R lanes. Only the same
-    backend's :func:`expand` needs to read h.
+    Shape: x [T, in]; a_rows [N, in], N = S·G + 1 (last row zero; may be a strided view); returns a new h: [T, R] on
+    eager backends, or, laned (``meta.backend.laned_output``), [T, A·R] whose lanes [c·R, (c+1)·R) belong to compact
+    slot c (see :mod:`kernels.active_table`), zero outside the token's own compact slot and past its rank. Only the
+    same backend's :func:`expand` needs to read h.
     """
     _check_tokens("x", x, meta)
-    _check_stack("a_stack", a_stack, meta, x)
-    if a_stack.shape[2] != x.shape[1]:
-        raise ValueError(f"a_stack features {a_stack.shape[2]} != x features {x.shape[1]} (x {_shape(x)})")
-    return meta.backend.shrink(x, a_stack, meta)
+    _check_rows("a_rows", a_rows, meta, "x", x)
+    return meta.backend.shrink(x, a_rows, meta)
 
 
 def expand(
-    y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+    y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
 ) -> torch.Tensor:
     """Add each token's adapter output to y (or, with ``accumulate=False``, write it: y's old values are ignored).
 
-    Semantics::
+    Semantics (s = slot[t], r = r_s, G = granule)::
 
-        y[t] += h[t] @ bt_stack[slot[t]]   if slot[t] >= 0       (accumulate=False: y[t] = h[t] @ bt_stack[slot[t]])
-        y[t] unchanged                     if slot[t] == -1      (accumulate=False: y[t] = 0)
+        y[t] += h[t, :r] @ bt_rows[s·G : s·G + r]   if s >= 0   (accumulate=False: y[t] = h[t, :r] @ ...)
+        y[t] unchanged                              if s == -1  (accumulate=False: y[t] = 0)
 
     ``accumulate=False`` lets a layer write the LoRA term first and add the base matmul on top with one
     ``addmm_`` (beta=1), so y is never read back by a separate pass.
 
-    Shape: y [T, out]; h as returned by :func:`shrink`; bt_stack [S, R, out] (B pre-transposed, scale folded in).
+    Shape: y [T, out]; h as returned by :func:`shrink`; bt_rows [N, out] (B pre-transposed, scale folded in).
     Eager backends (torch, reference) write y in place and return it; traced backends (xla, pallas) leave y as it
     is and return a new tensor. Always use the return value.
     """
     _check_tokens("y", y, meta)
     _check_tokens("h", h, meta)
-    _check_stack("bt_stack", bt_stack, meta, y)
-    width = meta.num_slots * meta.rank if meta.backend.laned_output else meta.rank
+    _check_rows("bt_rows", bt_rows, meta, "y", y)
+    width = meta.active_width * meta.rank if meta.backend.laned_output else meta.rank
     if h.shape[1] != width:
         raise ValueError(f"h must have shape [T={meta.num_tokens}, {width}] for this backend, got {_shape(h)}")
-    if bt_stack.shape[2] != y.shape[1]:
-        raise ValueError(f"bt_stack features {bt_stack.shape[2]} != y features {y.shape[1]} (y {_shape(y)})")
     if h.dtype != y.dtype:
         raise ValueError(f"h is {h.dtype}, expected y's dtype {y.dtype}")
-    return meta.backend.expand(y, h, bt_stack, meta, accumulate)
+    return meta.backend.expand(y, h, bt_rows, meta, accumulate)

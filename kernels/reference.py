@@ -9,45 +9,55 @@ from kernels.meta import LoRAKernelMeta
 
 
 class ReferenceBackend:
-    """Per-token Python loops in float32; results are cast back to the inputs' dtype."""
+    """Per-token Python loops in float32 over each token's pool rows; results are cast back to the inputs' dtype."""
 
     traced = False
     laned_output = False
 
-    def choose_form(self, num_tokens: int, num_slots: int, rank: int, active_slots: int, runs: int) -> LoRAForm:
-        return LoRAForm.SINGLE if active_slots == 1 else LoRAForm.SEGMENTS  # the loops read only token_slots
+    def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
+        return LoRAForm.SINGLE if active_slots == 1 else LoRAForm.SEGMENTS  # the loops read only the rows below
 
-    def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    @staticmethod
+    def _rows(meta: LoRAKernelMeta) -> list[slice | None]:
+        """Per token: its adapter's pool rows ``[s·G, s·G + r_s)``, or None for slot -1."""
+        assert meta.token_slots is not None
+        adapters = {a.slot: a for a in meta.active_adapters}
+        return [adapters[s].rows if s >= 0 else None for s in meta.token_slots.tolist()]
+
+    def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::
 
             for t in range(T):
-                h[t] = x[t] @ a_stack[slot[t]].T if slot[t] >= 0 else 0
+                h[t] = 0
+                if slot[t] >= 0:
+                    r = r_{slot[t]}
+                    h[t, :r] = a_rows[slot[t]·G : slot[t]·G + r] @ x[t]
 
-        Shape: x [T, in], a_stack [S, R, in] -> h [T, R], new tensor.
+        Shape: x [T, in], a_rows [N, in] -> h [T, R], new tensor.
         """
-        slots = meta.token_slots.tolist()
-        h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-        for t, s in enumerate(slots):
-            if s >= 0:
-                h[t] = a_stack[s].float() @ x[t].float()
+        h = torch.zeros(x.shape[0], meta.rank, dtype=torch.float32, device=x.device)
+        for t, rows in enumerate(self._rows(meta)):
+            if rows is not None:
+                h[t, : rows.stop - rows.start] = a_rows[rows].float() @ x[t].float()
         return h.to(x.dtype)
 
     def expand(
-        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+        self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
     ) -> torch.Tensor:
         """Semantics::
 
             if not accumulate: y[:] = 0
             for t in range(T):
                 if slot[t] >= 0:
-                    y[t] += h[t] @ bt_stack[slot[t]]
+                    r = r_{slot[t]}
+                    y[t] += h[t, :r] @ bt_rows[slot[t]·G : slot[t]·G + r]
 
-        Shape: y [T, out] (updated in place and returned), h [T, R], bt_stack [S, R, out].
+        Shape: y [T, out] (updated in place and returned), h [T, R], bt_rows [N, out].
         """
-        slots = meta.token_slots.tolist()
         if not accumulate:
             y.zero_()
-        for t, s in enumerate(slots):
-            if s >= 0:
-                y[t] = (y[t].float() + h[t].float() @ bt_stack[s].float()).to(y.dtype)
+        for t, rows in enumerate(self._rows(meta)):
+            if rows is not None:
+                r = rows.stop - rows.start
+                y[t] = (y[t].float() + h[t, :r].float() @ bt_rows[rows].float()).to(y.dtype)
         return y

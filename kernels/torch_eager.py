@@ -1,13 +1,17 @@
-"""Eager torch shrink/expand (CPU, CUDA): fast paths, then grouped batched matmuls or the dense laned form.
+"""Eager torch shrink/expand (CPU, CUDA) on the row pools: fast paths, then grouped or laned forms.
 
-Per step the metadata (built once, one host sync) says which path runs:
+Per step the metadata (built once, one host sync) says which path runs; every path reads the active adapters' pool
+rows only (a slice ``a_rows[s·G : s·G + r_s]``, or the compact table's k·R gathered rows), so no cost grows with the
+pool size:
   no adapter   -> shrink returns zeros, expand leaves y alone: no LoRA matmul at all;
-  single slot  -> plain matmuls against that slot; tokens with slot -1 get their h row zeroed (exactly zero);
+  single slot  -> plain matmuls against that adapter's row slice; rows of slot -1 tokens zeroed (exactly zero);
   segments     -> the batch is grouped by slot (few runs of equal slots, as an engine ordering its batch by
-                  adapter gives): one matmul per run on row slices of x and y, no gather or scatter;
-  laned        -> (small batches, per the measured table) one dense matmul over all S·R lanes, masked;
-  grouped      -> tokens sorted by slot once per step, padded per active slot, two batched matmuls; slots with
-                  no tokens never enter the batch.
+                  adapter gives): one matmul per run on row slices of x/h/y and the adapter's rows;
+  grouped      -> tokens sorted by slot once per step: per-slot matmuls on the sorted rows, or, when padding
+                  wastes little, two batched matmuls against the compact table viewed [k, R, F];
+  laned        -> (small batches, per the measured table) one dense matmul over the compact table's k·R lanes,
+                  masked to each token's compact slot.
+h lanes past a token's rank are zero; expand reads only h[:, :r_s] (or multiplies the rest by zero rows).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from kernels.config import LoRAForm
 from kernels.dispatch_table import TorchDispatchTable
+from kernels.grouping import Segment
 from kernels.meta import LoRAKernelMeta
 
 
@@ -36,89 +41,98 @@ class TorchEagerBackend:
         self.max_segment_runs = max_segment_runs
         self.form = form
 
-    def choose_form(self, num_tokens: int, num_slots: int, rank: int, active_slots: int, runs: int) -> LoRAForm:
+    def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
         if self.form is not LoRAForm.AUTO:
             return self.form
         if active_slots == 1:
             return LoRAForm.SINGLE
         if self.max_segment_runs > 0 and runs <= max(self.max_segment_runs, 2 * active_slots):
             return LoRAForm.SEGMENTS
-        if self._table.prefers_laned(num_tokens, num_slots, rank):
+        if self._table.prefers_laned(num_tokens, active_slots, rank):
             return LoRAForm.LANED
         return LoRAForm.GROUPED
 
-    def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::
 
-            h[t] = x[t] @ a_stack[slot[t]].T if slot[t] >= 0 else 0
+            h[t, :r] = x[t] @ a_rows[s·G : s·G + r].T with s = slot[t] >= 0, r = r_s; every other entry 0
 
-        Shape: x [T, in], a_stack [S, R, in] -> h [T, R], new tensor.
+        Shape: x [T, in], a_rows [N, in] -> h [T, R], new tensor.
         """
-        num_tokens, rank = x.shape[0], a_stack.shape[1]
+        num_tokens, rank = x.shape[0], meta.rank
         if meta.no_adapter:
             return x.new_zeros(num_tokens, rank)
-        if meta.single_slot is not None:
-            h = torch.mm(x, a_stack[meta.single_slot].t())
+        if meta.single is not None:
+            adapter = meta.single
+            if adapter.rank == rank and meta.all_assigned:
+                return torch.mm(x, a_rows[adapter.rows].t())
+            h = x.new_zeros(num_tokens, rank)
+            torch.mm(x, a_rows[adapter.rows].t(), out=h[:, : adapter.rank])
             if not meta.all_assigned:
+                assert meta.token_slots is not None
                 h.mul_((meta.token_slots >= 0)[:, None])
             return h
         if meta.segments is not None:
-            h = x.new_empty(num_tokens, rank) if meta.all_assigned else x.new_zeros(num_tokens, rank)
-            for slot, start, count in meta.segments:
-                torch.mm(x[start : start + count], a_stack[slot].t(), out=h[start : start + count])
+            h = x.new_zeros(num_tokens, rank)
+            for seg in meta.segments:
+                torch.mm(x[seg.tokens], a_rows[seg.adapter.rows].t(), out=h[seg.tokens, : seg.adapter.rank])
             return h
-        if meta.use_laned:
-            assert meta.lane_onehot is not None
-            laned = torch.mm(x, a_stack.reshape(-1, a_stack.shape[-1]).t()).view(num_tokens, -1, rank)
+        if meta.lane_onehot is not None:
+            table = a_rows.index_select(0, meta.active_gather_rows())  # [k·R, in]
+            laned = torch.mm(x, table.t()).view(num_tokens, -1, rank)  # [T, k, R]
             return laned.mul_(meta.lane_onehot).sum(1)  # one nonzero term per row: the sum is exact
         grouping = meta.grouping
         assert grouping is not None
         if not grouping.padded:
             xs = x.index_select(0, grouping.order)
-            hs = x.new_empty(xs.shape[0], rank)
-            for slot, start, count in grouping.segments:
-                torch.mm(xs[start : start + count], a_stack[slot].t(), out=hs[start : start + count])
+            hs = x.new_zeros(xs.shape[0], rank)
+            for seg in grouping.segments:
+                torch.mm(xs[seg.tokens], a_rows[seg.adapter.rows].t(), out=hs[seg.tokens, : seg.adapter.rank])
             return x.new_zeros(num_tokens, rank).index_copy_(0, grouping.order, hs)
-        a_active = a_stack if grouping.active_slots.numel() == a_stack.shape[0] else a_stack[grouping.active_slots]
-        xg = x.index_select(0, grouping.gather_index).view(a_active.shape[0], grouping.capacity, x.shape[1])
-        hg = torch.bmm(xg, a_active.transpose(1, 2)).mul_(grouping.valid)  # [A, C, R], padding rows zero
+        assert grouping.gather_index is not None and grouping.valid is not None
+        table = a_rows.index_select(0, meta.active_gather_rows()).view(-1, rank, x.shape[1])  # [k, R, in]
+        xg = x.index_select(0, grouping.gather_index).view(table.shape[0], grouping.capacity, x.shape[1])
+        hg = torch.bmm(xg, table.transpose(1, 2)).mul_(grouping.valid)  # [k, C, R], padding rows zero
         return x.new_zeros(num_tokens, rank).index_add_(0, grouping.gather_index, hg.view(-1, rank))
 
     def expand(
-        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+        self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
     ) -> torch.Tensor:
         """Semantics::
 
-            y[t] += h[t] @ bt_stack[slot[t]] for every t with slot[t] >= 0; other rows untouched
-            (accumulate=False: y[t] = h[t] @ bt_stack[slot[t]], other rows 0; y is written, never read)
+            y[t] += h[t, :r] @ bt_rows[s·G : s·G + r] for every t with s = slot[t] >= 0, r = r_s; other rows untouched
+            (accumulate=False: y[t] = h[t, :r] @ bt_rows[...], other rows 0; y is written, never read)
 
-        Shape: y [T, out] (updated in place and returned), h [T, R], bt_stack [S, R, out].
+        Shape: y [T, out] (updated in place and returned), h [T, R], bt_rows [N, out].
         """
         if meta.no_adapter:
             return y if accumulate else y.zero_()
-        rank, out = bt_stack.shape[1], bt_stack.shape[2]
-        if meta.single_slot is not None:
+        rank, out = meta.rank, bt_rows.shape[1]
+        if meta.single is not None:
+            adapter = meta.single
+            h = h[:, : adapter.rank]
             if not meta.all_assigned:
+                assert meta.token_slots is not None
                 h = h * (meta.token_slots >= 0)[:, None]
             if accumulate:
-                return y.addmm_(h, bt_stack[meta.single_slot])
-            return torch.mm(h, bt_stack[meta.single_slot], out=y)
+                return y.addmm_(h, bt_rows[adapter.rows])
+            return torch.mm(h, bt_rows[adapter.rows], out=y)
         if meta.segments is not None:
             if not accumulate and not meta.all_assigned:
                 _zero_gaps(y, meta.segments)
-            for slot, start, count in meta.segments:
-                rows = slice(start, start + count)
+            for seg in meta.segments:
+                hs, bt = h[seg.tokens, : seg.adapter.rank], bt_rows[seg.adapter.rows]
                 if accumulate:
-                    y[rows].addmm_(h[rows], bt_stack[slot])
+                    y[seg.tokens].addmm_(hs, bt)
                 else:
-                    torch.mm(h[rows], bt_stack[slot], out=y[rows])
+                    torch.mm(hs, bt, out=y[seg.tokens])
             return y
-        if meta.use_laned:
-            assert meta.lane_onehot is not None
-            laned = (h[:, None, :] * meta.lane_onehot).view(h.shape[0], -1)  # [T, S·R]
+        if meta.lane_onehot is not None:
+            table = bt_rows.index_select(0, meta.active_gather_rows())  # [k·R, out], zero rows past each rank
+            laned = (h[:, None, :] * meta.lane_onehot).view(h.shape[0], -1)  # [T, k·R]
             if accumulate:
-                return y.addmm_(laned, bt_stack.reshape(-1, out))
-            return torch.mm(laned, bt_stack.reshape(-1, out), out=y)
+                return y.addmm_(laned, table)
+            return torch.mm(laned, table, out=y)
         if not accumulate:
             y.zero_()
         grouping = meta.grouping
@@ -126,21 +140,22 @@ class TorchEagerBackend:
         if not grouping.padded:
             hs = h.index_select(0, grouping.order)
             delta = y.new_empty(hs.shape[0], out)
-            for slot, start, count in grouping.segments:
-                torch.mm(hs[start : start + count], bt_stack[slot], out=delta[start : start + count])
+            for seg in grouping.segments:
+                torch.mm(hs[seg.tokens, : seg.adapter.rank], bt_rows[seg.adapter.rows], out=delta[seg.tokens])
             return y.index_add_(0, grouping.order, delta)
-        bt_active = bt_stack if grouping.active_slots.numel() == bt_stack.shape[0] else bt_stack[grouping.active_slots]
-        hg = h.index_select(0, grouping.gather_index).view(bt_active.shape[0], grouping.capacity, rank)
-        delta = torch.bmm(hg.mul_(grouping.valid), bt_active)  # [A, C, out], padding rows exactly zero
+        assert grouping.gather_index is not None and grouping.valid is not None
+        table = bt_rows.index_select(0, meta.active_gather_rows()).view(-1, rank, out)  # [k, R, out]
+        hg = h.index_select(0, grouping.gather_index).view(table.shape[0], grouping.capacity, rank)
+        delta = torch.bmm(hg.mul_(grouping.valid), table)  # [k, C, out], padding rows exactly zero
         return y.index_add_(0, grouping.gather_index, delta.view(-1, out))
 
 
-def _zero_gaps(y: torch.Tensor, segments: tuple[tuple[int, int, int], ...]) -> None:
+def _zero_gaps(y: torch.Tensor, segments: tuple[Segment, ...]) -> None:
     """Zero the rows of y no segment covers (tokens with slot -1); segments are in token order."""
     cursor = 0
-    for _, start, count in segments:
-        if start > cursor:
-            y[cursor:start].zero_()
-        cursor = start + count
+    for seg in segments:
+        if seg.start > cursor:
+            y[cursor : seg.start].zero_()
+        cursor = seg.start + seg.count
     if cursor < y.shape[0]:
         y[cursor:].zero_()

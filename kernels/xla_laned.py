@@ -1,7 +1,8 @@
-"""The laned form: one dense matmul per op against the (slot, rank)-flattened stacks, masked to each token's slot.
+"""The laned form over the compact active table: one dense matmul per op, masked to each token's compact slot.
 
-Static shapes, no gather, no data-dependent Python branching: what XLA (and the TPU MXU) wants. Runs on any torch
-device; on the torch_xla device it traces into the step's graph.
+The A·R active rows are gathered from the row pool (``index_select`` with ``meta.gather_rows``), so the cost follows
+the active bucket A, never the pool size. Static shapes given (T, A), no data-dependent Python branching: what XLA
+(and the TPU MXU) wants. Runs on any torch device; on the torch_xla device it traces into the step's graph.
 """
 
 from __future__ import annotations
@@ -11,39 +12,41 @@ import torch
 from kernels.meta import LoRAKernelMeta
 
 
-def _lane_mask(meta: LoRAKernelMeta) -> torch.Tensor:
-    token_slots, lane_slot = meta.args()
-    return token_slots[:, None] == lane_slot[None, :]  # [T, S·R]
+def _masked(h: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    """h with every lane outside the token's own compact slot set to zero (a -1 token's row is all zero)."""
+    token_compact, _, lane_owner = meta.args()
+    mask = token_compact[:, None] == lane_owner[None, :]  # [T, A·R]
+    return torch.where(mask, h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
 class XlaLanedBackend:
-    """Laned shrink/expand; h is ``[T, S·R]`` with zeros outside each token's own slot's lanes."""
+    """Laned shrink/expand; h is ``[T, A·R]`` with zeros outside each token's own compact slot's lanes."""
 
     traced = True
     laned_output = True
 
-    def shrink(self, x: torch.Tensor, a_stack: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::
 
-            h = x @ a_stack.reshape(S·R, in).T          # every token against every slot's lanes
-            h[t, l] = 0 where lane_slot[l] != slot[t]   # so a -1 token's row is all zero
+            table = a_rows[gather_rows]                       # [A·R, in]; lanes past a rank read the zero row
+            h = x @ table.T                                   # every token against every active lane
+            h[t, l] = 0 where lane_owner[l] != token_compact[t]
 
-        Shape: x [T, in], a_stack [S, R, in] -> h [T, S·R], new tensor.
+        Shape: x [T, in], a_rows [N, in] -> h [T, A·R], new tensor.
         """
-        lanes = a_stack.reshape(-1, a_stack.shape[-1])  # [S·R, in]
-        h = x @ lanes.T
-        return torch.where(_lane_mask(meta), h, torch.zeros((), dtype=h.dtype, device=h.device))
+        _, gather_rows, _ = meta.args()
+        return _masked(x @ a_rows.index_select(0, gather_rows).T, meta)
 
     def expand(
-        self, y: torch.Tensor, h: torch.Tensor, bt_stack: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
+        self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
     ) -> torch.Tensor:
         """Semantics::
 
-            h[t, l] = 0 where lane_slot[l] != slot[t]   # re-masked, so any h is safe
-            y_new = y + h @ bt_stack.reshape(S·R, out)   # accumulate=False: y_new = h @ bt_stack.reshape(S·R, out)
+            h[t, l] = 0 where lane_owner[l] != token_compact[t]   # re-masked, so any h is safe
+            y_new = y + h @ bt_rows[gather_rows]                   # accumulate=False: y_new = h @ bt_rows[gather_rows]
 
-        Shape: y [T, out], h [T, S·R], bt_stack [S, R, out] -> y_new [T, out], a new tensor (y is not written).
+        Shape: y [T, out], h [T, A·R], bt_rows [N, out] -> y_new [T, out], a new tensor (y is not written).
         """
-        masked = torch.where(_lane_mask(meta), h, torch.zeros((), dtype=h.dtype, device=h.device))
-        delta = masked @ bt_stack.reshape(-1, bt_stack.shape[-1])
+        _, gather_rows, _ = meta.args()
+        delta = _masked(h, meta) @ bt_rows.index_select(0, gather_rows)
         return y + delta if accumulate else delta

@@ -2,10 +2,10 @@
 """Host -> slot swap time vs one `copy_` of the same bytes, for rank 8/16/64 adapters on the bench base.
 
 Bench base: hidden 1024, intermediate 2816, 8 layers, every projection targeted. For each rank r a pool of
---slots slots at max_rank r; side by side in one run, interleaved, medians over --repeats: (a) `SlotPool.load` of a
-prepared adapter (one in-place copy per module and stack, 112 of them), (b) a single `copy_` of a flat host buffer of
-the same byte count into one of --slots preallocated device buffers (rotating, as the slots do). Prints a table and
-writes out/bench_swap.json.
+--slots adapters at max_rank r; side by side in one run, interleaved, medians over --repeats: (a) `SlotPool.load` of a
+prepared adapter (its [r, width] block copied into its row range: one contiguous copy), (b) a single `copy_` of a flat
+host buffer of the same byte count into one of --slots preallocated device buffers (rotating, as the slots do). Floor:
+(b), the one copy the bytes need. Prints a table and writes out/bench_swap.json.
 With --trace: 1000 adapters with Zipf(1) popularity on 8 slots, no model: each step acquires the slots of the next
 --batch queued requests, "runs" for --step-ms, releases them; each host -> slot load takes --load-ms (simulated).
 Hit rate and exposed wait (p50/p99/max), without and with the prefetcher fed the waiting queue.
@@ -27,6 +27,7 @@ from adapter_manager import AdapterRegistry, BaseModelSpec, RegistryConfig, Swap
 from adapter_manager.allocator import SlotAllocator
 from adapter_manager.prefetch import PrefetchConfig, Prefetcher
 from adapter_manager.prepare import ModuleWeights, PreparedAdapter
+from adapter_manager.row_layout import RowLayout
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
 
 
@@ -56,7 +57,7 @@ def bench_rank(spec: BaseModelSpec, rank: int, slots: int, repeats: int, device:
         slot = i % slots
         _sync(device)
         start = time.perf_counter()
-        pool.load(slot, prepared)
+        pool.load(slot * pool.units_for(rank), prepared)
         load_s = time.perf_counter() - start
         start = time.perf_counter()
         target[slot].copy_(source, non_blocking=device.type == "cuda")
@@ -66,7 +67,7 @@ def bench_rank(spec: BaseModelSpec, rank: int, slots: int, repeats: int, device:
             loads.append(load_s)
             copies.append(copy_s)
     first = next(iter(pool.stacks))
-    assert torch.equal(pool.stacks[first].a[0].cpu(), prepared.modules[first].a)
+    assert torch.equal(pool.stacks[first].a[:rank].cpu(), prepared.modules[first].a)
     load, copy = statistics.median(loads), statistics.median(copies)
     return {
         "rank": rank,
@@ -80,11 +81,10 @@ def bench_rank(spec: BaseModelSpec, rank: int, slots: int, repeats: int, device:
 
 
 def _tiny_prepared(spec: BaseModelSpec, adapter_id: str, rank: int) -> PreparedAdapter:
-    key = spec.module_keys()[0]
-    fan_in, fan_out = spec.projection_shape(key.proj)
-    storage = torch.ones(rank * (fan_in + fan_out))
-    a, bt = storage[: rank * fan_in].view(rank, fan_in), storage[rank * fan_in :].view(rank, fan_out)
-    return PreparedAdapter(adapter_id, "sim", rank, {key: ModuleWeights(a, bt, rank)}, storage)
+    key, layout = spec.module_keys()[0], RowLayout.of(spec)
+    storage = torch.ones(rank, layout.width)
+    weights = ModuleWeights(layout.a_view(storage, key), layout.bt_view(storage, key), rank)
+    return PreparedAdapter(adapter_id, "sim", {key: weights}, storage)
 
 
 def trace(args: argparse.Namespace, prefetch: bool) -> dict:
@@ -103,7 +103,8 @@ def trace(args: argparse.Namespace, prefetch: bool) -> dict:
     generator = torch.Generator().manual_seed(0)
     queue = [ids[i] for i in torch.multinomial(weights, args.steps * args.batch, True, generator=generator)]
     metrics = SwapMetrics()
-    allocator = SlotAllocator(SimulatedPool(spec, SlotPoolConfig(max_slots=8, max_rank=rank)), fetch, metrics)
+    pool = SimulatedPool(spec, SlotPoolConfig(max_slots=8, max_rank=rank))
+    allocator = SlotAllocator(pool, fetch, lambda adapter_id: rank, metrics)
     prefetcher = Prefetcher(fetch, allocator, PrefetchConfig(workers=2, depth=16))
     try:
         for step in range(args.steps):

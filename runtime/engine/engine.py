@@ -17,14 +17,15 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from adapter_manager import AdapterError, AdapterManager, SlotsExhaustedError
+from adapter_manager import AdapterError, AdapterManager, AdapterNotFoundError, SlotsExhaustedError
 from adapter_manager.allocator import SlotLease
 from kernels import KernelConfig, LoRAKernelMeta, select_backend
+from kernels.active_table import bucket_for
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from ..model.llama import Llama
@@ -101,7 +102,19 @@ class Engine:
         model.setup_caches(max_batch + 1 if backend.traced else max_batch, self.config.max_seq_len)
         model.attach_lora(manager.stacks)
         max_tokens = self._buckets[-1] if backend.traced else self.config.scheduler.token_budget
-        self._meta = LoRAKernelMeta.make(backend, manager.num_slots, manager.config.max_rank, max_tokens, model.device)
+        pool = manager.pool
+        # distinct adapters in one step: at most one per sequence, and at most what the pool holds
+        most_active = min(max_batch, pool.num_slots)
+        active_buckets = tuple(b for b in (1, 2, 4, 8, 16, 64, 256, 1024) if b < most_active) + (most_active,)
+        self._meta = LoRAKernelMeta.make(
+            backend,
+            pool.num_slots,
+            pool.max_rank,
+            max_tokens,
+            model.device,
+            granule=pool.granule,
+            active_buckets=active_buckets,
+        )
         if self._sync is not None:
             with self._device_lock:
                 self._sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
@@ -152,27 +165,35 @@ class Engine:
         return self._buckets
 
     def warm_up(self) -> int:
-        """Compile the step graph of every token bucket once; returns the buckets run (0 on eager devices).
+        """Compile the step graph of every (token bucket, active-adapter bucket) pair once; returns the graphs run
+        (0 on eager devices).
 
-        Each warm-up step is padding only (spare cache row, no sequence touched) with tokens on every slot and on
-        -1, so it traces the exact graph a real step of that bucket traces. Fill the slots first (the slot pool
-        compiles its one load graph when made); afterwards steps, swaps and adapter mixes compile nothing.
+        Each warm-up step is padding only (spare cache row, no sequence touched) with tokens on k distinct slots and
+        on -1, so it traces the exact graph a real step of that shape traces: the graph depends on the token bucket
+        and on the width of the step's compact active-adapter table, never on which slots or ranks. The pool compiles
+        its load graphs when made; afterwards steps, swaps, ranks and adapter mixes compile nothing.
         """
         if self._sync is None:
             return 0
-        device, slots = self.model.device, self.manager.num_slots
+        device, meta, runs = self.model.device, self._meta, 0
         for bucket in self._buckets:
-            zeros = torch.zeros(bucket, dtype=torch.long)
-            batch = ForwardBatch(
-                tokens=zeros.to(device),
-                positions=zeros.to(device),
-                cache_rows=torch.full((bucket,), self._padding_row, dtype=torch.long).to(device),
-                logits_index=torch.zeros(self.config.max_batch, dtype=torch.long).to(device),
-                spans=None,
-                slot_indices=(torch.arange(bucket, dtype=torch.int32) % (slots + 1) - 1),  # -1, 0, .., S-1, -1, ..
-            )
-            self._run_model(batch)
-        return len(self._buckets)
+            for width in meta.active_buckets:
+                active = min(width, bucket - 1)  # leave one -1 token; a step of T tokens has at most T adapters
+                if active < 1 or bucket_for(active, meta.active_buckets) != width:
+                    continue  # no real step of this token bucket has this table width
+                zeros = torch.zeros(bucket, dtype=torch.long)
+                slots = torch.arange(bucket, dtype=torch.int32) % (active + 1) - 1  # -1, 0, .., k-1, -1, ..
+                batch = ForwardBatch(
+                    tokens=zeros.to(device),
+                    positions=zeros.to(device),
+                    cache_rows=torch.full((bucket,), self._padding_row, dtype=torch.long).to(device),
+                    logits_index=torch.zeros(self.config.max_batch, dtype=torch.long).to(device),
+                    spans=None,
+                    slot_indices=slots,
+                )
+                self._run_model(batch, dict.fromkeys(range(active), 1))
+                runs += 1
+        return runs
 
     @property
     def has_work(self) -> bool:
@@ -185,15 +206,17 @@ class Engine:
         self._drop_cancelled()
         with self._lock:
             running = {r.adapter_id for r in self._running}
-            held = sum(1 for s in self.manager.allocator.states() if s.manual and s.adapter_id not in running)
+            states = self.manager.allocator.states()
+            held = sum(s.units for s in states if s.manual and s.adapter_id not in running)
             plan = plan_step(
                 self.config.scheduler,
                 self._step,
                 self._running,
                 list(self._waiting),
                 len(self._free_rows),
-                self.manager.num_slots - held,
+                self.manager.num_units - held,
                 lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
+                self._units_of,
             )
             for request in plan.admitted:
                 self._waiting.remove(request)
@@ -248,6 +271,12 @@ class Engine:
             except Exception:  # noqa: BLE001 - the loop must survive; the step already failed its requests
                 log.exception("engine step failed")
 
+    def _units_of(self, adapter_id: str) -> int:
+        try:
+            return self.manager.units_of(adapter_id)
+        except AdapterNotFoundError:
+            return 1  # unregistered since submit: its acquire fails the request alone
+
     def _acquire(self, chunks: list[ScheduledChunk], admitted: Sequence[Request]) -> SlotLease:
         """Pin the step's adapters. A request whose adapter fails is failed alone and dropped from the step;
         when slots run out (an operator pinned one meanwhile) the newest admitted requests go back to waiting."""
@@ -289,7 +318,7 @@ class Engine:
             bucket = next(b for b in self._buckets if b >= tokens)
             padding = StaticPadding(bucket, self.config.max_batch, self._padding_row)
         batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
-        logits = self._run_model(batch)  # [N, vocab], one row per chunk (then padding rows, if padded)
+        logits = self._run_model(batch, lease.slot_rows)  # [N, vocab], one row per chunk (then padding rows)
         for row, chunk in enumerate(chunks):
             request = chunk.request
             if request.in_prefill:
@@ -303,11 +332,12 @@ class Engine:
             elif len(request.output) >= request.params.max_tokens:
                 self._finish(request, "length")
 
-    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host."""
+    def _run_model(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
+        """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host.
+        ``slot_rows``: the rank (pool rows) of every slot in the batch."""
         assert batch.slot_indices is not None
         with self._device_lock:
-            self._meta.prepare(batch.slot_indices)
+            self._meta.prepare(batch.slot_indices, slot_rows)
             with torch.no_grad() if self._sync is not None else torch.inference_mode():  # XLA refuses inference mode
                 logits = self.model(batch, self._meta)
             if self._sync is not None:

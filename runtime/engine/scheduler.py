@@ -55,14 +55,17 @@ def plan_step(
     running: Sequence[Request],
     waiting: Sequence[Request],
     free_rows: int,
-    slots_available: int,
+    units_available: int,
     is_resident: Callable[[str], bool],
+    units_of: Callable[[str], int] = lambda adapter_id: 1,
 ) -> StepPlan:
-    """Choose the next step's work. `slots_available`: slots the step may use (all slots less operator pins held by
-    adapters not in this step); `is_resident(adapter_id)`: whether the adapter is in a slot now."""
+    """Choose the next step's work. `units_available`: pool units the step's adapters may take (the whole pool less
+    operator pins held by adapters not in this step); `is_resident(adapter_id)`: whether the adapter is in the pool
+    now; `units_of(adapter_id)`: the units it takes (its rank's share of the row pool)."""
     budget = config.token_budget
     chunks: list[ScheduledChunk] = []
     adapters = {r.adapter_id for r in running if r.adapter_id is not None}
+    used = sum(units_of(a) for a in adapters)
     for request in sorted(running, key=lambda r: r.in_prefill):
         if budget == 0:
             break
@@ -70,24 +73,28 @@ def plan_step(
         chunks.append(ScheduledChunk(request, count))
         budget -= count
     overdue = [r for r in waiting if step - r.arrival_step > config.max_wait_steps]
+    late = {id(r) for r in overdue}
     warm = [
         r
         for r in waiting
-        if r not in overdue and (r.adapter_id is None or r.adapter_id in adapters or is_resident(r.adapter_id))
+        if id(r) not in late and (r.adapter_id is None or r.adapter_id in adapters or is_resident(r.adapter_id))
     ]
-    cold = [r for r in waiting if r not in overdue and r not in warm]
+    early = late | {id(r) for r in warm}
+    cold = [r for r in waiting if id(r) not in early]
     admitted: list[Request] = []
     for group, blocking in ((overdue, True), (warm, False), (cold, False)):
         for request in group:
             if budget == 0 or free_rows == 0:
                 return StepPlan(tuple(chunks), tuple(admitted))
             needs_slot = request.adapter_id is not None and request.adapter_id not in adapters
-            if needs_slot and len(adapters) >= slots_available:
+            units = units_of(request.adapter_id) if needs_slot else 0
+            if needs_slot and used + units > units_available:
                 if blocking:
                     return StepPlan(tuple(chunks), tuple(admitted))
                 continue
             if needs_slot:
                 adapters.add(request.adapter_id)
+                used += units
             count = min(len(request.prompt), budget)
             chunks.append(ScheduledChunk(request, count))
             admitted.append(request)

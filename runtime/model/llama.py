@@ -9,7 +9,6 @@ device and load weights into it (:func:`runtime.model.checkpoint.load_checkpoint
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +21,10 @@ from kernels import LoRAKernelMeta
 from .batch import ForwardBatch
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .lora_linear import LoRALinear
+from .lora_linear import LoRALinear, Stacks
 from .rope import apply_rope, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
-
-
-class Stacks(Protocol):
-    """One module's slot stacks (``adapter_manager.slot_pool.SlotStacks``)."""
-
-    a: torch.Tensor
-    bt: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -158,13 +150,13 @@ class Llama(nn.Module):
         self.rope_table = rope_table(config, max_seq_len, self.device)
 
     def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
-        """Route every module's LoRA through the slot pool's stacks (by reference: later slot loads are seen).
+        """Route every module's LoRA through the slot pool's rows (by reference: later slot loads are seen).
 
-        Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [S, R, in], .bt [S, R, out].
+        Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [N, in], .bt [N, out].
         """
         for key, module_stacks in stacks.items():
             linear, part = self._lora_target(key)
-            linear.attach(part, module_stacks.a, module_stacks.bt)
+            linear.attach(part, module_stacks)
 
     def detach_lora(self) -> None:
         """Back to exactly the base model."""

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from kernels import LoRAKernelMeta, expand, shrink
 
 
+class Stacks(Protocol):
+    """One module's LoRA rows (``adapter_manager.slot_pool.SlotStacks``)."""
+
+    @property
+    def a(self) -> torch.Tensor: ...  # Shape: [N, in]
+
+    @property
+    def bt(self) -> torch.Tensor: ...  # Shape: [N, out]
+
+
 class LoRALinear(nn.Module):
     """One base matmul for one or more projections that share an input (q/k/v, gate/up), each with its own LoRA.
 
     The base weight of the fused parts is one ``[sum(out), in]`` matrix (gpt-fast's ``wqkv``); the LoRA stacks stay
-    per projection, as the slot pool owns them. Stacks are attached by reference: a slot load, which writes the
-    stacks in place, is seen by the next forward without re-attaching.
+    per projection, as the slot pool owns them: each part's rows ``A [N, in]`` and ``Bt [N, out]``, strided views of
+    the pool's row tensor. They are attached by reference: a slot load, which writes the pool in place, is seen by
+    the next forward without re-attaching.
     """
 
     def __init__(
@@ -29,20 +42,20 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_features = tuple(out_features)
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
-        self._lora: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(out_features)
+        self._lora: list[Stacks | None] = [None] * len(out_features)
 
-    def attach(self, part: int, a_stack: torch.Tensor, bt_stack: torch.Tensor) -> None:
-        """Route part ``part``'s LoRA through these stacks. Shape: a_stack [S, R, in]; bt_stack [S, R, out]."""
+    def attach(self, part: int, stacks: Stacks) -> None:
+        """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
+        every forward (the pool may hand out fresh views of the same rows)."""
         out = self.out_features[part]
-        if a_stack.dim() != 3 or a_stack.shape[2] != self.in_features:
-            raise ValueError(f"a_stack must have shape [S, R, {self.in_features}], got {tuple(a_stack.shape)}")
-        if bt_stack.shape != (*a_stack.shape[:2], out):
-            raise ValueError(
-                f"bt_stack must have shape [{a_stack.shape[0]}, {a_stack.shape[1]}, {out}], got {tuple(bt_stack.shape)}"
-            )
-        if a_stack.dtype != self.weight.dtype or bt_stack.dtype != self.weight.dtype:
-            raise ValueError(f"stacks are {a_stack.dtype}/{bt_stack.dtype}, the layer is {self.weight.dtype}")
-        self._lora[part] = (a_stack, bt_stack)
+        a_rows, bt_rows = stacks.a, stacks.bt
+        if a_rows.dim() != 2 or a_rows.shape[1] != self.in_features:
+            raise ValueError(f"a_rows must have shape [N, {self.in_features}], got {tuple(a_rows.shape)}")
+        if bt_rows.shape != (a_rows.shape[0], out):
+            raise ValueError(f"bt_rows must have shape [{a_rows.shape[0]}, {out}], got {tuple(bt_rows.shape)}")
+        if a_rows.dtype != self.weight.dtype or bt_rows.dtype != self.weight.dtype:
+            raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight.dtype}")
+        self._lora[part] = stacks
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
@@ -58,8 +71,8 @@ class LoRALinear(nn.Module):
         Semantics::
 
             y = x @ W.T                                        # all parts in one matmul
-            for each part p with stacks (A_p, Bt_p), unless meta is None or meta.no_adapter (eager fast path):
-                y_p = expand(y_p, shrink(x, A_p, meta), Bt_p, meta)  # y_p[t] += x[t] @ A_p[slot[t]].T @ Bt_p[slot[t]]
+            for each part p with rows (A_p, Bt_p), unless meta is None or meta.no_adapter (eager fast path):
+                y_p = expand(y_p, shrink(x, A_p, meta), Bt_p, meta)  # y_p[t] += x[t] @ A_p[rows of slot[t]].T @ ...
             return [y_p for each part]
 
         On eager backends the LoRA terms are written first (``expand(accumulate=False)``) and the base matmul is added
@@ -77,7 +90,7 @@ class LoRALinear(nn.Module):
             parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
             for index, stacks in enumerate(self._lora):
                 if stacks is not None:
-                    parts[index] = expand(parts[index], shrink(x, stacks[0], meta), stacks[1], meta)
+                    parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
             return parts
         y = x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
@@ -85,7 +98,7 @@ class LoRALinear(nn.Module):
             if stacks is None:
                 parts[index].zero_()
             else:
-                expand(parts[index], shrink(x, stacks[0], meta), stacks[1], meta, accumulate=False)
+                expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta, accumulate=False)
         y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
         return parts
 

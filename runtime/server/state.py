@@ -5,10 +5,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from adapter_manager import AdapterManager
+from adapter_manager import AdapterManager, background_executor
 
 from ..engine.engine import Engine
 from ..model.tokenizer import Tokenizer
@@ -59,7 +58,7 @@ class ServerState:
         self.config = config
         self.started_at = time.time()
         self.generator = Generator(engine, tokenizer, config.max_pending)
-        self.registrations = ThreadPoolExecutor(config.register_workers, thread_name_prefix="register")
+        self.registrations = background_executor(config.register_workers, "register")
 
     def adapter_for(self, model: str) -> str | None:
         """`model` -> adapter id (None = the base model); raises APIError 404 when neither."""

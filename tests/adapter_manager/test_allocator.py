@@ -1,4 +1,5 @@
-"""The slot allocator on CPU: hits, LRU eviction, pins, exhaustion, failed loads, unregister, threads, metrics."""
+"""The unit space and the slot allocator on CPU: buddy placement, hits, LRU eviction until fit, fragmentation, pins,
+exhaustion, failed loads, unregister, preload, threads, metrics."""
 
 from __future__ import annotations
 
@@ -7,37 +8,121 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adapter_manager import AdapterNotFoundError, AdapterRegistry, Move, RegistryConfig, write_synthetic_adapter
 from adapter_manager.allocator import SlotAllocator
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
+from adapter_manager.prepare import PreparedAdapter
+from adapter_manager.row_space import Block, RowSpace
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
 
 from .test_slot_pool import make_prepared
 
 
-class Catalog:
-    """In-memory prepared adapters by id; `fail` makes the next fetch of an id raise (an injected failed load)."""
+def maximal_free_blocks(used: list[bool], max_units: int) -> list[Block]:
+    """Brute force: the largest aligned power-of-two runs (<= max_units) of free units, each free unit in one."""
+    blocks, covered, size = [], [False] * len(used), max_units
+    while size >= 1:
+        for start in range(0, len(used), size):
+            run = range(start, start + size)
+            if not any(used[u] or covered[u] for u in run):
+                blocks.append(Block(start, size))
+                for u in run:
+                    covered[u] = True
+        size //= 2
+    return sorted(blocks)
 
-    def __init__(self, spec, max_rank: int = 4) -> None:
-        self.spec, self.max_rank = spec, max_rank
-        self.adapters = {}
+
+def first_fit(free: list[Block], units: int) -> int | None:
+    """Brute force of the buddy policy: the lowest-addressed free block of the smallest size >= units."""
+    fitting = [b for b in free if b.units >= units]
+    return min(fitting, key=lambda b: (b.units, b.start)).start if fitting else None
+
+
+def test_row_space_worked_example_and_refusals():
+    space = RowSpace(8, 4)
+    assert [space.alloc(1), space.alloc(2), space.alloc(1), space.alloc(4)] == [0, 2, 1, 4]
+    assert space.free_units == 0 and space.alloc(1) is None and space.largest_free() == 0
+    space.free(1, 1)
+    assert space.free_blocks() == [Block(1, 1)]  # its buddy [0, 1) is allocated: no merge
+    space.free(0, 1)
+    space.free(2, 2)
+    assert space.free_blocks() == [Block(0, 4)] and space.free_units == 4 and space.largest_free() == 4
+    copy = space.clone()
+    assert copy.alloc(4) == 0 and space.free_blocks() == [Block(0, 4)]  # the copy is independent
+    for bad in (3, 0, 8, True):
+        with pytest.raises(ValueError, match=rf"units must be a power of two in 1..4, got {bad!r}"):
+            space.alloc(bad)
+    with pytest.raises(ValueError, match="no block of 2 unit.s. is allocated at 4 .allocated there: 4"):
+        space.free(4, 2)
+    with pytest.raises(ValueError, match="no block of 1 unit.s. is allocated at 0"):
+        space.free(0, 1)
+    with pytest.raises(ValueError, match="max_units must be a positive power of two, got 3"):
+        RowSpace(6, 3)
+    with pytest.raises(ValueError, match=r"num_units must be a positive multiple of max_units \(4\), got 6"):
+        RowSpace(6, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tops=st.integers(1, 3),
+    max_order=st.integers(0, 3),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 1 << 16)), max_size=60),
+)
+def test_row_space_matches_brute_force(tops, max_order, ops):
+    max_units = 1 << max_order
+    space, used, allocated = RowSpace(tops * max_units, max_units), [False] * (tops * max_units), {}
+    for is_alloc, order, pick in ops:
+        if is_alloc or not allocated:
+            units = 1 << min(order, max_order)
+            expected = first_fit(maximal_free_blocks(used, max_units), units)
+            assert space.alloc(units) == expected
+            if expected is not None:
+                assert expected % units == 0 and not any(used[expected : expected + units])  # aligned, no overlap
+                used[expected : expected + units] = [True] * units
+                allocated[expected] = units
+        else:
+            start = sorted(allocated)[pick % len(allocated)]
+            units = allocated.pop(start)
+            space.free(start, units)
+            used[start : start + units] = [False] * units
+        assert space.free_blocks() == maximal_free_blocks(used, max_units)
+        assert space.free_units == used.count(False) == sum(b.units for b in space.free_blocks())
+        assert space.allocated_blocks() == sorted(Block(s, n) for s, n in allocated.items())
+    for start, units in list(allocated.items()):
+        space.free(start, units)
+    assert space.free_blocks() == [Block(t * max_units, max_units) for t in range(tops)]  # merges restore tops
+
+
+class Catalog:
+    """In-memory prepared adapters by id; `rank_of` reads their rank; `fail` makes the next fetch of an id raise."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+        self.adapters: dict[str, PreparedAdapter] = {}
+        self.ranks: dict[str, int] = {}
         self.fail: set[str] = set()
         self.fetches: list[str] = []
         self.delay = 0.0
 
-    def add(self, *ids: str) -> None:
+    def add(self, *ids: str, rank: int = 4) -> None:
         for i, adapter_id in enumerate(ids, start=len(self.adapters) + 1):
-            self.adapters[adapter_id] = make_prepared(self.spec, adapter_id, self.max_rank, float(i))
+            self.adapters[adapter_id] = make_prepared(self.spec, adapter_id, rank, float(i))
+            self.ranks[adapter_id] = rank
 
-    def __call__(self, adapter_id: str):
+    def rank_of(self, adapter_id: str) -> int:
+        if adapter_id not in self.ranks:
+            raise AdapterNotFoundError(adapter_id, "not registered")
+        return self.ranks[adapter_id]
+
+    def __call__(self, adapter_id: str) -> PreparedAdapter:
         self.fetches.append(adapter_id)
         time.sleep(self.delay)
         if adapter_id in self.fail:
             self.fail.discard(adapter_id)
             raise OSError(f"injected failure reading {adapter_id}")
-        if adapter_id not in self.adapters:
-            raise AdapterNotFoundError(adapter_id, "not registered")
         return self.adapters[adapter_id]
 
 
@@ -48,19 +133,24 @@ def catalog(tiny_spec):
     return catalog
 
 
-def allocator_for(spec, catalog, slots: int = 2) -> SlotAllocator:
-    return SlotAllocator(SlotPool(spec, SlotPoolConfig(max_slots=slots, max_rank=catalog.max_rank)), catalog)
+def allocator_for(spec, catalog, slots: int = 2, granule: int = 4) -> SlotAllocator:
+    """max_rank 4; granule 4: every rank takes one unit; granule 1: ranks 1, 2, 3-4 take 1, 2, 4 units."""
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, max_rank=4, granule=granule))
+    return SlotAllocator(pool, catalog, catalog.rank_of)
 
 
-def slot_value(allocator: SlotAllocator, slot: int) -> float:
-    return float(next(iter(allocator.pool.stacks.values())).a[slot, 0, 0])
+def assert_rows_hold(allocator: SlotAllocator, catalog: Catalog, slots) -> None:
+    pool = allocator.pool
+    for adapter_id, slot in dict(slots).items():
+        block = catalog.adapters[adapter_id].storage
+        assert torch.equal(pool.rows[slot * pool.granule : slot * pool.granule + block.shape[0]], block), adapter_id
 
 
 def test_acquire_loads_pins_and_hits(tiny_spec, catalog):
     allocator = allocator_for(tiny_spec, catalog)
     lease = allocator.acquire(["a", None, "b", "a"])
-    assert dict(lease.slots) == {"a": 0, "b": 1}
-    assert slot_value(allocator, 0) == 1.0 and slot_value(allocator, 1) == 2.0
+    assert dict(lease.slots) == {"a": 0, "b": 1} and dict(lease.slot_rows) == {0: 4, 1: 4}
+    assert_rows_hold(allocator, catalog, lease.slots)
     assert lease.slot_indices(["a", None, "b", "a"]).tolist() == [0, -1, 1, 0]
     padded = lease.slot_indices(["b"], pad_to=4)
     assert padded.dtype == torch.int32 and padded.tolist() == [1, -1, -1, -1]
@@ -85,44 +175,102 @@ def test_lru_victim_is_evicted_and_pinned_never(tiny_spec, catalog):
     allocator.release(allocator.acquire(["b"]))
     allocator.release(allocator.acquire(["a"]))  # b is now the least recently used
     lease_c = allocator.acquire(["c"])
-    assert lease_c.slots["c"] == 1 and allocator.slot_of("b") is None and slot_value(allocator, 1) == 3.0
+    assert lease_c.slots["c"] == 1 and allocator.slot_of("b") is None
+    assert_rows_hold(allocator, catalog, lease_c.slots)
     with pytest.raises(SlotsExhaustedError) as info:
-        allocator.acquire(["b", "d"])  # a is evictable, c is pinned: one slot for two adapters
-    assert info.value.adapters == ("b", "d") and info.value.available == 1
+        allocator.acquire(["b", "d"])  # a is evictable, c is pinned: one unit for two adapters
+    assert info.value.adapters == ("b", "d") and (info.value.needed, info.value.available) == (2, 1)
+    assert not info.value.fragmented
     assert allocator.lru_order() == ["a"] and allocator.slot_of("a") == 0  # nothing changed
     assert allocator.metrics.snapshot().evictions == {"slot": 1}
 
 
-def test_too_many_distinct_adapters_raise_without_pinning(tiny_spec, catalog):
+def test_too_many_units_raise_without_pinning(tiny_spec, catalog):
     allocator = allocator_for(tiny_spec, catalog)
     allocator.release(allocator.acquire(["a"]))
-    with pytest.raises(SlotsExhaustedError, match="'b, c'.*needs 2 more slot"):
+    with pytest.raises(SlotsExhaustedError, match=r"'b, c'.*needs 2 unit.s. but only 1 of 2 are free \(1\) or evic"):
         allocator.acquire(["a", "b", "c"])
     assert allocator.lru_order() == ["a"] and [s.pins for s in allocator.states()] == [0]
 
 
-def test_a_failed_load_leaves_its_slot_free_and_nothing_pinned(tiny_spec, catalog):
+def test_mixed_ranks_pack_by_the_buddy_policy(tiny_spec):
+    catalog = Catalog(tiny_spec)
+    catalog.add("a", "c", rank=1)
+    catalog.add("b", rank=2)
+    catalog.add("d", rank=3)
+    allocator = allocator_for(tiny_spec, catalog, granule=1)  # 8 units of one row, blocks up to 4 units
+    leases = [allocator.acquire([a]) for a in ("a", "b", "c", "d")]
+    assert [dict(lease.slots) for lease in leases] == [{"a": 0}, {"b": 2}, {"c": 1}, {"d": 4}]
+    assert [dict(lease.slot_rows) for lease in leases] == [{0: 1}, {2: 2}, {1: 1}, {4: 3}]
+    assert [(s.slot, s.adapter_id, s.units, s.rank) for s in allocator.states()] == [
+        (0, "a", 1, 1),
+        (1, "c", 1, 1),
+        (2, "b", 2, 2),
+        (4, "d", 4, 3),
+    ]
+    for lease in leases:
+        assert_rows_hold(allocator, catalog, lease.slots)
+    assert allocator.free_units() == 0 and allocator.free_blocks() == []
+    assert allocator.resident_bytes == sum(p.nbytes for p in catalog.adapters.values())
+
+
+def test_eviction_until_fit_follows_lru_order_and_fragmentation_is_refused_cleanly(tiny_spec):
+    catalog = Catalog(tiny_spec)
+    catalog.add("a", "c", "g", rank=1)
+    catalog.add("b", rank=2)
+    catalog.add("e", rank=4)
+    allocator = allocator_for(tiny_spec, catalog, granule=1)
+    pinned = [allocator.acquire(["a"]), allocator.acquire(["b"]), allocator.acquire(["c"]), allocator.acquire(["g"])]
+    assert [lease.slots for lease in pinned] == [{"a": 0}, {"b": 2}, {"c": 1}, {"g": 4}]
+    allocator.release(pinned[1])
+    allocator.release(pinned[2])  # LRU: b, c; a (unit 0) and g (unit 4) stay pinned, one in each top block
+    before = (allocator.states(), allocator.lru_order(), allocator.free_blocks())
+    assert allocator.free_blocks() == [(5, 1), (6, 2)]
+    fragmented = r"'e'.*needs 4 unit.s. and 6 of 8 are free \(3\) or evictable \(3\), but no free range is large"
+    with pytest.raises(SlotsExhaustedError, match=fragmented) as info:
+        allocator.acquire(["e"])
+    assert info.value.fragmented and (info.value.free, info.value.evictable) == (3, 3)
+    assert (allocator.states(), allocator.lru_order(), allocator.free_blocks()) == before  # nothing changed
+    assert allocator.metrics.snapshot().evictions == {} and catalog.fetches == ["a", "b", "c", "g"]
+    allocator.release(pinned[3])  # g evictable too: LRU b, c, g
+    lease = allocator.acquire(["e"])  # evicts b, then c (still no 4-unit range, a pins unit 0), then g
+    assert lease.slots == {"e": 4} and allocator.lru_order() == [] and allocator.free_blocks() == [(1, 1), (2, 2)]
+    assert allocator.metrics.snapshot().evictions == {"slot": 3}
+    assert_rows_hold(allocator, catalog, {"a": 0, "e": 4})
+
+
+def test_a_failed_load_leaves_its_range_free_and_nothing_pinned(tiny_spec, catalog):
     allocator = allocator_for(tiny_spec, catalog, slots=3)
     allocator.release(allocator.acquire(["a"]))
     catalog.fail.add("c")
     with pytest.raises(SlotLoadError, match="'c': loading into slot 2 failed: injected failure"):
         allocator.acquire(["a", "b", "c"])
-    assert allocator.free_slots() == [2] and allocator.lru_order() == ["a", "b"]
+    assert allocator.free_blocks() == [(2, 1)] and allocator.lru_order() == ["a", "b"]
     assert all(s.pins == 0 and s.state == "ready" for s in allocator.states())
     with pytest.raises(AdapterNotFoundError, match="'zzz'"):
-        allocator.acquire(["zzz", "c"])  # a typed error from fetch passes through unchanged
-    # zzz took free slot 2 and c evicted a (slot 0); zzz failed, so both were freed and c never loaded.
-    assert allocator.free_slots() == [0, 2] and allocator.lru_order() == ["b"] and allocator.slot_of("c") is None
-    assert allocator.acquire(["c"]).slots["c"] == 0
+        allocator.acquire(["c", "zzz"])  # rank_of's typed error passes through before anything changes
+    assert allocator.free_blocks() == [(2, 1)] and allocator.lru_order() == ["a", "b"]
+    catalog.fail.add("d")
+    with pytest.raises(SlotLoadError, match="'d'"):
+        allocator.acquire(["d", "c"])  # d takes free unit 2, c evicts a (unit 0); d fails: both freed, c unloaded
+    assert allocator.free_blocks() == [(0, 1), (2, 1)] and allocator.lru_order() == ["b"]
+    assert allocator.slot_of("c") is None and allocator.acquire(["c"]).slots["c"] == 0
 
 
-def test_a_mid_copy_failure_is_never_published(tiny_spec, catalog):
+def test_a_refused_block_is_never_published(tiny_spec, catalog):
     allocator = allocator_for(tiny_spec, catalog)
-    good = catalog.adapters["a"]
-    catalog.adapters["a"] = type(good)("a", "x", 99, good.modules, good.storage)  # wrong rank
-    with pytest.raises(SlotLoadError, match="'a'.*rank 99"):
+    catalog.adapters["a"] = make_prepared(tiny_spec, "a", 3, 1.0)  # rank_of still says 4
+    with pytest.raises(SlotLoadError, match="'a'.*prepared block has 3 rows but rank_of gave rank 4"):
         allocator.acquire(["a"])
-    assert allocator.free_slots() == [0, 1] and allocator.states() == []
+    good = catalog.adapters["b"]
+    catalog.adapters["b"] = PreparedAdapter("b", "x", {}, good.storage[:, 1:])  # one column short
+    with pytest.raises(SlotLoadError, match="'b'.*the pool holds rows of"):
+        allocator.acquire(["b"])
+    catalog.ranks["c"] = 9
+    with pytest.raises(SlotLoadError, match="'c'.*rank 9 is outside 1..max_rank 4"):
+        allocator.acquire(["c"])
+    assert allocator.free_units() == 2 and allocator.states() == [] and catalog.fetches == ["a", "b"]
+    assert not allocator.pool.rows.any()
 
 
 def test_release_twice_and_unknown_unpin_are_refused(tiny_spec, catalog):
@@ -151,25 +299,48 @@ def test_unregister_frees_unpinned_at_once_and_pinned_at_last_release(tiny_spec,
     allocator = allocator_for(tiny_spec, catalog)
     allocator.release(allocator.acquire(["a"]))
     allocator.forget("a")
-    assert allocator.free_slots() == [0, 1] and allocator.lru_order() == []
+    assert allocator.free_blocks() == [(0, 1), (1, 1)] and allocator.lru_order() == []
     first, second = allocator.acquire(["b"]), allocator.acquire(["b"])
     allocator.forget("b")
     assert allocator.slot_of("b") is None and [s.state for s in allocator.states()] == ["draining"]
     catalog.adapters["b"] = make_prepared(tiny_spec, "b", 4, 7.0)  # re-registered with new weights
-    fresh = allocator.acquire(["b"])  # loads afresh into another slot while the old one drains
-    assert fresh.slots["b"] == 1 and slot_value(allocator, 1) == 7.0
+    fresh = allocator.acquire(["b"])  # loads afresh into another range while the old one drains
+    assert fresh.slots["b"] == 1
+    assert_rows_hold(allocator, catalog, fresh.slots)
     allocator.release(first)
-    assert allocator.free_slots() == []
+    assert allocator.free_blocks() == []
     allocator.release(second)
-    assert allocator.free_slots() == [0] and allocator.slot_of("b") == 1
+    assert allocator.free_blocks() == [(0, 1)] and allocator.slot_of("b") == 1
+
+
+def test_preload_evicts_only_unprotected_and_changes_nothing_when_it_cannot_fit(tiny_spec):
+    catalog = Catalog(tiny_spec)
+    catalog.add("a", "b", rank=4)
+    catalog.add("c", "d", rank=1)
+    allocator = allocator_for(tiny_spec, catalog, granule=1)
+    allocator.release(allocator.acquire(["a", "b"]))
+    assert allocator.preload("c", protect={"a", "b"}) is False
+    assert allocator.lru_order() == ["a", "b"] and catalog.fetches == ["a", "b"]
+    assert allocator.preload("c", protect={"a"}) is True  # evicts b, not the older but protected a
+    assert allocator.lru_order() == ["a", "c"] and allocator.slot_of("c") == 4
+    assert [s.pins for s in allocator.states()] == [0, 0] and allocator.preload("c") is False
+    assert allocator.metrics.snapshot().evictions == {"slot": 1}
+    with pytest.raises(AdapterNotFoundError, match="'zzz'"):
+        allocator.preload("zzz")
+    catalog.fail.add("d")
+    with pytest.raises(SlotLoadError, match="'d': loading into slot 5 failed"):
+        allocator.preload("d")
+    assert allocator.free_blocks() == [(5, 1), (6, 2)] and allocator.lru_order() == ["a", "c"]
+    assert_rows_hold(allocator, catalog, {"a": 0, "c": 4})
 
 
 def test_concurrent_acquires_load_once_and_leave_nothing_behind(tiny_spec, catalog):
-    catalog.add(*[f"x{i}" for i in range(6)])
+    for i in range(6):
+        catalog.add(f"x{i}", rank=1 + i % 4)
     catalog.delay = 0.002
-    allocator = allocator_for(tiny_spec, catalog, slots=4)
+    allocator = allocator_for(tiny_spec, catalog, slots=3, granule=1)  # 12 units: mixed ranks race for ranges
     errors: list[BaseException] = []
-    ids = ["a", "b", "c", "d"] + [f"x{i}" for i in range(6)]
+    ids = list(catalog.adapters)
 
     def worker(seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
@@ -182,8 +353,7 @@ def test_concurrent_acquires_load_once_and_leave_nothing_behind(tiny_spec, catal
             except BaseException as error:  # noqa: BLE001 - surfaced by the assert below
                 errors.append(error)
                 return
-            for adapter_id, slot in lease.slots.items():
-                assert slot_value(allocator, slot) == float(ids.index(adapter_id) + 1)
+            assert_rows_hold(allocator, catalog, lease.slots)
             allocator.release(lease)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
@@ -195,23 +365,25 @@ def test_concurrent_acquires_load_once_and_leave_nothing_behind(tiny_spec, catal
     states = allocator.states()
     assert all(s.pins == 0 and s.state == "ready" for s in states)
     assert sorted(s.adapter_id for s in states) == sorted(allocator.lru_order())
-    assert len(states) + len(allocator.free_slots()) == 4
+    assert sum(s.units for s in states) + allocator.free_units() == allocator.num_units == 12
 
 
-def test_registry_backed_slots_equal_prepared_weights(tmp_path, tiny_spec):
+def test_registry_backed_rows_equal_prepared_blocks(tmp_path, tiny_spec):
     registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
-    for name, targets in (("one", ["q_proj", "v_proj"]), ("two", ["o_proj", "up_proj", "down_proj"])):
-        registry.register(str(write_synthetic_adapter(tmp_path / name, tiny_spec, r=4, target_modules=targets)))
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8))
-    allocator = SlotAllocator(pool, registry.prepared, registry.metrics)
+    for name, r, targets in (("one", 4, ["q_proj", "v_proj"]), ("two", 2, ["o_proj", "up_proj", "down_proj"])):
+        registry.register(str(write_synthetic_adapter(tmp_path / name, tiny_spec, r=r, target_modules=targets)))
+    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8, granule=2))
+    allocator = SlotAllocator(pool, registry.prepared, lambda a: registry.get(a).rank, registry.metrics)
     lease = allocator.acquire(["two", "one"])
+    assert dict(lease.slots) == {"two": 0, "one": 2} and dict(lease.slot_rows) == {0: 2, 2: 4}
     for adapter_id, slot in lease.slots.items():
         prepared = registry.prepared(adapter_id)
+        rows = pool.rows[slot * 2 : slot * 2 + prepared.rows]
+        assert torch.equal(rows, prepared.storage)
         for key, stacks in pool.stacks.items():
             weights = prepared.modules.get(key)
-            expected_a = torch.zeros_like(stacks.a[slot]) if weights is None else weights.a
-            expected_bt = torch.zeros_like(stacks.bt[slot]) if weights is None else weights.bt
-            assert torch.equal(stacks.a[slot], expected_a) and torch.equal(stacks.bt[slot], expected_bt)
+            a = stacks.a[slot * 2 : slot * 2 + prepared.rows]
+            assert torch.equal(a, weights.a) if weights is not None else not a.any()
     assert registry.metrics.snapshot().moves[Move.HOST_TO_SLOT].total_bytes == sum(
         registry.get(a).nbytes for a in ("one", "two")
     )

@@ -1,193 +1,301 @@
 """Hypothesis stateful test: the allocator against a plain reference model of its policy, over >= 10,000 operations.
 
-Every step compares the whole state (slot -> adapter, pins, operator pins, draining slots, LRU order, free slots) and
-the slot contents with the model, so the slot <-> adapter map is a bijection, a pinned slot is never evicted, the
-LRU order is exact, byte bounds hold and nothing leaks (checked again at teardown, after releasing everything).
+Adapters have mixed ranks (1..8 with granule 2: blocks of 1, 2 and 4 units in a pool of 8 units), so the run covers
+buddy placement, eviction until a request fits, fragmentation (enough free units in total but no free range: evict
+or refuse, nothing changed on refusal), lease and operator pins, failed loads (injected read errors, blocks the pool
+or the allocator refuses), unregister while pinned (draining) and preload with `protect`. The model places with a
+brute-force first fit over the maximal free aligned blocks, not with a buddy allocator. Every step compares the whole
+state (ranges, units, ranks, pins, operator pins, draining ranges, LRU order, free blocks, slot_of, bytes) and the
+pool's rows of every range with the adapter's block, and checks the zero row; teardown releases everything and checks
+that nothing leaked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from adapter_manager import AdapterNotFoundError, BaseModelSpec
 from adapter_manager.allocator import SlotAllocator, SlotLease
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
-from adapter_manager.prepare import ModuleWeights, PreparedAdapter
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
+from adapter_manager.prepare import PreparedAdapter
+from adapter_manager.row_space import Block
+from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, units_for
 
+from .test_allocator import first_fit, maximal_free_blocks
 from .test_slot_pool import make_prepared
 
 SPEC = BaseModelSpec("stateful-llama", 8, 12, 1, 2, 1, 4)
-SLOTS, RANK = 3, 2
-NAMES = ["a", "b", "c", "d", "e", "f"]
+MAX_SLOTS, MAX_RANK, GRANULE = 2, 8, 2  # 8 units of 2 rows; ranks 1-2, 3-4, 5-8 take 1, 2, 4 units
+NUM_UNITS, MAX_UNITS = 8, 4
+NAMES = ["a", "b", "c", "d", "e", "f", "g", "h"]
 names = st.sampled_from(NAMES)
+ranks = st.sampled_from([1, 1, 2, 2, 3, 4, 5, 8])  # mostly small: small pinned ranges split the space
+kinds = st.sampled_from(["narrow", "rows"] + [""] * 6)  # a block the pool or the allocator refuses, or a good one
 MIN_OPERATIONS = 10_000
 
 
 @dataclass
+class Range:
+    """One occupied range in the model."""
+
+    adapter_id: str
+    rank: int
+    block: torch.Tensor  # Shape: [rank, width], what its rows must hold
+    pins: int = 0
+    draining: bool = False
+
+    @property
+    def units(self) -> int:
+        return units_for(self.rank, GRANULE)
+
+
+@dataclass
 class Model:
-    """The policy in its plainest form: lists and dicts, no locks, no tensors."""
+    """The policy in its plainest form: dicts and lists, no locks, no buddy allocator."""
 
-    slot_of: dict[str, int] = field(default_factory=dict)  # live adapters (not draining)
-    holder: dict[int, str] = field(default_factory=dict)  # occupied slot -> adapter (draining ones too)
-    value: dict[int, float] = field(default_factory=dict)  # occupied slot -> the value its weights were filled with
-    pins: dict[int, int] = field(default_factory=dict)
+    ranges: dict[int, Range] = field(default_factory=dict)  # slot -> occupied range (draining ones too)
+    live: dict[str, int] = field(default_factory=dict)  # adapter -> slot, not draining
     manual: set[str] = field(default_factory=set)
-    draining: set[int] = field(default_factory=set)
     lru: list[str] = field(default_factory=list)
-    free: list[int] = field(default_factory=lambda: list(range(SLOTS)))
+    evictions: int = 0
 
-    def reserve(self, adapter_id: str, protect: set[str] = frozenset()) -> int:
-        if self.free:
-            slot = self.free.pop(0)
-        else:
-            victim = next(a for a in self.lru if a not in protect)
-            self.lru.remove(victim)
-            slot = self.slot_of.pop(victim)
-        self.slot_of[adapter_id] = slot
-        self.holder[slot] = adapter_id
-        self.pins[slot] = 0
-        return slot
+    def copy(self) -> Model:
+        ranges = {slot: replace(r) for slot, r in self.ranges.items()}
+        return Model(ranges, dict(self.live), set(self.manual), list(self.lru), self.evictions)
 
-    def free_slot(self, slot: int) -> None:
-        adapter_id = self.holder.pop(slot)
-        self.value.pop(slot, None)
-        self.pins.pop(slot)
-        self.draining.discard(slot)
-        if self.slot_of.get(adapter_id) == slot:
-            del self.slot_of[adapter_id]
-        self.free = sorted(self.free + [slot])
+    def free_blocks(self) -> list[Block]:
+        used = [False] * NUM_UNITS
+        for slot, r in self.ranges.items():
+            used[slot : slot + r.units] = [True] * r.units
+        return maximal_free_blocks(used, MAX_UNITS)
+
+    def free_units(self) -> int:
+        return sum(b.units for b in self.free_blocks())
+
+    def evictable_units(self, keep) -> int:
+        return sum(self.ranges[self.live[a]].units for a in self.lru if a not in keep)
+
+    def place(self, missing: list[tuple[str, int, torch.Tensor]], keep) -> list[int] | None:
+        """Place each missing adapter in order, evicting the LRU adapter not in `keep` until it fits (mutates)."""
+        candidates = [a for a in self.lru if a not in keep]
+        slots = []
+        for adapter_id, rank, block in missing:
+            while (slot := first_fit(self.free_blocks(), units_for(rank, GRANULE))) is None:
+                if not candidates:
+                    return None
+                victim = candidates.pop(0)
+                self.lru.remove(victim)
+                del self.ranges[self.live.pop(victim)]
+                self.evictions += 1
+            self.ranges[slot] = Range(adapter_id, rank, block)
+            self.live[adapter_id] = slot
+            slots.append(slot)
+        return slots
+
+    def free(self, slot: int) -> None:
+        adapter_id = self.ranges.pop(slot).adapter_id
+        if self.live.get(adapter_id) == slot:
+            del self.live[adapter_id]
+            self.manual.discard(adapter_id)
+            if adapter_id in self.lru:
+                self.lru.remove(adapter_id)
 
     def unpin(self, slot: int) -> None:
-        self.pins[slot] -= 1
-        if self.pins[slot] == 0:
-            if slot in self.draining:
-                self.free_slot(slot)
-            elif self.holder[slot] not in self.manual:
-                self.lru.append(self.holder[slot])
+        r = self.ranges[slot]
+        r.pins -= 1
+        if r.pins == 0:
+            if r.draining:
+                self.free(slot)
+            elif r.adapter_id not in self.manual:
+                self.lru.append(r.adapter_id)
 
-    def evictable(self, excluding: set[str]) -> int:
-        return len(self.free) + sum(1 for a in self.lru if a not in excluding)
+
+@dataclass
+class Entry:
+    rank: int  # what rank_of reports
+    prepared: PreparedAdapter
+    broken: bool  # the pool or the allocator refuses the block
 
 
 class Catalog:
-    """The registry seam: registered adapters by id (some refused by the pool), and one injectable fetch failure."""
+    """The registry seam: registered adapters with their ranks, and one injectable fetch failure."""
 
     def __init__(self) -> None:
-        self.prepared: dict[str, PreparedAdapter] = {}
+        self.entries: dict[str, Entry] = {}
         self.fail: str | None = None
+
+    def rank_of(self, adapter_id: str) -> int:
+        if adapter_id not in self.entries:
+            raise AdapterNotFoundError(adapter_id, "not registered")
+        return self.entries[adapter_id].rank
 
     def __call__(self, adapter_id: str) -> PreparedAdapter:
         if adapter_id == self.fail:
             raise OSError(f"injected read failure for {adapter_id}")
-        if adapter_id not in self.prepared:
-            raise AdapterNotFoundError(adapter_id, "not registered")
-        return self.prepared[adapter_id]
+        return self.entries[adapter_id].prepared
 
     def fails(self, adapter_id: str) -> bool:
-        prepared = self.prepared.get(adapter_id)
-        return adapter_id == self.fail or prepared is None or prepared.sha == "broken"
+        return adapter_id == self.fail or self.entries[adapter_id].broken
 
 
-def broken(prepared: PreparedAdapter) -> PreparedAdapter:
-    """The same adapter with its last module one column short: the slot pool refuses it."""
-    modules = dict(prepared.modules)
-    last = max(modules)
-    modules[last] = ModuleWeights(modules[last].a[:, 1:], modules[last].bt, RANK)
-    return PreparedAdapter(prepared.adapter_id, "broken", RANK, modules, prepared.storage)
+def broken(prepared: PreparedAdapter, kind: str) -> PreparedAdapter:
+    """The block one column short (the pool refuses it) or one row off the reported rank (the allocator does)."""
+    if kind == "narrow":
+        return PreparedAdapter(prepared.adapter_id, "broken", {}, prepared.storage[:, 1:])
+    rows = prepared.rows + 1 if prepared.rows < MAX_RANK else prepared.rows - 1
+    return make_prepared(SPEC, prepared.adapter_id, rows, float(prepared.storage[0, 0]))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
     operations = 0  # rules run, over every example of one run
+    seen: Counter[str] = Counter()  # how often the interesting cases came up
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = SlotPool(SPEC, SlotPoolConfig(max_slots=SLOTS, max_rank=RANK))
+        self.pool = SlotPool(SPEC, SlotPoolConfig(max_slots=MAX_SLOTS, max_rank=MAX_RANK, granule=GRANULE))
+        assert (self.pool.num_units, self.pool.max_units) == (NUM_UNITS, MAX_UNITS)
         self.catalog = Catalog()
-        self.allocator = SlotAllocator(self.pool, self.catalog)
+        self.allocator = SlotAllocator(self.pool, self.catalog, self.catalog.rank_of)
         self.model = Model()
         self.leases: list[tuple[SlotLease, list[int]]] = []
         self.values = iter(range(1, 1 << 30))
-        self.first_key = SPEC.module_keys()[0]
+        self.hits = self.misses = 0
 
     def _count(self) -> None:
         type(self).operations += 1
 
-    def _loaded(self, adapter_id: str, slot: int) -> None:
-        self.model.value[slot] = float(self.catalog.prepared[adapter_id].storage[0])
-
-    @rule(adapter_id=names, is_broken=st.booleans(), partial=st.booleans())
-    def register(self, adapter_id: str, is_broken: bool, partial: bool) -> None:
-        self._count()
-        if adapter_id in self.catalog.prepared:
-            return
-        modules = SPEC.module_keys()[::2] if partial else None
-        prepared = make_prepared(SPEC, adapter_id, RANK, float(next(self.values)), modules)
-        self.catalog.prepared[adapter_id] = broken(prepared) if is_broken and not partial else prepared
-
-    @rule(adapter_id=names)
-    def unregister(self, adapter_id: str) -> None:
-        self._count()
-        self.catalog.prepared.pop(adapter_id, None)
-        self.allocator.forget(adapter_id)
+    def _bring_in(self, distinct: list[str], keep, pin: bool, manual: bool) -> tuple[Model, list[int]] | None | str:
+        """The model's outcome of placing `distinct`: (new model, reserved slots), None (no fit) or the unknown id."""
         model = self.model
-        if adapter_id not in model.slot_of:
+        missing = [a for a in distinct if a not in model.live]
+        unknown = next((a for a in missing if a not in self.catalog.entries), None)
+        if unknown is not None:
+            type(self).seen["not registered"] += 1
+            return unknown
+        requests = [(a, self.catalog.entries[a].rank, self.catalog.entries[a].prepared.storage) for a in missing]
+        plan = model.copy()
+        reserved = plan.place(requests, keep)
+        if reserved is None:
+            return None
+        if plan.evictions - model.evictions > 1:
+            type(self).seen["evicted several"] += 1
+        for adapter_id in distinct:
+            slot = plan.live[adapter_id]
+            if adapter_id in plan.lru:
+                plan.lru.remove(adapter_id)
+            if manual:
+                plan.manual.add(adapter_id)
+            elif pin:
+                plan.ranges[slot].pins += 1
+        if pin or manual:
+            self.hits += len(distinct) - len(missing)
+            self.misses += len(missing)
+        return plan, reserved
+
+    def _expect_refusal(self, call, distinct: list[str], keep) -> None:
+        model = self.model
+        missing = [a for a in distinct if a not in model.live]
+        needed = sum(units_for(self.catalog.entries[a].rank, GRANULE) for a in missing)
+        free, evictable = model.free_units(), model.evictable_units(keep)
+        with pytest.raises(SlotsExhaustedError) as info:
+            call()
+        error = info.value
+        assert (error.adapters, error.needed, error.free, error.evictable) == (tuple(missing), needed, free, evictable)
+        assert error.fragmented == (needed <= free + evictable)
+        type(self).seen["fragmented" if error.fragmented else "exhausted"] += 1
+
+    def _loads(self, plan: Model, reserved: list[int], distinct: list[str], release_on_failure: bool) -> bool:
+        """Apply the loads to `plan`: on the first failure free it and every later range; True when all loaded."""
+        failed = next((i for i, s in enumerate(reserved) if self.catalog.fails(plan.ranges[s].adapter_id)), None)
+        self.model = plan
+        if failed is None:
+            return True
+        type(self).seen["failed load"] += 1
+        for slot in reserved[failed:]:
+            plan.free(slot)
+        if release_on_failure:
+            for adapter_id in distinct:
+                if adapter_id in plan.live:
+                    plan.unpin(plan.live[adapter_id])
+        return False
+
+    @initialize(ranks=st.lists(ranks, min_size=len(NAMES), max_size=len(NAMES)))
+    def register_all(self, ranks: list[int]) -> None:
+        for adapter_id, rank in zip(NAMES, ranks, strict=True):
+            self._register(adapter_id, rank, "")
+
+    @rule(adapter_id=names, rank=ranks, kind=kinds)
+    def register(self, adapter_id: str, rank: int, kind: str) -> None:
+        self._count()
+        if adapter_id not in self.catalog.entries:
+            self._register(adapter_id, rank, kind)
+
+    def _register(self, adapter_id: str, rank: int, kind: str) -> None:
+        prepared = make_prepared(SPEC, adapter_id, rank, float(next(self.values)), SPEC.module_keys()[::2])
+        self.catalog.entries[adapter_id] = Entry(rank, broken(prepared, kind) if kind else prepared, bool(kind))
+
+    @rule(adapter_id=names, again=st.booleans(), rank=ranks, kind=kinds)
+    def unregister(self, adapter_id: str, again: bool, rank: int, kind: str) -> None:
+        """Unregister; `again`: register anew at once (a new revision, maybe of another rank) while the old one
+        may still be draining."""
+        self._count()
+        self.catalog.entries.pop(adapter_id, None)
+        self.allocator.forget(adapter_id)
+        if again:
+            self._register(adapter_id, rank, kind)
+        model = self.model
+        if adapter_id not in model.live:
             return
-        slot = model.slot_of[adapter_id]
+        slot = model.live.pop(adapter_id)
+        model.manual.discard(adapter_id)
         if adapter_id in model.lru:
             model.lru.remove(adapter_id)
-        model.manual.discard(adapter_id)
-        if model.pins[slot] == 0:
-            model.free_slot(slot)
+        if model.ranges[slot].pins == 0:
+            del model.ranges[slot]
         else:
-            del model.slot_of[adapter_id]
-            model.draining.add(slot)
+            model.ranges[slot].draining = True
+            type(self).seen["drained"] += 1
 
     @rule(batch=st.lists(st.one_of(st.none(), names), max_size=5), fail=st.one_of(st.none(), names))
     def acquire(self, batch: list[str | None], fail: str | None) -> None:
         self._count()
-        model, self.catalog.fail = self.model, fail
-        distinct = list(dict.fromkeys(a for a in batch if a is not None))
-        missing = [a for a in distinct if a not in model.slot_of]
+        self.catalog.fail = fail
         try:
-            if len(missing) > model.evictable(set(distinct)):
-                with pytest.raises(SlotsExhaustedError):
+            distinct = list(dict.fromkeys(a for a in batch if a is not None))
+            outcome = self._bring_in(distinct, set(distinct), pin=True, manual=False)
+            if isinstance(outcome, str):
+                with pytest.raises(AdapterNotFoundError, match=repr(outcome)):
                     self.allocator.acquire(batch)
                 return
-            for adapter_id in distinct:
-                if adapter_id in model.lru:
-                    model.lru.remove(adapter_id)
-                if adapter_id in model.slot_of:
-                    model.pins[model.slot_of[adapter_id]] += 1
-            reserved = [model.reserve(a) for a in missing]
-            failed = next((i for i, a in enumerate(missing) if self.catalog.fails(a)), None)
-            if failed is None:
-                for adapter_id, slot in zip(missing, reserved, strict=True):
-                    model.pins[slot] = 1
-                    self._loaded(adapter_id, slot)
-                lease = self.allocator.acquire(batch)
-                slots = [model.slot_of[a] for a in distinct]
-                assert dict(lease.slots) == dict(zip(distinct, slots, strict=True))
-                self.leases.append((lease, slots))
+            if outcome is None:
+                self._expect_refusal(lambda: self.allocator.acquire(batch), distinct, set(distinct))
                 return
-            for adapter_id, slot in zip(missing[:failed], reserved[:failed], strict=True):
-                model.pins[slot] = 1
-                self._loaded(adapter_id, slot)
-            for slot in reserved[failed:]:
-                model.free_slot(slot)
-            culprit = missing[failed]
-            unknown = culprit not in self.catalog.prepared and culprit != fail
-            error = AdapterNotFoundError if unknown else SlotLoadError
-            with pytest.raises(error, match=repr(culprit)):
-                self.allocator.acquire(batch)
-            for adapter_id in distinct:
-                if adapter_id in model.slot_of:
-                    model.unpin(model.slot_of[adapter_id])
+            plan, reserved = outcome
+            if not self._loads(plan, reserved, distinct, release_on_failure=True):
+                with pytest.raises(SlotLoadError):
+                    self.allocator.acquire(batch)
+                return
+            lease = self.allocator.acquire(batch)
+            type(self).seen["leased"] += 1
+            slots = [plan.live[a] for a in distinct]
+            assert dict(lease.slots) == dict(zip(distinct, slots, strict=True))
+            assert dict(lease.slot_rows) == {s: plan.ranges[s].rank for s in slots}
+            assert lease.slot_indices(batch).tolist() == [-1 if a is None else plan.live[a] for a in batch]
+            self.leases.append((lease, slots))
         finally:
             self.catalog.fail = None
 
@@ -203,26 +311,17 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(adapter_id=names)
     def pin(self, adapter_id: str) -> None:
         self._count()
-        model = self.model
-        if adapter_id in model.slot_of:
-            assert self.allocator.pin(adapter_id) == model.slot_of[adapter_id]
-            model.manual.add(adapter_id)
-            if adapter_id in model.lru:
-                model.lru.remove(adapter_id)
-            return
-        if model.evictable(set()) == 0:
-            with pytest.raises(SlotsExhaustedError):
+        outcome = self._bring_in([adapter_id], {adapter_id}, pin=False, manual=True)
+        if isinstance(outcome, str):
+            with pytest.raises(AdapterNotFoundError):
                 self.allocator.pin(adapter_id)
-            return
-        slot = model.reserve(adapter_id)
-        if self.catalog.fails(adapter_id):
-            model.free_slot(slot)
-            with pytest.raises((AdapterNotFoundError, SlotLoadError)):
+        elif outcome is None:
+            self._expect_refusal(lambda: self.allocator.pin(adapter_id), [adapter_id], {adapter_id})
+        elif not self._loads(*outcome, [adapter_id], release_on_failure=False):
+            with pytest.raises(SlotLoadError):
                 self.allocator.pin(adapter_id)
-            return
-        assert self.allocator.pin(adapter_id) == slot
-        model.manual.add(adapter_id)
-        self._loaded(adapter_id, slot)
+        else:
+            assert self.allocator.pin(adapter_id) == self.model.live[adapter_id]
 
     @rule(adapter_id=names)
     def unpin(self, adapter_id: str) -> None:
@@ -234,66 +333,70 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self.allocator.unpin(adapter_id)
         model.manual.remove(adapter_id)
-        if model.pins[model.slot_of[adapter_id]] == 0:
+        if model.ranges[model.live[adapter_id]].pins == 0:
             model.lru.append(adapter_id)
 
     @rule(adapter_id=names, protect=st.sets(names, max_size=3))
     def preload(self, adapter_id: str, protect: set[str]) -> None:
         self._count()
-        model = self.model
-        if adapter_id in model.slot_of or (not model.free and all(a in protect for a in model.lru)):
+        if adapter_id in self.model.live:
             assert self.allocator.preload(adapter_id, protect) is False
             return
-        slot = model.reserve(adapter_id, protect)
-        if self.catalog.fails(adapter_id):
-            model.free_slot(slot)
-            with pytest.raises((AdapterNotFoundError, SlotLoadError)):
+        outcome = self._bring_in([adapter_id], protect, pin=False, manual=False)
+        if isinstance(outcome, str):
+            with pytest.raises(AdapterNotFoundError):
                 self.allocator.preload(adapter_id, protect)
-            return
-        assert self.allocator.preload(adapter_id, protect) is True
-        model.lru.append(adapter_id)
-        self._loaded(adapter_id, slot)
+        elif outcome is None:
+            type(self).seen["preload refused"] += 1
+            assert self.allocator.preload(adapter_id, protect) is False
+        elif not self._loads(*outcome, [adapter_id], release_on_failure=False):
+            with pytest.raises(SlotLoadError):
+                self.allocator.preload(adapter_id, protect)
+        else:
+            assert self.allocator.preload(adapter_id, protect) is True
+            self.model.lru.append(adapter_id)
 
     @invariant()
     def matches_the_model(self) -> None:
-        model, states = self.model, self.allocator.states()
-        assert [s.slot for s in states] == sorted(model.holder)
-        assert {s.slot: s.adapter_id for s in states} == model.holder
-        assert {s.slot: s.pins for s in states} == model.pins
-        assert {s.adapter_id for s in states if s.manual} == model.manual
-        assert {s.slot for s in states if s.state == "draining"} == model.draining
-        assert all(s.state != "loading" for s in states)
-        assert self.allocator.lru_order() == model.lru
-        assert self.allocator.free_slots() == model.free
-        live = {s.adapter_id: s.slot for s in states if s.state == "ready"}
-        assert live == model.slot_of and len(set(live.values())) == len(live)  # a bijection
-        assert all(self.allocator.slot_of(a) == s for a, s in live.items())
+        model, allocator = self.model, self.allocator
+        expected = [
+            (slot, r.adapter_id, "draining" if r.draining else "ready", r.units, r.rank, r.pins)
+            + (not r.draining and r.adapter_id in model.manual,)
+            for slot, r in sorted(model.ranges.items())
+        ]
+        states = allocator.states()
+        assert [(s.slot, s.adapter_id, s.state, s.units, s.rank, s.pins, s.manual) for s in states] == expected
+        assert allocator.lru_order() == model.lru
+        assert allocator.free_blocks() == model.free_blocks()
+        assert allocator.free_units() == model.free_units() == NUM_UNITS - sum(r.units for r in model.ranges.values())
+        assert {a: allocator.slot_of(a) for a in NAMES} == {a: model.live.get(a) for a in NAMES}
+        assert allocator.resident_bytes == sum(r.block.nbytes for r in model.ranges.values())
 
     @invariant()
-    def slots_hold_their_weights_and_bytes_are_bounded(self) -> None:
-        a = self.pool.stacks[self.first_key].a  # [S, R, in]
-        for slot, value in self.model.value.items():
-            assert float(a[slot, 0, 0]) == value
-        assert self.allocator.resident_bytes <= len(self.model.holder) * self.pool.slot_nbytes <= self.pool.nbytes
+    def rows_hold_their_blocks(self) -> None:
+        rows = self.pool.rows  # [N, width]
+        for slot, r in self.model.ranges.items():
+            assert torch.equal(rows[slot * GRANULE : slot * GRANULE + r.rank], r.block), (slot, r.adapter_id)
+        assert not rows[self.pool.zero_row].any()
 
     def teardown(self) -> None:
         for lease, _ in self.leases:
             self.allocator.release(lease)
-        for adapter_id in NAMES:
-            if self.allocator.slot_of(adapter_id) is not None:
-                try:
-                    self.allocator.unpin(adapter_id)
-                except AdapterNotPinnedError:
-                    pass
+        for adapter_id in list(self.model.manual):
+            self.allocator.unpin(adapter_id)
         assert all(s.pins == 0 and not s.manual and s.state == "ready" for s in self.allocator.states())
+        snapshot = self.allocator.metrics.snapshot()
+        assert snapshot.evictions.get("slot", 0) == self.model.evictions
+        assert (snapshot.hits.get("slot", 0), snapshot.misses.get("slot", 0)) == (self.hits, self.misses)
         for adapter_id in NAMES:
             self.allocator.forget(adapter_id)
-        assert self.allocator.free_slots() == list(range(SLOTS)) and self.allocator.states() == []
-        assert self.allocator.resident_bytes == 0
+        assert self.allocator.free_blocks() == [Block(0, MAX_UNITS), Block(MAX_UNITS, MAX_UNITS)]
+        assert self.allocator.states() == [] and self.allocator.resident_bytes == 0
 
 
 def test_allocator_matches_its_reference_model_over_10000_operations():
     AllocatorMachine.operations = 0
+    AllocatorMachine.seen = Counter()
     run_state_machine_as_test(
         AllocatorMachine,
         settings=settings(
@@ -305,9 +408,17 @@ def test_allocator_matches_its_reference_model_over_10000_operations():
         ),
     )
     assert AllocatorMachine.operations >= MIN_OPERATIONS
+    seen = AllocatorMachine.seen
+    cases = ("evicted several", "fragmented", "exhausted", "failed load", "drained", "preload refused")
+    assert all(seen[case] > 0 for case in cases), seen
 
 
-def test_broken_helper_really_fails_to_load():
-    pool = SlotPool(SPEC, SlotPoolConfig(max_slots=1, max_rank=RANK))
-    with pytest.raises(SlotLoadError, match="has shape"):
-        pool.load(0, broken(make_prepared(SPEC, "x", RANK, 5.0)))
+@pytest.mark.parametrize("kind", ["narrow", "rows"])
+def test_broken_blocks_really_fail_to_load(kind):
+    pool = SlotPool(SPEC, SlotPoolConfig(max_slots=MAX_SLOTS, max_rank=MAX_RANK, granule=GRANULE))
+    catalog = Catalog()
+    catalog.entries["x"] = Entry(3, broken(make_prepared(SPEC, "x", 3, 5.0), kind), True)
+    allocator = SlotAllocator(pool, catalog, catalog.rank_of)
+    with pytest.raises(SlotLoadError, match="the pool holds rows of" if kind == "narrow" else "4 rows but rank_of"):
+        allocator.acquire(["x"])
+    assert allocator.states() == [] and not pool.rows.any()

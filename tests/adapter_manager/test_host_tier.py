@@ -14,7 +14,7 @@ from adapter_manager import HostTier, PreparedAdapter, SwapMetrics
 
 
 def prepared(key: str, nbytes: int) -> PreparedAdapter:
-    return PreparedAdapter(key, "sha", 1, {}, torch.zeros(nbytes, dtype=torch.uint8))
+    return PreparedAdapter(key, "sha", {}, torch.zeros(1, nbytes, dtype=torch.uint8))  # [1, nbytes]
 
 
 operations = st.lists(

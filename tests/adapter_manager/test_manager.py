@@ -45,10 +45,13 @@ def test_acquire_serves_prepared_weights_and_reports_residency(folders, tiny_spe
         lease = manager.acquire(["a", "b", None])
         assert lease.slot_indices(["b", None, "a"]).tolist() == [lease.slots["b"], -1, lease.slots["a"]]
         prepared = manager.registry.prepared("b")
+        start = lease.slots["b"] * manager.pool.granule
+        assert lease.slot_rows[lease.slots["b"]] == prepared.rows
         for key, stacks in manager.stacks.items():
             weights = prepared.modules.get(key)
-            expected = torch.zeros_like(stacks.bt[0]) if weights is None else weights.bt
-            assert torch.equal(stacks.bt[lease.slots["b"]], expected)
+            rows = stacks.bt[start : start + prepared.rows]
+            expected = torch.zeros_like(rows) if weights is None else weights.bt
+            assert torch.equal(rows, expected)
         residency = manager.residency()
         assert residency["a"].tier == "slot" and residency["a"].pinned and residency["a"].last_used is not None
         assert residency["c"].tier in ("host", "disk") and residency["c"].slot is None
@@ -65,11 +68,11 @@ def test_unregister_while_in_flight_frees_the_slot_at_release(folders, tiny_spec
         manager.register(str(folders["a"]))
         lease = manager.acquire(["a"])
         manager.unregister("a")
-        assert "a" not in manager.residency() and manager.allocator.free_slots() == [1]
+        assert "a" not in manager.residency() and manager.allocator.free_units() == manager.num_units - 1
         with pytest.raises(AdapterNotFoundError):
             manager.acquire(["a"])
         manager.release(lease)
-        assert manager.allocator.free_slots() == [0, 1]
+        assert manager.allocator.free_units() == manager.num_units
 
 
 def test_prefetch_loads_ahead_and_never_evicts_what_is_needed_sooner(folders, tiny_spec):
@@ -88,6 +91,7 @@ def test_prefetch_loads_ahead_and_never_evicts_what_is_needed_sooner(folders, ti
         manager.prefetch(["b", "c", "a"])  # b is needed before c, a only after it: a may go
         manager.prefetcher.wait()
         assert manager.allocator.lru_order() == ["b", "c"]
+        assert manager.metrics().prefetch == {"host_to_slot": 3, "skipped_no_room": 1}  # a, b; c refused, then c
 
 
 def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):
@@ -100,7 +104,7 @@ def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):
         assert "'a'" in manager.prefetcher.errors()["a"]
         with pytest.raises(AdapterError, match="'a'"):  # whatever the registry refuses it with
             manager.acquire(["a"])
-        assert manager.prefetcher.errors() == {} and manager.allocator.free_slots() == [0, 1]
+        assert manager.prefetcher.errors() == {} and manager.allocator.free_units() == manager.num_units
 
 
 def test_prefetcher_cancels_jobs_the_queue_no_longer_holds(tiny_spec):

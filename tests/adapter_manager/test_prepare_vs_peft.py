@@ -7,6 +7,7 @@ import torch
 
 from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig, write_synthetic_adapter
 from adapter_manager.peft_format import CONFIG_NAME, LoraAdapterConfig
+from adapter_manager.row_layout import RowLayout
 
 CASES = {
     "q_v": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -47,19 +48,32 @@ def test_prepared_equals_peft_delta(case, dtype, write_peft_adapter, tiny_spec):
     expected = peft_modules(model)
     assert set(prepared.modules) == set(expected)
     assert result.record.modules.keys() == expected.keys()
+    rank = max(layer.r["default"] for layer in expected.values())
+    layout = RowLayout.of(tiny_spec)
+    assert prepared.rows == rank == result.record.rank  # the block is as tall as the highest module rank
+    assert prepared.storage.shape == (rank, layout.width) and prepared.dtype == dtype
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    untargeted = torch.ones_like(prepared.storage, dtype=torch.bool)  # [r, width]: columns no module owns
     for key, layer in expected.items():
         weights = prepared.modules[key]
         assert weights.rank == layer.r["default"]
         assert result.record.modules[key].scaling == pytest.approx(layer.scaling["default"], rel=1e-12)
-        assert weights.a.shape == (8, tiny_spec.projection_shape(key.proj)[0])
-        assert weights.bt.shape == (8, tiny_spec.projection_shape(key.proj)[1])
+        assert weights.a.shape == (rank, tiny_spec.projection_shape(key.proj)[0])
+        assert weights.bt.shape == (rank, tiny_spec.projection_shape(key.proj)[1])
+        for view, full in (
+            (weights.a, layout.a_view(prepared.storage, key)),
+            (weights.bt, layout.bt_view(prepared.storage, key)),
+        ):
+            assert view.data_ptr() == full.data_ptr() and view.stride() == (layout.width, 1)  # a view of the block
+        layout.a_view(untargeted, key).fill_(False)
+        layout.bt_view(untargeted, key).fill_(False)
         assert weights.a.dtype == dtype and weights.bt.dtype == dtype
         assert not weights.a[weights.rank :].any() and not weights.bt[weights.rank :].any()
         ours = weights.bt.float().T @ weights.a.float()  # [out, in]
         theirs = layer.get_delta_weight("default").float()
         torch.testing.assert_close(ours, theirs, **tol)
-    assert prepared.nbytes == result.record.nbytes == prepared.storage.numel() * dtype.itemsize
+    assert not prepared.storage[untargeted].any()  # modules it does not target are zero
+    assert prepared.nbytes == result.record.nbytes == rank * layout.width * dtype.itemsize
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -1,4 +1,4 @@
-"""The slot pool on CPU: sizing, in-place loads equal to the prepared weights, untargeted modules zeroed, refusals."""
+"""The row pool on CPU: sizing, units, loads that copy a block into exactly its rows, refusals before any write."""
 
 from __future__ import annotations
 
@@ -8,57 +8,86 @@ import torch
 from adapter_manager import AdapterRegistry, BaseModelSpec, ModuleKey, RegistryConfig, write_synthetic_adapter
 from adapter_manager.errors import SlotLoadError
 from adapter_manager.prepare import ModuleWeights, PreparedAdapter
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, bytes_needed, slots_for_budget
+from adapter_manager.row_layout import RowLayout
+from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, bytes_needed, units_for
+
+SENTINEL = 7.5
 
 
 def make_prepared(
     spec: BaseModelSpec,
     adapter_id: str,
-    max_rank: int,
+    rank: int,
     value: float,
     modules: list[ModuleKey] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> PreparedAdapter:
-    """An in-memory prepared adapter whose A rows are `value` and Bt rows `-value` (cheap to build and to check)."""
+    """An in-memory prepared adapter of rank `rank`: row i of every targeted A is `value + i/16`, of every Bt its
+    negation; untargeted modules are zero (cheap to build, and a row or module mix-up shows)."""
+    layout = RowLayout.of(spec)
     modules = spec.module_keys() if modules is None else modules
-    sizes = [max_rank * sum(spec.projection_shape(m.proj)) for m in modules]
-    storage = torch.empty(sum(sizes), dtype=dtype)
-    weights, offset = {}, 0
-    for module, size in zip(modules, sizes, strict=True):
-        fan_in, fan_out = spec.projection_shape(module.proj)
-        a = storage[offset : offset + max_rank * fan_in].view(max_rank, fan_in).fill_(value)
-        bt = storage[offset + max_rank * fan_in : offset + size].view(max_rank, fan_out).fill_(-value)
-        weights[module] = ModuleWeights(a=a, bt=bt, rank=max_rank)
-        offset += size
-    return PreparedAdapter(adapter_id, f"sha-{adapter_id}", max_rank, weights, storage)
+    storage = torch.zeros(rank, layout.width, dtype=dtype)  # [r, width]
+    rows = (value + torch.arange(rank, dtype=torch.float64) / 16).to(dtype)[:, None]  # [r, 1]
+    weights = {}
+    for module in modules:
+        a, bt = layout.a_view(storage, module), layout.bt_view(storage, module)
+        a.copy_(rows.expand_as(a))
+        bt.copy_(-rows.expand_as(bt))
+        weights[module] = ModuleWeights(a=a, bt=bt, rank=rank)
+    return PreparedAdapter(adapter_id, f"sha-{adapter_id}", weights, storage)
 
 
-def test_bytes_needed_matches_the_allocated_stacks(tiny_spec):
+def sentinel_pool(spec: BaseModelSpec, **config) -> SlotPool:
+    """A pool whose rows (all but the zero row) hold SENTINEL, so a write outside a block's rows shows."""
+    pool = SlotPool(spec, SlotPoolConfig(**config))
+    pool.rows[: pool.zero_row].fill_(SENTINEL)
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("rank", "granule", "units"),
+    [(1, 8, 1), (8, 8, 1), (9, 8, 2), (16, 8, 2), (17, 8, 4), (32, 8, 4), (33, 8, 8), (1, 2, 1), (3, 2, 2), (5, 2, 4)],
+)
+def test_units_for_rounds_up_to_a_power_of_two(rank, granule, units):
+    assert units_for(rank, granule) == units
+
+
+def test_pool_size_granule_and_rows(tiny_spec):
     pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=3, max_rank=4, dtype=torch.bfloat16))
-    allocated = sum(s.a.nbytes + s.bt.nbytes for s in pool.stacks.values())
-    assert pool.nbytes == allocated == bytes_needed(tiny_spec, 3, 4, torch.bfloat16)
-    assert pool.slot_nbytes * 3 == allocated
-    assert len(pool.stacks) == tiny_spec.num_layers * 7
+    assert (pool.granule, pool.max_units, pool.num_units, pool.num_slots) == (4, 1, 3, 3)
+    assert pool.num_rows == 13 and pool.zero_row == 12 and pool.rows.shape == (13, RowLayout.of(tiny_spec).width)
+    assert pool.nbytes == bytes_needed(tiny_spec, 13, torch.bfloat16) and not pool.rows.any()
+    assert pool.slot_nbytes == bytes_needed(tiny_spec, 4, torch.bfloat16)
     stacks = pool.stacks[ModuleKey(0, "k_proj")]
-    assert stacks.a.shape == (3, 4, 32) and stacks.bt.shape == (3, 4, 16)
-    assert stacks.a.dtype == torch.bfloat16 and not stacks.a.any()
+    assert stacks.a.shape == (13, 32) and stacks.bt.shape == (13, 16) and stacks.a.dtype == torch.bfloat16
+    assert stacks.a.untyped_storage().data_ptr() == pool.rows.untyped_storage().data_ptr()  # views, no copies
+    assert len(pool.stacks) == tiny_spec.num_layers * 7
+    wide = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=64))
+    assert (wide.granule, wide.max_units, wide.num_units, wide.num_slots, wide.num_rows) == (8, 8, 16, 16, 129)
+    assert [wide.units_for(r) for r in (1, 8, 9, 24, 64)] == [1, 1, 2, 4, 8]
 
 
 def test_auto_sizing_from_a_budget(tiny_spec):
-    per_slot = bytes_needed(tiny_spec, 1, 8, torch.float32)
-    assert slots_for_budget(tiny_spec, 5 * per_slot + per_slot // 2, 8, torch.float32) == 5
-    config = SlotPoolConfig(max_slots="auto", max_rank=8, memory_budget_bytes=3 * per_slot)
-    assert SlotPool(tiny_spec, config).num_slots == 3
-    with pytest.raises(ValueError, match="smaller than one slot"):
-        SlotPool(tiny_spec, SlotPoolConfig(max_slots="auto", max_rank=8, memory_budget_bytes=per_slot - 1))
+    block = bytes_needed(tiny_spec, 16, torch.float32)  # one adapter at max_rank 16 (granule 8, 2 units)
+    pool = SlotPool(
+        tiny_spec, SlotPoolConfig(max_slots="auto", max_rank=16, memory_budget_bytes=5 * block + block // 2)
+    )
+    assert pool.max_units == 2 and pool.num_units == 10 and pool.nbytes <= 5 * block + block // 2
+    config = SlotPoolConfig(max_slots="auto", max_rank=16, granule=4, memory_budget_bytes=3 * block + block // 2)
+    assert config.max_units == 4 and config.resolve_units(tiny_spec) == 12
+    with pytest.raises(ValueError, match="smaller than one adapter at max_rank 16 in torch.float32"):
+        SlotPool(tiny_spec, SlotPoolConfig(max_slots="auto", max_rank=16, memory_budget_bytes=block - 1))
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"max_slots": 0}, "max_slots must be a positive int or 'auto', got 0"),
+        ({"max_slots": True}, "max_slots must be a positive int or 'auto', got True"),
         ({"max_slots": "auto"}, "needs a positive memory_budget_bytes, got None"),
         ({"max_rank": -2}, "max_rank must be a positive int, got -2"),
+        ({"max_rank": 8, "granule": 0}, r"granule must be an int in 1..max_rank \(8\), got 0"),
+        ({"max_rank": 8, "granule": 16}, r"granule must be an int in 1..max_rank \(8\), got 16"),
         ({"dtype": torch.int32}, "floating point dtype, got torch.int32"),
         ({"device": "meta"}, "device must be cpu, cuda or xla, got meta"),
     ],
@@ -68,49 +97,60 @@ def test_config_validation_shows_the_offending_value(kwargs, message):
         SlotPoolConfig(**kwargs)
 
 
-def test_load_copies_prepared_weights_and_zeroes_untargeted_modules(tmp_path, tiny_spec):
+@pytest.mark.parametrize(("slot", "rank"), [(0, 1), (2, 3), (4, 8), (6, 4), (7, 2), (7, 1)])
+def test_load_copies_the_block_into_exactly_its_rows(tiny_spec, slot, rank):
+    pool = sentinel_pool(tiny_spec, max_slots=2, max_rank=8, granule=2)  # 8 units of 2 rows, 17 rows
+    before = pool.rows.clone()
+    prepared = make_prepared(tiny_spec, "a", rank, 3.0, tiny_spec.module_keys()[::3])
+    pool.load(slot, prepared)
+    start = slot * pool.granule
+    assert torch.equal(pool.rows[start : start + rank], prepared.storage)
+    outside = torch.ones(pool.num_rows, dtype=torch.bool)
+    outside[start : start + rank] = False
+    assert torch.equal(pool.rows[outside], before[outside])  # every other row untouched, the zero row zero
+    assert not pool.rows[pool.zero_row].any()
+
+
+def test_load_overwrites_in_place_and_module_views_equal_the_prepared_weights(tmp_path, tiny_spec):
     registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
-    full = write_synthetic_adapter(tmp_path / "full", tiny_spec, r=8, seed=1)
-    partial = write_synthetic_adapter(tmp_path / "partial", tiny_spec, r=4, target_modules=["q_proj", "down_proj"])
-    registry.register(str(full))
-    registry.register(str(partial))
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8))
-    pool.load(1, registry.prepared("full"))
-    pool.load(1, registry.prepared("partial"))  # overwrites in place: modules "full" targeted must become zero
-    prepared = registry.prepared("partial")
+    registry.register(str(write_synthetic_adapter(tmp_path / "full", tiny_spec, r=8, seed=1)))
+    registry.register(
+        str(write_synthetic_adapter(tmp_path / "partial", tiny_spec, r=4, target_modules=["q_proj", "down_proj"]))
+    )
+    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8, granule=4))
     identities = {key: (s.a.data_ptr(), s.bt.data_ptr()) for key, s in pool.stacks.items()}
+    pool.load(2, registry.prepared("full"))
+    pool.load(2, registry.prepared("partial"))  # rows 8-11: the modules "full" targeted must become zero
+    partial, full = registry.prepared("partial"), registry.prepared("full")
+    assert partial.rows == 4 and full.rows == 8
     for key, stacks in pool.stacks.items():
-        weights = prepared.modules.get(key)
+        weights = partial.modules.get(key)
         if weights is None:
             assert key.proj not in ("q_proj", "down_proj")
-            assert not stacks.a[1].any() and not stacks.bt[1].any()
+            assert not stacks.a[8:12].any() and not stacks.bt[8:12].any()
         else:
-            assert torch.equal(stacks.a[1], weights.a) and torch.equal(stacks.bt[1], weights.bt)
-            assert not stacks.a[1, 4:].any()  # rows past the true rank stay zero
-        assert not stacks.a[0].any() and not stacks.bt[0].any()  # the other slot is untouched
+            assert torch.equal(stacks.a[8:12], weights.a) and torch.equal(stacks.bt[8:12], weights.bt)
+        assert torch.equal(stacks.a[12:16], full.modules[key].a[4:8])  # rows past the new rank: not rewritten
+        assert not stacks.a[:8].any() and not stacks.a[16:].any()
     assert identities == {key: (s.a.data_ptr(), s.bt.data_ptr()) for key, s in pool.stacks.items()}
 
 
-def test_load_refuses_a_mismatched_adapter_naming_it(tiny_spec):
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=4))
-    with pytest.raises(SlotLoadError, match="'wide'.*rank 8 in torch.float32, the pool holds rank 4"):
-        pool.load(0, make_prepared(tiny_spec, "wide", 8, 1.0))
-    with pytest.raises(SlotLoadError, match="'half'.*torch.float16"):
-        pool.load(0, make_prepared(tiny_spec, "half", 4, 1.0, dtype=torch.float16))
-    with pytest.raises(SlotLoadError, match="slot 2 is outside 0..1"):
-        pool.load(2, make_prepared(tiny_spec, "ok", 4, 1.0))
-    with pytest.raises(SlotLoadError, match="not in the base model"):
-        pool.load(0, make_prepared(tiny_spec, "ghost", 4, 1.0, modules=[ModuleKey(99, "q_proj")]))
-
-
-def test_a_bad_module_is_refused_before_anything_is_written(tiny_spec):
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=1, max_rank=4))
-    prepared = make_prepared(tiny_spec, "broken", 4, 2.0)
-    last = tiny_spec.module_keys()[-1]
-    good = prepared.modules[last]
-    bad = dict(prepared.modules)
-    bad[last] = ModuleWeights(a=good.a[:, :-1], bt=good.bt, rank=4)
-    broken = PreparedAdapter("broken", "x", 4, bad, prepared.storage)
-    with pytest.raises(SlotLoadError, match=r"'broken'.*layers\.2\.mlp\.down_proj a has shape \[4, 47\]"):
-        pool.load(0, broken)
-    assert not any(s.a.any() or s.bt.any() for s in pool.stacks.values())
+def test_every_refusal_names_the_adapter_and_writes_nothing(tiny_spec):
+    pool = sentinel_pool(tiny_spec, max_slots=2, max_rank=4, granule=2)  # 4 units of 2 rows, 9 rows
+    before = pool.rows.clone()
+    ok = make_prepared(tiny_spec, "ok", 4, 1.0)
+    too_narrow = PreparedAdapter("narrow", "x", {}, ok.storage[:, 1:])
+    cases = [
+        (make_prepared(tiny_spec, "wide", 8, 1.0), 0, "'wide'.*rank 8 is outside 1..max_rank 4"),
+        (PreparedAdapter("empty", "x", {}, ok.storage[:0]), 0, "'empty'.*rank 0 is outside 1..max_rank 4"),
+        (make_prepared(tiny_spec, "half", 4, 1.0, dtype=torch.float16), 0, r"'half'.*\[4, \d+\] torch.float16"),
+        (too_narrow, 0, rf"'narrow'.*block is \[4, {pool.layout.width - 1}\].*rows of {pool.layout.width}"),
+        (ok, 4, "'ok'.*slot 4 is outside 0..3"),
+        (ok, -1, "'ok'.*slot -1 is outside 0..3"),
+        (ok, 3, "'ok'.*rank 4 at slot 3 needs units up to 5, the pool has 4"),  # would run into the zero row
+        (make_prepared(tiny_spec, "three", 3, 1.0), 3, "'three'.*rank 3 at slot 3 needs units up to 5"),
+    ]
+    for prepared, slot, message in cases:
+        with pytest.raises(SlotLoadError, match=message):
+            pool.load(slot, prepared)
+        assert torch.equal(pool.rows, before), prepared.adapter_id

@@ -1,7 +1,7 @@
-"""The slot pool on the torch_xla CPU device: loads equal the prepared weights, and swapping never compiles (XLA lane).
+"""The row pool on the torch_xla CPU device: rows equal the blocks loaded, and loading never compiles (XLA lane).
 
-A slot load is one graph whatever the slot and the adapter (device index tensor, fixed flat layout); the pool
-compiles it once when made, so no load after that compiles anything.
+A load is one graph per block size class (1, 2, 4, ... units), whatever the slot and the adapter (device index
+tensor, the block padded to its class); the pool compiles every class once when made, so no load after that compiles.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ torch_xla = pytest.importorskip("torch_xla")
 
 import torch_xla.debug.metrics as metrics  # noqa: E402
 
-from adapter_manager import BaseModelSpec, ModuleKey  # noqa: E402
+from adapter_manager import BaseModelSpec  # noqa: E402
 from adapter_manager.errors import SlotLoadError  # noqa: E402
 from adapter_manager.prepare import PreparedAdapter  # noqa: E402
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
+from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, units_for  # noqa: E402
 from tests.adapter_manager.test_slot_pool import make_prepared  # noqa: E402
 
-NUM_SLOTS, RANK = 4, 8
+MAX_SLOTS, MAX_RANK, GRANULE = 2, 8, 2  # 8 units of 2 rows; ranks 1-2, 3-4, 5-8 take 1, 2, 4 units
 
 
 def compile_count() -> int:
@@ -28,47 +28,61 @@ def compile_count() -> int:
     return 0 if data is None else data[0]
 
 
-def random_prepared(spec: BaseModelSpec, adapter_id: str, seed: int, modules: list[ModuleKey]) -> PreparedAdapter:
-    """A prepared adapter over `modules` with random values in every A and Bt (catches any layout mix-up)."""
-    prepared = make_prepared(spec, adapter_id, RANK, 0.0, modules)
+def random_prepared(spec: BaseModelSpec, adapter_id: str, rank: int, seed: int) -> PreparedAdapter:
+    """A prepared adapter of rank `rank` with random values in every row (catches any row or column mix-up)."""
+    prepared = make_prepared(spec, adapter_id, rank, 0.0, spec.module_keys()[::2])
     prepared.storage.copy_(torch.randn(prepared.storage.shape, generator=torch.Generator().manual_seed(seed)))
     return prepared
 
 
-def assert_slot_holds(pool: SlotPool, slot: int, prepared: PreparedAdapter) -> None:
-    for key, stacks in pool.stacks.items():
-        a, bt = stacks.a.cpu()[slot], stacks.bt.cpu()[slot]
-        weights = prepared.modules.get(key)
-        if weights is None:
-            assert not a.any() and not bt.any(), (prepared.adapter_id, key)
-        else:
-            assert torch.equal(a, weights.a) and torch.equal(bt, weights.bt), (prepared.adapter_id, key)
+def make_pool(spec: BaseModelSpec) -> SlotPool:
+    config = SlotPoolConfig(max_slots=MAX_SLOTS, max_rank=MAX_RANK, granule=GRANULE, device=torch_xla.device())
+    return SlotPool(spec, config)
 
 
-def test_swaps_compile_nothing_and_slots_equal_the_prepared_weights(tiny_spec):
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=NUM_SLOTS, max_rank=RANK, device=torch_xla.device()))
+def test_loads_of_every_block_size_compile_nothing_and_rows_equal_the_blocks(tiny_spec):
+    pool = make_pool(tiny_spec)
     made = compile_count()
-    keys = tiny_spec.module_keys()
+    expected = torch.zeros(pool.num_rows, pool.layout.width)  # [N, width]: what the pool's rows must hold
+    known = torch.ones(pool.num_rows, dtype=torch.bool)  # rows whose content the pool promises
     gen = torch.Generator().manual_seed(0)
-    resident: dict[int, PreparedAdapter] = {}
-    for i in range(3 * NUM_SLOTS):  # every slot once, then different adapters into different slots
-        slot = i if i < NUM_SLOTS else int(torch.randint(0, NUM_SLOTS, (1,), generator=gen))
-        subset = [k for k in keys if torch.rand((), generator=gen) < 0.5] or keys[:1]
-        resident[slot] = random_prepared(tiny_spec, f"adapter-{i}", seed=i, modules=subset)
-        pool.load(slot, resident[slot])
-    for slot, prepared in resident.items():
-        assert_slot_holds(pool, slot, prepared)
-    assert compile_count() == made, "a slot load compiled: the slot or the adapter is baked into the graph"
+    ranks = list(range(1, MAX_RANK + 1)) + [int(r) for r in torch.randint(1, MAX_RANK + 1, (12,), generator=gen)]
+    last = None
+    for i, rank in enumerate(ranks):  # every rank, so every size class, then random ranks at random aligned slots
+        units = units_for(rank, GRANULE)
+        slot = units * int(torch.randint(0, pool.num_units // units, (1,), generator=gen))
+        prepared = random_prepared(tiny_spec, f"adapter-{i}", rank, seed=i)
+        pool.load(slot, prepared)
+        start = slot * GRANULE
+        known[start : start + units * GRANULE] = False  # rows past the rank: the range's own, not promised
+        known[start : start + rank] = True
+        expected[start : start + rank] = prepared.storage
+        last = (start, prepared)
+    assert compile_count() == made, "a load compiled: the slot, rank or adapter is baked into the graph"
+    rows = pool.rows.cpu()
+    assert torch.equal(rows[known], expected[known]) and not rows[pool.zero_row].any()
+    start, prepared = last
+    for key, stacks in pool.stacks.items():  # the module views read the same rows as the block's views
+        a, bt = stacks.a.cpu()[start : start + prepared.rows], stacks.bt.cpu()[start : start + prepared.rows]
+        assert torch.equal(a, pool.layout.a_view(prepared.storage, key)), key
+        assert torch.equal(bt, pool.layout.bt_view(prepared.storage, key)), key
 
 
 def test_a_refused_load_writes_nothing(tiny_spec):
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=RANK, device=torch_xla.device()))
-    good = random_prepared(tiny_spec, "good", seed=1, modules=tiny_spec.module_keys())
-    pool.load(1, good)
-    bad = make_prepared(tiny_spec, "bad", RANK, 1.0, [ModuleKey(0, "q_proj")])
-    key = ModuleKey(0, "q_proj")
-    weights = bad.modules[key]
-    bad.modules[key] = type(weights)(a=weights.a[:, :-1], bt=weights.bt, rank=weights.rank)  # type: ignore[index]
-    with pytest.raises(SlotLoadError, match="bad"):
-        pool.load(1, bad)
-    assert_slot_holds(pool, 1, good)
+    pool = make_pool(tiny_spec)
+    good = random_prepared(tiny_spec, "good", 4, seed=1)
+    pool.load(2, good)
+    before = pool.rows.cpu()
+    made = compile_count()
+    refused = [
+        (PreparedAdapter("narrow", "x", {}, good.storage[:, 1:]), 2),
+        (make_prepared(tiny_spec, "wide", MAX_RANK + 1, 1.0), 0),
+        (make_prepared(tiny_spec, "half", 4, 1.0, dtype=torch.float16), 2),
+        (good, pool.num_units),
+        (random_prepared(tiny_spec, "past-end", 8, seed=2), pool.num_units - 2),
+    ]
+    for prepared, slot in refused:
+        with pytest.raises(SlotLoadError, match=prepared.adapter_id):
+            pool.load(slot, prepared)
+    assert torch.equal(pool.rows.cpu(), before) and compile_count() == made
+    assert torch.equal(before[4:8], good.storage)

@@ -1,6 +1,8 @@
-"""Shared test inputs: adversarial slot mixes, LoRA stacks and the fp32 reference oracle."""
+"""Shared test inputs: adversarial slot mixes, LoRA row pools with stale rows, and the fp32 reference oracle."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -8,10 +10,12 @@ from kernels import BackendKind, KernelConfig, LoRAKernelMeta, expand, select_ba
 
 MIXES = ("none", "single", "single_with_none", "distinct", "uniform", "zipf", "skewed", "empty_slots")
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+STALE = 100.0
+"""Scale of the garbage in rows no adapter owns (stale rows of old adapters): a kernel that reads one fails."""
 
 
 def slot_mix(name: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
-    """[T] int32 slot indices of one named mix."""
+    """[T] int32 indices of one named mix, each in [-1, num_slots)."""
     if name == "none":
         slots = torch.full((num_tokens,), -1)
     elif name == "single":
@@ -26,7 +30,8 @@ def slot_mix(name: str, num_tokens: int, num_slots: int, gen: torch.Generator) -
         weights = 1.0 / torch.arange(1, num_slots + 2, dtype=torch.float64)
         slots = torch.multinomial(weights, num_tokens, replacement=True, generator=gen) - 1
     elif name == "skewed":
-        slots = torch.where(torch.rand(num_tokens, generator=gen) < 0.9, 0, torch.randint(0, num_slots, (num_tokens,)))
+        others = torch.randint(0, num_slots, (num_tokens,), generator=gen)
+        slots = torch.where(torch.rand(num_tokens, generator=gen) < 0.9, 0, others)
     elif name == "empty_slots":
         slots = torch.randint(-1, (num_slots + 1) // 2, (num_tokens,), generator=gen) * 2
         slots = slots.clamp(min=-1)
@@ -35,10 +40,82 @@ def slot_mix(name: str, num_tokens: int, num_slots: int, gen: torch.Generator) -
     return slots.to(torch.int32)
 
 
+@dataclass
+class RowPool:
+    """One (layer, projection)'s row pools and the adapters placed in them."""
+
+    a_rows: torch.Tensor
+    """Shape: [N, in], a strided view (row stride > in) of a larger buffer."""
+    bt_rows: torch.Tensor
+    """Shape: [N, out], likewise."""
+    slot_rows: dict[int, int]
+    """r_s of every slot holding an adapter."""
+    slot_ids: torch.Tensor
+    """Shape: [n] int64, the slots holding an adapter, ascending: mixes index this (adapter i -> slot_ids[i])."""
+    num_slots: int
+    rank: int
+    granule: int
+
+    def slots(self, mix: str, num_tokens: int, gen: torch.Generator) -> torch.Tensor:
+        """[T] int32 slot indices of a named mix over the pool's adapters."""
+        adapter = slot_mix(mix, num_tokens, self.slot_ids.numel(), gen).long()
+        return torch.where(adapter >= 0, self.slot_ids[adapter.clamp(min=0)], -1).to(torch.int32)
+
+    def to(self, dtype: torch.dtype) -> RowPool:
+        a, bt = (_strided(t.to(dtype)) for t in (self.a_rows, self.bt_rows))
+        return RowPool(a, bt, self.slot_rows, self.slot_ids, self.num_slots, self.rank, self.granule)
+
+    def meta(self, backend, max_tokens: int, device="cpu", **kwargs) -> LoRAKernelMeta:
+        return LoRAKernelMeta.make(
+            backend, self.num_slots, self.rank, max_tokens, device, granule=self.granule, **kwargs
+        )
+
+
+def _strided(rows: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """A copy of ``rows`` as a view with row stride ``features + pad`` (inner stride 1), padding filled with NaN."""
+    buffer = torch.full((rows.shape[0], rows.shape[1] + pad), float("nan"), dtype=rows.dtype)
+    buffer[:, : rows.shape[1]] = rows
+    return buffer[:, : rows.shape[1]]
+
+
+def make_rows(
+    num_slots: int,
+    rank: int,
+    granule: int,
+    in_features: int,
+    out_features: int,
+    gen: torch.Generator,
+    *,
+    max_adapters: int | None = None,
+    full_rank: bool = False,
+) -> RowPool:
+    """Row pools of ``num_slots``·``granule`` + 1 rows: adapters of mixed ranks 1..R (R with ``full_rank``) placed at
+    non-overlapping slots (an adapter of rank r > G spans ⌈r/G⌉ granules), garbage in every row no adapter owns, the
+    last row zero. At most ``max_adapters`` adapters."""
+    num_rows = num_slots * granule + 1
+    a = torch.randn(num_rows, in_features, generator=gen) * STALE
+    bt = torch.randn(num_rows, out_features, generator=gen) * STALE
+    slot_rows: dict[int, int] = {}
+    slot = 0
+    while slot < num_slots and (max_adapters is None or len(slot_rows) < max_adapters):
+        r = rank if full_rank else int(torch.randint(1, rank + 1, (1,), generator=gen))
+        if slot * granule + r > num_slots * granule:
+            r = num_slots * granule - slot * granule
+        rows = slice(slot * granule, slot * granule + r)
+        a[rows] = torch.randn(r, in_features, generator=gen) / in_features**0.5
+        bt[rows] = torch.randn(r, out_features, generator=gen) / rank**0.5
+        slot_rows[slot] = min(r, rank)
+        slot += -(-r // granule)
+    a[-1], bt[-1] = 0, 0
+    slot_ids = torch.tensor(sorted(slot_rows), dtype=torch.int64)
+    return RowPool(_strided(a), _strided(bt), slot_rows, slot_ids, num_slots, rank, granule)
+
+
 def make_stacks(
     num_slots: int, rank: int, in_features: int, out_features: int, gen: torch.Generator, used_rank: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [S, R, in] and Bt [S, R, out]; ranks beyond ``used_rank`` are zero (padded adapters)."""
+    """Dense A [S, R, in] and Bt [S, R, out] (the Pallas kernels' operands: a compact table); ranks beyond
+    ``used_rank`` are zero, as the zero row pads them in a gathered table."""
     a = torch.randn(num_slots, rank, in_features, generator=gen) / in_features**0.5
     bt = torch.randn(num_slots, rank, out_features, generator=gen) / rank**0.5
     if used_rank is not None:
@@ -47,17 +124,27 @@ def make_stacks(
     return a, bt
 
 
+def dense_pool(a_stack: torch.Tensor, bt_stack: torch.Tensor) -> RowPool:
+    """Stacks [S, R, F] as row pools with G = R (the old dense layout) and every slot at full rank."""
+    num_slots, rank = a_stack.shape[:2]
+    zero = lambda t: t.new_zeros(1, t.shape[2])
+    a = torch.cat([a_stack.reshape(-1, a_stack.shape[2]), zero(a_stack)])
+    bt = torch.cat([bt_stack.reshape(-1, bt_stack.shape[2]), zero(bt_stack)])
+    slot_rows = dict.fromkeys(range(num_slots), rank)
+    return RowPool(a, bt, slot_rows, torch.arange(num_slots), num_slots, rank, rank)
+
+
 def reference_forward(
-    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tensor
+    x: torch.Tensor, y: torch.Tensor, pool: RowPool, slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [T, R], y_new [T, out]) from the fp32 loop reference on fp32 copies of the inputs."""
     backend = select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE))
-    meta = LoRAKernelMeta.make(backend, a.shape[0], a.shape[1], max(slots.shape[0], 1), "cpu")
-    meta.prepare(slots)
-    h = shrink(x.float(), a.float(), meta)
-    return h, expand(y.float().clone(), h, bt.float(), meta)
+    meta = pool.meta(backend, max(slots.shape[0], 1))
+    meta.prepare(slots, pool.slot_rows)
+    h = shrink(x.float(), pool.a_rows.float(), meta)
+    return h, expand(y.float().clone(), h, pool.bt_rows.float(), meta)
 
 
-def collapse_laned(h: torch.Tensor, num_slots: int, rank: int) -> torch.Tensor:
-    """[T, S·R] laned h -> [T, R]: each row has at most one slot's lanes nonzero, so the sum is exact."""
-    return h.reshape(h.shape[0], num_slots, rank).sum(1)
+def collapse_laned(h: torch.Tensor, rank: int) -> torch.Tensor:
+    """[T, A·R] laned h -> [T, R]: each row has at most one compact slot's lanes nonzero, so the sum is exact."""
+    return h.reshape(h.shape[0], -1, rank).sum(1)

@@ -1,8 +1,11 @@
-"""Helpers that drive `runtime.Llama` the way an engine would: ragged prefill, then decode steps, mixed adapters."""
+"""Helpers that drive `runtime.Llama` the way an engine would: ragged prefill, then decode steps, mixed adapters.
+
+``meta`` goes with ``slot_rows`` (each slot's rank, as a lease gives it); both None run the base model.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -17,12 +20,13 @@ def step(
     meta: LoRAKernelMeta | None = None,
     logits: str = "last",
     static: bool = False,
+    slot_rows: Mapping[int, int] | None = None,
 ) -> torch.Tensor:
     """One forward over the chunks; prepares ``meta`` from the chunks' slots first."""
     batch = ForwardBatch.from_chunks(chunks, device=model.device, logits=logits, static=static)  # type: ignore[arg-type]
     if meta is not None:
         assert batch.slot_indices is not None
-        meta.prepare(batch.slot_indices)
+        meta.prepare(batch.slot_indices, slot_rows or {})
     with torch.no_grad():
         return model(batch, meta)
 
@@ -33,11 +37,12 @@ def prefill_logits(
     slots: Sequence[int] | None = None,
     meta: LoRAKernelMeta | None = None,
     static: bool = False,
+    slot_rows: Mapping[int, int] | None = None,
 ) -> list[torch.Tensor]:
     """Every prompt prefilled in one step (row i = cache row i); returns each prompt's [len, vocab] logits."""
     slots = slots or [-1] * len(prompts)
     chunks = [SequenceChunk(row, 0, tuple(p), slot) for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))]
-    out = step(model, chunks, meta, logits="all", static=static)
+    out = step(model, chunks, meta, logits="all", static=static, slot_rows=slot_rows)
     return list(out.split([len(p) for p in prompts]))
 
 
@@ -48,6 +53,7 @@ def greedy(
     slots: Sequence[int] | None = None,
     meta: LoRAKernelMeta | None = None,
     static: bool = False,
+    slot_rows: Mapping[int, int] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decoding of every prompt together: one prefill step, then one decode step per new token.
 
@@ -55,7 +61,7 @@ def greedy(
     """
     slots = slots or [-1] * len(prompts)
     chunks = [SequenceChunk(row, 0, tuple(p), slot) for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))]
-    logits = step(model, chunks, meta, static=static)  # [rows, vocab]
+    logits = step(model, chunks, meta, static=static, slot_rows=slot_rows)  # [rows, vocab]
     generated: list[list[int]] = [[] for _ in prompts]
     step_logits = [logits]
     for i in range(new_tokens):
@@ -68,6 +74,6 @@ def greedy(
             SequenceChunk(row, len(p) + i, (next_ids[row],), slot)
             for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))
         ]
-        logits = step(model, chunks, meta, static=static)
+        logits = step(model, chunks, meta, static=static, slot_rows=slot_rows)
         step_logits.append(logits)
     return generated, step_logits

@@ -1,6 +1,7 @@
-"""The CUDA path (pinned host tier, async slot copies, every torch form on the GPU) against the same oracles as CPU.
+"""The engine's CUDA path (pinned host tier, one async copy per slot load) against the same oracle as on CPU.
 
-Skipped where no CUDA device is present (CI); run on a GPU machine with ``pytest tests/runtime/test_cuda.py``.
+Skipped where no CUDA device is present (CI); run on a GPU machine with ``pytest tests/runtime/test_cuda.py``
+(the kernels' CUDA tests are in tests/kernels/test_cuda.py).
 """
 
 from __future__ import annotations
@@ -9,36 +10,13 @@ import pytest
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from kernels import KernelConfig, LoRAForm, LoRAKernelMeta, expand, select_backend, shrink
 from runtime.engine import Engine, EngineConfig, SamplingParams, SchedulerConfig
 from runtime.model import load_model
 from tests.conftest import TINY_NAME
-from tests.kernels._cases import MIXES, TOLERANCE, make_stacks, reference_forward, slot_mix
 from tests.runtime._oracle import ADAPTERS, ROWS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.mark.parametrize("form", [LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED])
-@pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernels_on_cuda_match_the_reference(form, mix, dtype):
-    gen = torch.Generator().manual_seed(1)
-    a, bt = make_stacks(6, 8, 48, 80, gen)
-    x, y = torch.randn(37, 48, generator=gen), torch.randn(37, 80, generator=gen)
-    slots = slot_mix(mix, 37, 6, gen)
-    x, y, a, bt = (t.to(dtype) for t in (x, y, a, bt))
-    h_ref, y_ref = reference_forward(x, y, a, bt, slots)
-    backend = select_backend("cuda", KernelConfig(torch_form=form))
-    meta = LoRAKernelMeta.make(backend, 6, 8, 64, "cuda")
-    meta.prepare(slots)  # host indices: the step's one sync is free
-    h = shrink(x.cuda(), a.cuda(), meta)
-    y_new = expand(y.cuda(), h, bt.cuda(), meta).cpu()
-    torch.testing.assert_close(h.cpu().float(), h_ref, **TOLERANCE[dtype])
-    torch.testing.assert_close(y_new.float(), y_ref, **TOLERANCE[dtype])
-    none = slots < 0
-    assert torch.equal(y_new[none], y[none]), "slot -1 rows of y must be unchanged bit for bit"
 
 
 def test_engine_on_cuda_matches_peft(written, expected):

@@ -62,15 +62,17 @@ def test_mixed_batch_logits_equal_peft_per_row_on_xla(written):
     for slot, name in enumerate(SLOTTED):
         pool.load(slot, registry.prepared(name))
     model.attach_lora(pool.stacks)
-    meta = LoRAKernelMeta.make(select_backend(device), pool.num_slots, MAX_RANK, 64, device)
+    meta = LoRAKernelMeta.make(select_backend(device), pool.num_slots, MAX_RANK, 64, device, granule=pool.granule)
+    rows = {slot: registry.prepared(name).rows for slot, name in enumerate(SLOTTED)}
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     layouts = [SLOTTED, tuple("spare" if name == "patterns" else name for name in SLOTTED)]
     for layout in layouts:
         if layout != SLOTTED:
             pool.load(SLOTTED.index("patterns"), registry.prepared("spare"))
-        rows = [name if name in layout or name is None else "spare" for name in adapters]
-        ours = prefill_logits(model, prompts, slots_of(rows, layout), meta, static=True)
-        for logits, prompt, name in zip(ours, prompts, rows, strict=True):
+            rows[SLOTTED.index("patterns")] = registry.prepared("spare").rows
+        names = [name if name in layout or name is None else "spare" for name in adapters]
+        ours = prefill_logits(model, prompts, slots_of(names, layout), meta, static=True, slot_rows=rows)
+        for logits, prompt, name in zip(ours, prompts, names, strict=True):
             diff = max_diff(logits.cpu(), oracle_logits(written, name, prompt))
             assert diff <= FP32_TOL, (name, diff)
 
@@ -94,8 +96,9 @@ def test_padding_goes_to_the_spare_row():
 
 
 def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected):
-    """Warm-up over every bucket with every slot filled, then 200 steps with arrivals, departures, swaps (5
-    adapters through 2 slots) and changing mixes: no compile, and every greedy generation equals HF `generate`."""
+    """Warm-up over every (token bucket, active width) with every slot filled, then 200 steps with arrivals,
+    departures, swaps (5 adapters through 2 slots) and changing mixes: no compile, and every greedy generation equals
+    HF `generate`."""
     device = torch_xla.device()
     model = load_model(written[None][0], dtype=torch.float32, device=device)
     spec = model.config.to_spec(TINY_NAME)
@@ -103,12 +106,12 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
     for name in ADAPTERS:
         manager.register(str(written[name][0]), adapter_id=name)
     config = EngineConfig(
-        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS
+        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS, eos_ids=()
     )
     engine = Engine(model, manager, config)
     try:
         manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
-        assert engine.warm_up() == len(BUCKETS)
+        assert engine.warm_up() == 2 * len(BUCKETS)  # active tables of width 1 and 2 (two units, rank <= granule)
         warmed = compile_count()
         loads_before = manager.metrics().moves["host_to_slot"].count
         combos = sorted(expected, key=str)

@@ -1,7 +1,7 @@
 """Oracle (adapters): each row of a mixed batch equals `PeftModel` with that row's adapter alone.
 
 Adapters are written by real `peft`, registered through `AdapterRegistry` from their folders and loaded into slots
-with `SlotPool.load`; the model reads the pool's stacks by reference.
+with `SlotPool.load`; the model reads the pool's rows by reference.
 
 bf16 tolerance: a bf16 model + bf16 slot stacks is compared with the fp32 `PeftModel` logits; every logit lies within
 ``BF16_ATOL + BF16_RTOL · max|logit|`` of the fp32 reference (bf16 has an 8-bit mantissa: ~0.4 % per rounding, which
@@ -9,6 +9,8 @@ compounds over the layers; measured max-abs 0.002-0.011 on logits of magnitude <
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,7 +39,7 @@ from tests.runtime._steps import greedy, prefill_logits
 
 
 def serving_setup(written, dtype: torch.dtype, backend: BackendKind = BackendKind.AUTO):
-    """Model + registry + pool (slots 0..3 = SLOTTED) + meta, all in ``dtype``."""
+    """Model + registry + pool (slots 0..3 = SLOTTED) + meta + each slot's rank, all in ``dtype``."""
     model = load_model(written[None][0], dtype=dtype)
     model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
     spec = model.config.to_spec(TINY_NAME)
@@ -49,9 +51,10 @@ def serving_setup(written, dtype: torch.dtype, backend: BackendKind = BackendKin
         pool.load(slot, registry.prepared(name))
     model.attach_lora(pool.stacks)
     meta = LoRAKernelMeta.make(
-        select_backend("cpu", KernelConfig(backend=backend)), pool.num_slots, MAX_RANK, 256, "cpu"
+        select_backend("cpu", KernelConfig(backend=backend)), pool.num_slots, MAX_RANK, 256, "cpu", granule=pool.granule
     )
-    return model, registry, pool, meta
+    rows = {slot: registry.prepared(name).rows for slot, name in enumerate(SLOTTED)}
+    return model, registry, pool, meta, rows
 
 
 @pytest.mark.parametrize(
@@ -60,17 +63,17 @@ def serving_setup(written, dtype: torch.dtype, backend: BackendKind = BackendKin
     ids=["torch", "reference", "torch-static-attention"],
 )
 def test_mixed_batch_logits_equal_peft_per_row(written, backend: BackendKind, static: bool) -> None:
-    model, _, _, meta = serving_setup(written, torch.float32, backend)
+    model, _, _, meta, rows = serving_setup(written, torch.float32, backend)
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
-    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, static=static)
+    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, static=static, slot_rows=rows)
     for logits, prompt, name in zip(ours, prompts, adapters, strict=True):
         assert max_diff(logits, oracle_logits(written, name, prompt)) <= FP32_TOL, name
 
 
 def test_greedy_generations_equal_hf_generate(written) -> None:
-    model, _, _, meta = serving_setup(written, torch.float32)
+    model, _, _, meta, rows = serving_setup(written, torch.float32)
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
-    generated, _ = greedy(model, prompts, NEW_TOKENS, slots_of(adapters, SLOTTED), meta)
+    generated, _ = greedy(model, prompts, NEW_TOKENS, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     for ids, prompt, name in zip(generated, prompts, adapters, strict=True):
         hf = written[name][1]
         hf.generation_config.eos_token_id = None
@@ -83,24 +86,25 @@ def test_greedy_generations_equal_hf_generate(written) -> None:
 
 def test_swapping_a_slot_between_steps(written) -> None:
     """More adapters than slots: loading another adapter into a slot changes exactly that slot's rows."""
-    model, registry, pool, meta = serving_setup(written, torch.float32)
+    model, registry, pool, meta, rows = serving_setup(written, torch.float32)
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
-    prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta)
+    prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     pool.load(SLOTTED.index("patterns"), registry.prepared("spare"))
+    rows[SLOTTED.index("patterns")] = registry.prepared("spare").rows
     layout = tuple("spare" if name == "patterns" else name for name in SLOTTED)
     swapped = ["spare" if name == "patterns" else name for name in adapters]
-    ours = prefill_logits(model, prompts, slots_of(swapped, layout), meta)
+    ours = prefill_logits(model, prompts, slots_of(swapped, layout), meta, slot_rows=rows)
     for logits, prompt, name in zip(ours, prompts, swapped, strict=True):
         assert max_diff(logits, oracle_logits(written, name, prompt)) <= FP32_TOL, name
 
 
 def test_lora_disabled_is_exactly_the_base_model(written) -> None:
-    model, _, _, meta = serving_setup(written, torch.float32)
+    model, _, _, meta, rows = serving_setup(written, torch.float32)
     prompts = [p for p, _ in ROWS]
-    with_stacks_no_adapter = prefill_logits(model, prompts, None, meta)
+    with_stacks_no_adapter = prefill_logits(model, prompts, None, meta, slot_rows=rows)
     no_meta = prefill_logits(model, prompts)
     model.detach_lora()
-    detached = prefill_logits(model, prompts, slots_of([a for _, a in ROWS], SLOTTED), meta)
+    detached = prefill_logits(model, prompts, slots_of([a for _, a in ROWS], SLOTTED), meta, slot_rows=rows)
     base = load_model(written[None][0])
     base.setup_caches(max_batch=len(ROWS), max_seq_len=32)
     plain = prefill_logits(base, prompts)
@@ -112,10 +116,10 @@ def test_lora_disabled_is_exactly_the_base_model(written) -> None:
 
 
 def test_bf16_within_documented_tolerance(written) -> None:
-    model, _, _, meta = serving_setup(written, torch.bfloat16)
+    model, _, _, meta, rows = serving_setup(written, torch.bfloat16)
     assert isinstance(model, Llama) and model.dtype == torch.bfloat16
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
-    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta)
+    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     for logits, prompt, name in zip(ours, prompts, adapters, strict=True):
         reference = oracle_logits(written, name, prompt)
         bound = BF16_ATOL + BF16_RTOL * reference.abs().max().item()
@@ -124,13 +128,13 @@ def test_bf16_within_documented_tolerance(written) -> None:
 
 
 def test_attach_checks_the_stacks(written) -> None:
-    model, _, pool, _ = serving_setup(written, torch.float32)
+    model, _, pool, _, _ = serving_setup(written, torch.float32)
     stacks = pool.stacks[ModuleKey(0, "k_proj")]
     wqkv = model.layers[0].attention.wqkv
-    with pytest.raises(ValueError, match=r"bt_stack must have shape \[4, 8, 32\], got \(4, 8, 16\)"):
-        wqkv.attach(0, pool.stacks[ModuleKey(0, "q_proj")].a, stacks.bt)
+    with pytest.raises(ValueError, match=r"bt_rows must have shape \[33, 32\], got \(33, 16\)"):
+        wqkv.attach(0, SimpleNamespace(a=pool.stacks[ModuleKey(0, "q_proj")].a, bt=stacks.bt))
     with pytest.raises(ValueError, match="torch.bfloat16"):
-        wqkv.attach(1, stacks.a.bfloat16(), stacks.bt.bfloat16())
+        wqkv.attach(1, SimpleNamespace(a=stacks.a.bfloat16(), bt=stacks.bt.bfloat16()))
     with pytest.raises(ValueError, match="layer 7"):
         model.attach_lora({ModuleKey(7, "q_proj"): stacks})
     assert wqkv.has_lora

@@ -1,4 +1,4 @@
-"""Batch metadata, validating launchers, the backend seam and the data tables."""
+"""Validating launchers, the backend seam, the per-step form choice and the data tables."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from kernels import (
     BackendKind,
+    DispatchEntry,
     KernelConfig,
     LoRAForm,
     LoRAKernelMeta,
@@ -24,81 +25,34 @@ from kernels.xla_laned import XlaLanedBackend
 from tests.kernels.test_eager_backends import ALWAYS_GROUPED
 
 
-def prepared(slots, backend=None, num_slots=4, rank=2):
+def prepared(slots, backend=None, num_slots=4, rank=2, granule=None):
     backend = backend or TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=0)
-    meta = LoRAKernelMeta.make(backend, num_slots, rank, 16, "cpu")
-    meta.prepare(torch.tensor(slots, dtype=torch.int32))
+    meta = LoRAKernelMeta.make(backend, num_slots, rank, 16, "cpu", granule=granule)
+    meta.prepare(torch.tensor(slots, dtype=torch.int32), dict.fromkeys(range(num_slots), rank))
     return meta
 
 
-def test_worked_example_of_the_docstrings():
-    meta = prepared([2, -1, 0, 2, 2])
-    assert meta.slot_counts == (1, 0, 3, 0)
-    assert (meta.no_adapter, meta.single_slot, meta.all_assigned) == (False, None, False)
-    grouping = meta.grouping
-    assert grouping.capacity == 3
-    assert grouping.active_slots.tolist() == [0, 2]
-    assert grouping.gather_index.view(2, 3).tolist() == [[2, 2, 2], [0, 3, 4]]
-    assert grouping.valid[:, :, 0].tolist() == [[True, False, False], [True, True, True]]
-    assert meta.lane_slot.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-
-
-def test_segments_when_the_batch_is_grouped_by_slot():
-    backend = TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=2)
-    meta = prepared([2, 2, -1, 0, 0, 0, 2], backend=backend)
-    assert meta.segments == ((2, 0, 2), (0, 3, 3), (2, 6, 1)) and meta.grouping is None and not meta.use_laned
-    interleaved = prepared([0, 1, 0, 1, 0, 1], backend=backend)
-    assert interleaved.segments is None and interleaved.grouping is not None
-
-
-def test_fast_path_flags():
-    assert prepared([-1, -1]).no_adapter
-    single = prepared([3, -1, 3])
-    assert single.single_slot == 3 and not single.all_assigned and single.grouping is None
-    assert prepared([1, 1]).all_assigned
-    assert prepared([0, 1, 0, 1]).grouping.padded
-    skewed = prepared([0, 0, 0, 0, 0, 1]).grouping
-    assert not skewed.padded and skewed.segments == ((0, 0, 5), (1, 5, 1))
-
-
-@pytest.mark.parametrize("bad", [[0, 4], [-2, 0]])
-def test_prepare_rejects_out_of_range_slots(bad):
-    with pytest.raises(ValueError, match=r"\[-1, 4\)"):
-        prepared(bad)
-
-
-def test_prepare_rejects_wrong_dtype_and_length():
-    meta = LoRAKernelMeta.make(ReferenceBackend(), 4, 2, 3, "cpu")
-    with pytest.raises(ValueError, match="int32"):
-        meta.prepare(torch.zeros(2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="max_tokens=3"):
-        meta.prepare(torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="num_slots"):
-        LoRAKernelMeta.make(ReferenceBackend(), 0, 2, 3, "cpu")
-
-
-def test_traced_prepare_does_not_inspect_values():
-    meta = prepared([0, -1, 3], backend=XlaLanedBackend())
-    assert meta.slot_counts is None and meta.token_slots.tolist() == [0, -1, 3]
-
-
 def test_launchers_name_argument_and_shape():
-    meta = prepared([0, 1, -1])
-    x, a, bt = torch.randn(3, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 5)
+    meta = prepared([0, 1, -1], granule=3)  # N = 4·3 + 1 = 13
+    x, a, bt = torch.randn(3, 8), torch.randn(13, 8), torch.randn(13, 5)
     with pytest.raises(ValueError, match=r"x must have shape \[T=3"):
         shrink(torch.randn(2, 8), a, meta)
-    with pytest.raises(ValueError, match=r"a_stack must have shape \[S=4, R=2"):
-        shrink(x, torch.randn(4, 3, 8), meta)
-    with pytest.raises(ValueError, match="a_stack features 9"):
-        shrink(x, torch.randn(4, 2, 9), meta)
-    with pytest.raises(ValueError, match="a_stack is torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"a_rows must have shape \[N=13, features\] \(N = num_slots·granule \+ 1"):
+        shrink(x, torch.randn(4, 2, 8), meta)
+    with pytest.raises(ValueError, match=r"a_rows must have shape \[N=13"):
+        shrink(x, torch.randn(12, 8), meta)
+    with pytest.raises(ValueError, match=r"a_rows features 9 != x features 8 \(x \(3, 8\)\)"):
+        shrink(x, torch.randn(13, 9), meta)
+    with pytest.raises(ValueError, match="a_rows is torch.bfloat16"):
         shrink(x, a.bfloat16(), meta)
     h = shrink(x, a, meta)
     with pytest.raises(ValueError, match=r"h must have shape \[T=3, 2\]"):
         expand(torch.randn(3, 5), torch.randn(3, 8), bt, meta)
-    with pytest.raises(ValueError, match="bt_stack features 5 != y features 6"):
+    with pytest.raises(ValueError, match="bt_rows features 5 != y features 6"):
         expand(torch.randn(3, 6), h, bt, meta)
-    laned = prepared([0, 1, -1], backend=XlaLanedBackend())
+    with pytest.raises(ValueError, match=r"bt_rows must have shape \[N=13"):
+        expand(torch.randn(3, 5), h, torch.randn(14, 5), meta)
+    laned = prepared([0, 1, -1], backend=XlaLanedBackend(), granule=3)  # k = 2 -> A = 4, h [T, 8]
     with pytest.raises(ValueError, match=r"h must have shape \[T=3, 8\]"):
         expand(torch.randn(3, 5), h, bt, laned)
 
@@ -132,7 +86,7 @@ def test_the_form_is_chosen_per_step_or_forced_and_recorded(slots, auto, forced,
     backend = select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED))
     meta = prepared(slots, backend=backend)
     assert meta.form is forced and (meta.grouping is not None) == (forced is LoRAForm.GROUPED)
-    assert meta.single_slot is None and meta.segments is None
+    assert meta.single is None and meta.segments is None
 
 
 def test_forced_forms_are_checked():
@@ -165,3 +119,14 @@ def test_block_size_table_loads_and_looks_up():
     assert isinstance(table.lookup("expand", 10**7, 12345), BlockSizes)
     with pytest.raises(ValueError, match="block_features"):
         BlockSizes(16, 100, 128)
+
+
+def test_form_follows_the_active_slots_not_the_pool():
+    """The dispatch table is keyed by the step's active lanes k·R: 8 active slots choose alike in pools of 8 and 256."""
+    table = TorchDispatchTable(
+        (DispatchEntry(slots=8, rank=16, laned_max_tokens=64), DispatchEntry(slots=256, rank=16, laned_max_tokens=0))
+    )
+    slots = [s for _ in range(2) for s in range(8)]  # 16 tokens interleaved over slots 0..7
+    for num_slots in (8, 256):
+        meta = prepared(slots, backend=TorchEagerBackend(table, max_segment_runs=0), num_slots=num_slots, rank=16)
+        assert meta.form is LoRAForm.LANED and meta.lane_onehot.shape == (16, 8, 1)
