@@ -105,7 +105,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     source.add_argument("model", nargs="?", help="checkpoint directory or hub id org/name[@revision]")
     source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
     serve.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
-    serve.add_argument("--max-slots", type=int, default=8, help="device adapter slots S (default 8)")
+    serve.add_argument(
+        "--max-slots", type=int, default=8, help="size the adapter pool for this many max-rank adapters (default 8)"
+    )
+    serve.add_argument(
+        "--pool-bytes", type=parse_bytes, default=None, help="size the adapter pool in bytes instead, e.g. 1GiB"
+    )
     serve.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted, R (default 64)")
     serve.add_argument(
         "--host-cache-bytes", type=parse_bytes, default="2GiB", help="host tier bound, e.g. 2GiB (default)"
@@ -192,7 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
             serving = build_serving(
                 folder,
                 AdapterManagerConfig(
-                    max_slots=args.max_slots,
+                    max_slots="auto" if args.pool_bytes else args.max_slots,
+                    slot_memory_bytes=args.pool_bytes,
                     max_rank=args.max_rank,
                     host_cache_bytes=args.host_cache_bytes,
                     device=args.device,

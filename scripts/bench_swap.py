@@ -50,7 +50,7 @@ def bench_rank(spec: BaseModelSpec, rank: int, slots: int, repeats: int, device:
     prepared = registry.prepared(folder.name)
     pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, max_rank=rank, device=device))
     source = torch.empty(prepared.storage.numel(), dtype=prepared.dtype, pin_memory=device.type == "cuda")
-    source.copy_(prepared.storage)
+    source.copy_(prepared.storage.view(-1))
     target = torch.empty((slots, source.numel()), dtype=source.dtype, device=device)  # rotates like the slots
     loads, copies = [], []
     for i in range(repeats + 1):  # the first round warms up both

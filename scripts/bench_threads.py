@@ -2,7 +2,8 @@
 """Do background workers slow the engine's parallel torch ops? (OpenMP oversubscription, CPU)
 
 The main thread times a fixed piece of engine work — the bench model's seven projections of one layer at M = 8
-rows, ``x @ W.T``, repeated — in three set-ups measured interleaved in one run (medians over --repeats):
+rows as ``W @ x.T`` (a form that runs parallel regions on every core), plus a SiLU over an intermediate-sized
+activation, repeated — in three set-ups measured interleaved in one run (medians over --repeats):
   none       no background threads;
   plain      2 idle worker threads of a plain ThreadPoolExecutor that each ran one parallel slot-sized ``copy_``
              (what the prefetcher did before: each keeps an OpenMP team of its own alive);
@@ -31,7 +32,7 @@ def engine_work(weights: list[torch.Tensor], x: torch.Tensor, iterations: int) -
     start = time.perf_counter()
     for _ in range(iterations):
         for w in weights:
-            torch.mm(x[:, : w.shape[1]], w.t())
+            torch.nn.functional.silu(torch.mm(w, x[:, : w.shape[1]].t()))
     return time.perf_counter() - start
 
 
