@@ -5,7 +5,7 @@ from kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.grouping import AdapterRows, Segment, SlotGrouping
 from kernels.meta import LoRAKernelMeta
-from kernels.ops import expand, shrink
+from kernels.ops import expand, shrink, shrink_parts
 from kernels.protocol import EagerBackend, KernelBackend
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "expand",
     "select_backend",
     "shrink",
+    "shrink_parts",
 ]

@@ -50,6 +50,33 @@ def shrink(x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch
     return meta.backend.shrink(x, a_rows, meta)
 
 
+def shrink_parts(x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    """:func:`shrink` for P projections that share the input x (q/k/v, gate/up), in one call.
+
+    Semantics (s = slot[t], r = r_s, G = granule)::
+
+        h[p, t, :r] = x[t] @ a_parts[s·G : s·G + r, p].T   if s >= 0
+        h[p, t, r:] = 0;  h[p, t] = 0 if s == -1
+        # h[p] == shrink(x, a_parts[:, p], meta)  (bit for bit where the backend keeps the matmul order)
+
+    Shape: x [T, in]; a_parts [N, P, in], the parts' A rows side by side, e.g. the pool's adjacent column blocks
+    ``rows[:, a_q : a_q + 3·in].view(N, 3, in)`` (any strides: a view, never copied); returns a new h: [P, T, R] on
+    eager backends (the torch backend runs one matmul per run of tokens for all P parts), or [P, T, A·R] laned.
+    ``h[p]`` is what part p's :func:`expand` takes.
+    """
+    _check_tokens("x", x, meta)
+    if a_parts.dim() != 3 or a_parts.shape[0] != meta.num_rows or a_parts.shape[1] < 1:
+        raise ValueError(
+            f"a_parts must have shape [N={meta.num_rows}, P >= 1, features] (N = num_slots·granule + 1 = "
+            f"{meta.num_slots}·{meta.granule} + 1), got {_shape(a_parts)}"
+        )
+    if a_parts.shape[2] != x.shape[1]:
+        raise ValueError(f"a_parts features {a_parts.shape[2]} != x features {x.shape[1]} (x {_shape(x)})")
+    if a_parts.dtype != x.dtype or a_parts.device != x.device:
+        raise ValueError(f"a_parts is {a_parts.dtype} on {a_parts.device}, expected {x.dtype} on {x.device}")
+    return meta.backend.shrink_parts(x, a_parts, meta)
+
+
 def expand(
     y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
 ) -> torch.Tensor:

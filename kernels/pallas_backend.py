@@ -39,6 +39,13 @@ class PallasBackend:
         kwargs = {"blocks": blocks, "interpret": self._interpret}
         return call_jax(lora_shrink, (x, _table(a_rows, meta), token_compact), kwargs)
 
+    def shrink_parts(self, x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+        """Semantics: ``h[p] = shrink(x, a_parts[:, p])`` for every part p, one Pallas shrink per part.
+
+        Shape: x [T, in], a_parts [N, P, in] -> h [P, T, A·R], new tensor.
+        """
+        return torch.stack([self.shrink(x, a_parts[:, part], meta) for part in range(a_parts.shape[1])])
+
     def expand(
         self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
     ) -> torch.Tensor:

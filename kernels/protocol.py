@@ -24,6 +24,10 @@ class KernelBackend(Protocol):
 
     def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: object) -> torch.Tensor: ...
 
+    def shrink_parts(self, x: torch.Tensor, a_parts: torch.Tensor, meta: object) -> torch.Tensor:
+        """Shrink for P parts sharing x: ``a_parts [N, P, in]`` -> h ``[P, T, R]`` (laned: ``[P, T, A·R]``)."""
+        ...
+
     def expand(
         self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: object, accumulate: bool
     ) -> torch.Tensor: ...

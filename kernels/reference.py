@@ -41,6 +41,16 @@ class ReferenceBackend:
                 h[t, : rows.stop - rows.start] = a_rows[rows].float() @ x[t].float()
         return h.to(x.dtype)
 
+    def shrink_parts(self, x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+        """Semantics::
+
+            for p in range(P):
+                h[p] = shrink(x, a_parts[:, p])      # the loops above, part by part
+
+        Shape: x [T, in], a_parts [N, P, in] -> h [P, T, R], new tensor.
+        """
+        return torch.stack([self.shrink(x, a_parts[:, part], meta) for part in range(a_parts.shape[1])])
+
     def expand(
         self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
     ) -> torch.Tensor:

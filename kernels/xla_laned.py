@@ -37,6 +37,14 @@ class XlaLanedBackend:
         _, gather_rows, _ = meta.args()
         return _masked(x @ a_rows.index_select(0, gather_rows).T, meta)
 
+    def shrink_parts(self, x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+        """Semantics: ``h[p] = shrink(x, a_parts[:, p])`` for every part p, one laned shrink per part (the graph
+        fuses what it can; the eager backends are the ones that batch the parts into one matmul).
+
+        Shape: x [T, in], a_parts [N, P, in] -> h [P, T, A·R], new tensor.
+        """
+        return torch.stack([self.shrink(x, a_parts[:, part], meta) for part in range(a_parts.shape[1])])
+
     def expand(
         self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
     ) -> torch.Tensor:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from kernels import LoRAKernelMeta, expand, shrink
+from kernels import LoRAKernelMeta, expand, shrink, shrink_parts
 
 
 class Stacks(Protocol):
@@ -20,6 +20,50 @@ class Stacks(Protocol):
     def bt(self) -> torch.Tensor: ...  # Shape: [N, out]
 
 
+class _FusedParts(NamedTuple):
+    """Consecutive parts whose A rows are adjacent column blocks of one pool tensor: one fused shrink for all."""
+
+    first: int
+    """The first part's index."""
+    a_parts: torch.Tensor
+    """Shape: [N, P, in], a view of the pool (no copy): ``a_parts[:, i]`` is part ``first + i``'s A rows."""
+
+    @property
+    def parts(self) -> range:
+        return range(self.first, self.first + self.a_parts.shape[1])
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's columns start where a's end in the same storage, with the same shape and strides."""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size()
+    )
+
+
+def _fused_runs(a_rows: list[torch.Tensor | None]) -> tuple[_FusedParts, ...]:
+    """The runs of ≥ 2 consecutive parts whose A rows (``[N, in]`` each, None = no LoRA) are adjacent column blocks
+    of one tensor, each as one ``[N, P, in]`` view. Eager devices only: on XLA the pool hands out fresh views per
+    step, and a view kept across steps would be materialised as a copy of its own."""
+    runs, part = [], 0
+    while part < len(a_rows):
+        first = last = a_rows[part]
+        end = part + 1
+        if first is not None and first.device.type != "xla":
+            while end < len(a_rows) and (nxt := a_rows[end]) is not None and _adjacent(last, nxt):
+                last, end = nxt, end + 1
+        if first is not None and end - part >= 2:
+            count, (rows, features), (row_stride, col_stride) = end - part, first.shape, first.stride()
+            view = first.as_strided((rows, count, features), (row_stride, features * col_stride, col_stride))
+            runs.append(_FusedParts(part, view))
+        part = end
+    return tuple(runs)
+
+
 class LoRALinear(nn.Module):
     """One base matmul for one or more projections that share an input (q/k/v, gate/up), each with its own LoRA.
 
@@ -27,6 +71,11 @@ class LoRALinear(nn.Module):
     per projection, as the slot pool owns them: each part's rows ``A [N, in]`` and ``Bt [N, out]``, strided views of
     the pool's row tensor. They are attached by reference: a slot load, which writes the pool in place, is seen by
     the next forward without re-attaching.
+
+    Fused shrink: when consecutive parts' A rows are adjacent column blocks of one tensor (the pool's row layout puts
+    A_q|A_k|A_v, and A_gate|A_up, side by side), attach records one ``[N, P, in]`` view of them and an eager forward
+    runs one :func:`kernels.shrink_parts` for those parts instead of one shrink each. ``fuse_shrink = False`` forces
+    the per-part path (benchmarks compare the two); traced backends always take it.
     """
 
     def __init__(
@@ -43,6 +92,8 @@ class LoRALinear(nn.Module):
         self.out_features = tuple(out_features)
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self._lora: list[Stacks | None] = [None] * len(out_features)
+        self._fused: tuple[_FusedParts, ...] = ()
+        self.fuse_shrink = True
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
@@ -56,10 +107,17 @@ class LoRALinear(nn.Module):
         if a_rows.dtype != self.weight.dtype or bt_rows.dtype != self.weight.dtype:
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight.dtype}")
         self._lora[part] = stacks
+        self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
         self._lora = [None] * len(self.out_features)
+        self._fused = ()
+
+    @property
+    def fused_parts(self) -> tuple[tuple[int, ...], ...]:
+        """The groups of parts an eager forward shrinks with one fused call, e.g. ``((0, 1, 2),)`` for q/k/v."""
+        return tuple(tuple(run.parts) for run in self._fused)
 
     @property
     def has_lora(self) -> bool:
@@ -76,8 +134,9 @@ class LoRALinear(nn.Module):
             return [y_p for each part]
 
         On eager backends the LoRA terms are written first (``expand(accumulate=False)``) and the base matmul is added
-        on top by one ``addmm_``, so the output is never read back by a separate pass; traced backends add the LoRA
-        term to the base matmul's result.
+        on top by one ``addmm_``, so the output is never read back by a separate pass, and the parts of a fused run
+        share one ``shrink_parts`` call (its ``h[p]`` is part p's shrink); traced backends add the LoRA term to the
+        base matmul's result, one shrink per part.
 
         Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends; new tensors
         on traced backends).
@@ -94,11 +153,15 @@ class LoRALinear(nn.Module):
             return parts
         y = x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+        h: dict[int, torch.Tensor] = {}  # part -> its shrink output [T, R]
+        for run in self._fused if self.fuse_shrink else ():
+            h.update(zip(run.parts, shrink_parts(x, run.a_parts, meta), strict=True))  # [P, T, R]
         for index, stacks in enumerate(self._lora):
             if stacks is None:
                 parts[index].zero_()
             else:
-                expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta, accumulate=False)
+                part_h = h[index] if index in h else shrink(x, stacks.a, meta)
+                expand(parts[index], part_h, stacks.bt, meta, accumulate=False)
         y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
         return parts
 

@@ -148,3 +148,48 @@ def reference_forward(
 def collapse_laned(h: torch.Tensor, rank: int) -> torch.Tensor:
     """[T, A·R] laned h -> [T, R]: each row has at most one compact slot's lanes nonzero, so the sum is exact."""
     return h.reshape(h.shape[0], -1, rank).sum(1)
+
+
+PAD_LEFT, PAD_RIGHT = 5, 7
+"""Columns of other modules around the parts' A blocks in the shared row buffer (garbage the kernels never read)."""
+
+
+@dataclass
+class PartsPool:
+    """P parts' A rows side by side in one ``[N, 5 + P·in + 7]`` buffer, as the slot pool lays out q/k/v."""
+
+    buffer: torch.Tensor
+    pool: RowPool
+    """Part 0's pool: its slots, ranks and metadata (every part shares them, as every module of an adapter does)."""
+    parts: int
+    in_features: int
+
+    @property
+    def a_parts(self) -> torch.Tensor:
+        """Shape: [N, P, in], a strided view of the buffer (row stride 5 + P·in + 7)."""
+        block = self.buffer[:, PAD_LEFT : PAD_LEFT + self.parts * self.in_features]
+        return block.view(-1, self.parts, self.in_features)
+
+    def part(self, index: int) -> torch.Tensor:
+        """Shape: [N, in], part ``index``'s A rows, the view a per-part shrink reads."""
+        start = PAD_LEFT + index * self.in_features
+        return self.buffer[:, start : start + self.in_features]
+
+    def to(self, dtype: torch.dtype) -> PartsPool:
+        return PartsPool(self.buffer.to(dtype), self.pool, self.parts, self.in_features)
+
+
+def parts_pool(parts: int, num_slots: int, rank: int, granule: int, in_f: int = 48, seed: int = 0) -> PartsPool:
+    """Mixed ranks (part 0's pool decides them), stale garbage in every row past a rank and in the padding columns."""
+    gen = torch.Generator().manual_seed(seed + 2000)
+    pool = make_rows(num_slots, rank, granule, in_f, 24, gen)
+    num_rows = pool.a_rows.shape[0]
+    buffer = torch.randn(num_rows, PAD_LEFT + parts * in_f + PAD_RIGHT, generator=gen) * STALE
+    buffer[:, PAD_LEFT : PAD_LEFT + in_f] = pool.a_rows
+    for index in range(1, parts):
+        a = torch.randn(num_rows, in_f, generator=gen) * STALE
+        for slot, r in pool.slot_rows.items():
+            a[slot * granule : slot * granule + r] = torch.randn(r, in_f, generator=gen) / in_f**0.5
+        a[-1] = 0
+        buffer[:, PAD_LEFT + index * in_f : PAD_LEFT + (index + 1) * in_f] = a
+    return PartsPool(buffer, pool, parts, in_f)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KernelConfig, LoRAForm, expand, select_backend, shrink
-from tests.kernels._cases import MIXES, TOLERANCE, make_rows, reference_forward
+from kernels import BackendKind, KernelConfig, LoRAForm, expand, select_backend, shrink, shrink_parts
+from tests.kernels._cases import MIXES, TOLERANCE, PartsPool, make_rows, parts_pool, reference_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -42,3 +42,28 @@ def test_eager_forms_on_cuda_match_the_reference(pool_name, form, mix, dtype, in
     none = slots < 0
     assert torch.equal(y_new[none], y[none]), "slot -1 rows of y must be unchanged bit for bit"
     assert torch.equal(h.cpu()[none], torch.zeros_like(h.cpu()[none]))
+
+
+@pytest.mark.parametrize("pool_name", list(POOLS))
+@pytest.mark.parametrize("form", [LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize(("parts", "dtype"), [(2, torch.float32), (3, torch.float32), (3, torch.bfloat16)])
+def test_fused_shrink_on_cuda_matches_per_part_and_the_reference(pool_name, form, mix, parts, dtype):
+    """One batched matmul per run over a [N, P, in] view of one CUDA buffer (x broadcast over the parts)."""
+    pp = parts_pool(parts, *POOLS[pool_name], in_f=48, seed=1).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 48, generator=gen).to(dtype)
+    slots = pp.pool.slots(mix, 37, gen)
+    meta = pp.pool.meta(select_backend("cuda", KernelConfig(torch_form=form)), 64, "cuda")
+    meta.prepare(slots, pp.pool.slot_rows)
+    on_cuda = PartsPool(pp.buffer.cuda(), pp.pool, parts, 48)
+    h = shrink_parts(x.cuda(), on_cuda.a_parts, meta)
+    assert h.shape == (parts, 37, pp.pool.rank)
+    reference = select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE))
+    ref_meta = pp.pool.meta(reference, 64)
+    ref_meta.prepare(slots, pp.pool.slot_rows)
+    for p in range(parts):
+        torch.testing.assert_close(h[p], shrink(x.cuda(), on_cuda.part(p), meta), **TOLERANCE[dtype])
+        expected = shrink(x.float(), pp.part(p).float(), ref_meta)
+        torch.testing.assert_close(h[p].cpu().float(), expected, **TOLERANCE[dtype])
+        assert torch.equal(h[p][slots.cuda() < 0], torch.zeros_like(h[p][slots.cuda() < 0]))

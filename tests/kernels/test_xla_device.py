@@ -12,9 +12,18 @@ pytest.importorskip("torchax")
 
 import torch_xla.debug.metrics as metrics  # noqa: E402
 
-from kernels import BackendKind, KernelConfig, expand, select_backend, shrink  # noqa: E402
+from kernels import BackendKind, KernelConfig, expand, select_backend, shrink, shrink_parts  # noqa: E402
 from kernels.config import PallasInterpret  # noqa: E402
-from tests.kernels._cases import STALE, TOLERANCE, RowPool, make_rows, reference_forward  # noqa: E402
+from tests.kernels._cases import (  # noqa: E402
+    STALE,
+    TOLERANCE,
+    PartsPool,
+    RowPool,
+    collapse_laned,
+    make_rows,
+    parts_pool,
+    reference_forward,
+)
 
 CONFIGS = {
     "xla": KernelConfig(xla_backend=BackendKind.XLA),
@@ -124,3 +133,27 @@ def test_xla_bf16():
     _, y_ref = reference_forward(x, y, pool, slots)
     torch.testing.assert_close(y_new.float(), y_ref, **TOLERANCE[torch.bfloat16])
     assert torch.equal(y_new[slots < 0], y[slots < 0])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_shrink_parts_loops_the_parts_on_device(name):
+    """Traced backends shrink part by part: h[p] is the per-part laned shrink exactly, and the reference's h[p]."""
+    pp = parts_pool(3, NUM_SLOTS, RANK, RANK, in_f=IN, seed=5)
+    device = torch_xla.device()
+    meta = pp.pool.meta(select_backend(device, CONFIGS[name]), 32, device)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(32, IN, generator=gen)
+    slots = pp.pool.slots("zipf", 32, gen)
+    meta.prepare(slots, pp.pool.slot_rows)
+    on_device = PartsPool(pp.buffer.to(device), pp.pool, pp.parts, pp.in_features)
+    h = shrink_parts(x.to(device), on_device.a_parts, meta)
+    per_part = [shrink(x.to(device), on_device.part(p), meta) for p in range(3)]
+    torch_xla.sync()
+    assert h.shape == (3, 32, meta.active_width * RANK)
+    reference = select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE))
+    ref_meta = pp.pool.meta(reference, 32)
+    ref_meta.prepare(slots, pp.pool.slot_rows)
+    for p in range(3):
+        torch.testing.assert_close(h[p].cpu(), per_part[p].cpu(), atol=0, rtol=0)
+        expected = shrink(x, pp.part(p), ref_meta)
+        torch.testing.assert_close(collapse_laned(h[p].cpu(), RANK), expected, **TOLERANCE[torch.float32])

@@ -10,6 +10,7 @@ compounds over the layers; measured max-abs 0.002-0.011 on logits of magnitude <
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from runtime.model import lora_linear
 from runtime.model.checkpoint import load_model
 from runtime.model.llama import Llama
 from runtime.model.lora_linear import LoRALinear
@@ -140,3 +142,56 @@ def test_attach_checks_the_stacks(written) -> None:
     assert wqkv.has_lora
     model.detach_lora()
     assert not any(m.has_lora for m in model.modules() if isinstance(m, LoRALinear))
+
+
+def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypatch) -> None:
+    """The pool lays A_q|A_k|A_v and A_gate|A_up side by side: attach finds them adjacent, an eager forward runs one
+    shrink_parts per fused linear and one shrink per other linear, and the logits are the per-part path's."""
+    model, _, _, meta, rows = serving_setup(written, torch.float32)
+    for block in model.layers:
+        assert block.attention.wqkv.fused_parts == ((0, 1, 2),)
+        assert block.feed_forward.w13.fused_parts == ((0, 1),)
+        assert block.attention.wo.fused_parts == () and block.feed_forward.w2.fused_parts == ()
+    calls: Counter[str] = Counter()
+
+    def counted(name: str, op):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return op(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(lora_linear, "shrink_parts", counted("shrink_parts", lora_linear.shrink_parts))
+    monkeypatch.setattr(lora_linear, "shrink", counted("shrink", lora_linear.shrink))
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
+    assert calls == {"shrink_parts": 2 * len(model.layers), "shrink": 2 * len(model.layers)}
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.fuse_shrink = False
+    calls.clear()
+    per_part = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
+    assert calls == {"shrink": 7 * len(model.layers)}
+    for ours, theirs, prompt, name in zip(fused, per_part, prompts, adapters, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        assert max_diff(ours, oracle_logits(written, name, prompt)) <= FP32_TOL, name
+
+
+def test_fusion_needs_adjacent_attached_parts(written) -> None:
+    """Only consecutive attached parts whose A rows are adjacent column blocks of one tensor are fused."""
+    _, _, pool, _, _ = serving_setup(written, torch.float32)
+    q, k, v = (pool.stacks[ModuleKey(0, proj)] for proj in ("q_proj", "k_proj", "v_proj"))
+    linear = LoRALinear(q.a.shape[1], (q.bt.shape[1], k.bt.shape[1], v.bt.shape[1]))
+    linear.attach(0, q)
+    linear.attach(2, v)
+    assert linear.fused_parts == ()  # k between them has no LoRA
+    linear.attach(1, k)
+    assert linear.fused_parts == ((0, 1, 2),)
+    linear.detach()
+    linear.attach(1, k)
+    linear.attach(2, v)
+    assert linear.fused_parts == ((1, 2),)
+    linear.attach(0, SimpleNamespace(a=q.a.clone(), bt=q.bt))  # same values, its own buffer: not adjacent
+    assert linear.fused_parts == ((1, 2),)
+    linear.attach(1, SimpleNamespace(a=v.a, bt=k.bt))  # v's A in k's place: v follows it, not k
+    assert linear.fused_parts == ()
