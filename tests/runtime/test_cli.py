@@ -95,8 +95,8 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
             "tiny",
             "--port",
             "0",
-            "--max-slots",
-            "2",
+            "--pool-bytes",
+            "256KiB",  # rows of 8 KiB: a zero row and three rank-8 blocks
             "--max-rank",
             "8",
             "--host-cache-bytes",
@@ -119,6 +119,8 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
         assert " at http://127.0.0.1:" in lines[1], proc.stderr.read() if proc.poll() is not None else lines
         url = lines[1].split(" at ", 1)[1].split()[0]
         auth = ("--url", url, "--admin-token", "cli-test-token")
+        with urllib.request.urlopen(url + "/health", timeout=30) as response:
+            assert json.loads(response.read())["slots"] == 3  # the pool was sized from --pool-bytes
 
         assert in_process(capsys, "register", f"{adapter}", "--id", "team/x", "--url", url).code == 2  # 401: no token
         registered = in_process(capsys, "register", str(adapter), "--id", "team/x", *auth)
