@@ -4,6 +4,7 @@ prometheus_client, which the rest does not need)."""
 
 from .allocator import SlotAllocator, SlotLease, SlotState
 from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
+from .disk_tier import DiskTier, DiskUsage
 from .errors import (
     AdapterAccessError,
     AdapterConfigError,
@@ -27,16 +28,24 @@ from .errors import (
     UnsupportedAdapterError,
 )
 from .host_tier import HostTier
-from .hub import AdapterFiles, AdapterRef, HubConfig
+from .hub import AdapterFiles, AdapterRef, HubConfig, is_local_ref
 from .local_hub import HubFault, LocalHub
 from .manager import AdapterManager, AdapterManagerConfig
 from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, Move, MoveStats, SwapMetrics, Tier, WaitStats
 from .peft_format import LoraAdapterConfig, ModuleLora
 from .prefetch import PrefetchConfig, Prefetcher
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
-from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig, check_adapter_id
+from .registry import (
+    AdapterRecord,
+    AdapterRegistry,
+    RegisterResult,
+    RegistryConfig,
+    UnrestoredAdapter,
+    check_adapter_id,
+)
 from .row_layout import ModuleColumns, RowLayout
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, units_for
+from .state_store import Registration, StateStore
 from .synthetic import write_synthetic_adapter
 from .workers import background_executor
 
@@ -61,6 +70,8 @@ __all__ = [
     "BaseModelMismatchError",
     "BaseModelSpec",
     "CorruptWeightsError",
+    "DiskTier",
+    "DiskUsage",
     "HostTier",
     "HubConfig",
     "HubFault",
@@ -82,6 +93,7 @@ __all__ = [
     "PreparedAdapter",
     "RankTooLargeError",
     "RegisterResult",
+    "Registration",
     "RowLayout",
     "RegistryConfig",
     "SlotAllocator",
@@ -92,15 +104,18 @@ __all__ = [
     "SlotStacks",
     "SlotState",
     "SlotsExhaustedError",
+    "StateStore",
     "SwapMetrics",
     "TensorKeyError",
     "TensorShapeError",
     "Tier",
+    "UnrestoredAdapter",
     "UnsupportedAdapterError",
     "WaitStats",
     "background_executor",
     "bytes_needed",
     "check_adapter_id",
+    "is_local_ref",
     "prepare_adapter",
     "units_for",
     "write_synthetic_adapter",

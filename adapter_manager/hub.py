@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -56,6 +56,11 @@ _LOCAL_PREFIXES = ("/", "./", "../", "~", "file://")
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 
 
+def is_local_ref(ref: str) -> bool:
+    """Whether `ref` names a local directory rather than a hub repo, decided from its text alone."""
+    return isinstance(ref, str) and ref.startswith(_LOCAL_PREFIXES)
+
+
 @dataclass(frozen=True)
 class AdapterRef:
     """Where an adapter comes from: a hub repository at an optional revision, or a local directory."""
@@ -68,8 +73,10 @@ class AdapterRef:
     def parse(cls, ref: str) -> AdapterRef:
         if not isinstance(ref, str) or not ref.strip():
             raise InvalidAdapterRefError(str(ref), "empty adapter reference")
-        if ref.startswith(_LOCAL_PREFIXES):
+        if is_local_ref(ref):
             raw = ref.removeprefix("file://")
+            if len(raw) > 4096 or any(ord(c) < 32 or c == "\x7f" for c in raw):
+                raise InvalidAdapterRefError(ref, "a local path must be at most 4096 characters, with no control ones")
             return cls(repo_id=None, revision=None, path=Path(raw).expanduser().resolve())
         repo_id, _, revision = ref.partition("@")
         if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id or "--" in repo_id:
@@ -129,6 +136,18 @@ class HubResolver:
     _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    @property
+    def cache_dir(self) -> Path:
+        """The HF cache hub refs are downloaded into."""
+        return Path(self.config.cache_dir or constants.HF_HUB_CACHE)
+
+    def cached(self, repo_id: str, sha: str) -> AdapterFiles | None:
+        """Both files of `repo_id` at commit `sha` from the HF cache alone (no network), or None if either is gone."""
+        paths = [try_to_load_from_cache(repo_id, name, self.cache_dir, sha) for name in (CONFIG_NAME, WEIGHTS_NAME)]
+        if not all(isinstance(path, str) for path in paths):
+            return None
+        return AdapterFiles(Path(paths[0]), Path(paths[1]), sha, 0)
+
     def resolve(self, ref: AdapterRef, adapter: str) -> AdapterFiles:
         if ref.path is not None:
             return _local_files(ref.path, adapter)
@@ -139,8 +158,7 @@ class HubResolver:
             return self._download(ref, adapter)
 
     def _download(self, ref: AdapterRef, adapter: str) -> AdapterFiles:
-        cache_dir = Path(self.config.cache_dir or constants.HF_HUB_CACHE)
-        blobs = cache_dir / repo_folder_name(repo_id=ref.repo_id, repo_type="model") / "blobs"
+        blobs = self.cache_dir / repo_folder_name(repo_id=ref.repo_id, repo_type="model") / "blobs"
         before = _blob_sizes(blobs)
         delay = self.config.backoff_s
         for attempt in range(self.config.retries + 1):

@@ -11,6 +11,7 @@ The runtime's engine uses it per step:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from .prefetch import PrefetchConfig, Prefetcher
 from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks
 
+log = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
@@ -45,6 +47,8 @@ class AdapterManagerConfig:
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
     allowed_local_roots: tuple[Path, ...] | None = None  # if set, local refs must lie under one of these
     hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded (token, offline, cache, endpoint)
+    state_dir: Path | None = None  # if set, registrations are stored durably here and restored when the manager starts
+    disk_cache_bytes: int | None = None  # if set, byte bound on the manager's adapter repos in the HF cache (LRU)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -72,6 +76,8 @@ class AdapterManagerConfig:
             pin_memory=torch.device(self.device).type == "cuda",
             allowed_local_roots=self.allowed_local_roots,
             hub=self.hub,
+            state_dir=self.state_dir,
+            disk_cache_bytes=self.disk_cache_bytes,
         )
 
 
@@ -86,6 +92,7 @@ class AdapterManager:
         self.pool = SlotPool(spec, self.config.pool_config())
         self.allocator = SlotAllocator(self.pool, self.registry.prepared, self.rank_of, self.swap_metrics)
         self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config())
+        self.restored = self._restore()
 
     @property
     def num_slots(self) -> int:
@@ -141,10 +148,13 @@ class AdapterManager:
     def pin(self, adapter_id: str) -> int:
         """Operator pin: keep the adapter in its slot until `unpin`. Returns the slot."""
         self.registry.get(adapter_id)
-        return self.allocator.pin(adapter_id)
+        slot = self.allocator.pin(adapter_id)
+        self.registry.set_pinned(adapter_id, True)
+        return slot
 
     def unpin(self, adapter_id: str) -> None:
         self.allocator.unpin(adapter_id)
+        self.registry.set_pinned(adapter_id, False)
 
     def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
         """Hand over the engine's waiting queue, in order; returns the prefetch jobs started."""
@@ -172,6 +182,18 @@ class AdapterManager:
 
     def close(self) -> None:
         self.prefetcher.close()
+        self.registry.close()
+
+    def _restore(self) -> list[str]:
+        """With a state_dir: restore the durable registrations and their operator pins; the ids restored."""
+        rows = self.registry.restore()
+        for row in rows:
+            if row.pinned:
+                try:
+                    self.allocator.pin(row.adapter_id)
+                except Exception as err:  # noqa: BLE001 - a pin that no longer fits leaves the adapter registered
+                    log.error("adapter %r restored but not pinned again: %s", row.adapter_id, err)
+        return [row.adapter_id for row in rows]
 
     def __enter__(self) -> AdapterManager:
         return self

@@ -140,6 +140,8 @@ class MetricsSnapshot:
     exposed_wait: WaitStats | None = None  # None until a batch has acquired its slots
     prefetch: dict[str, int] = field(default_factory=dict)  # "host_to_slot" loads done, "skipped_no_room" jobs
     residency: dict[str, AdapterResidency] = field(default_factory=dict)  # by adapter id (from the manager)
+    disk: dict[str, int] = field(default_factory=dict)  # bounded disk tier: used_bytes, capacity_bytes, evicted_bytes
+    restore: dict[str, int] = field(default_factory=dict)  # durable registrations at start: restored, failed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,6 +160,8 @@ class SwapMetrics:
     _misses: dict[Tier, int] = field(default_factory=dict, repr=False)
     _evictions: dict[Tier, int] = field(default_factory=dict, repr=False)
     _prefetch: dict[str, int] = field(default_factory=dict, repr=False)
+    _disk: dict[str, int] = field(default_factory=dict, repr=False)
+    _restore: dict[str, int] = field(default_factory=dict, repr=False)
     _recent: deque[AdapterMove] = field(init=False, repr=False)
     _waits: _Latencies = field(init=False, repr=False)
 
@@ -192,6 +196,17 @@ class SwapMetrics:
         with self._lock:
             self._prefetch[outcome] = self._prefetch.get(outcome, 0) + 1
 
+    def disk_usage(self, used_bytes: int, capacity_bytes: int, evicted_bytes: int) -> None:
+        """The bounded disk tier's bytes now (owned adapter repos in the HF cache) and bytes evicted since start."""
+        with self._lock:
+            self._disk.update(used_bytes=used_bytes, capacity_bytes=capacity_bytes, evicted_bytes=evicted_bytes)
+
+    def restored(self, ok: bool) -> None:
+        """Count one durable registration restored at start-up (``restored``) or not (``failed``)."""
+        key = "restored" if ok else "failed"
+        with self._lock:
+            self._restore[key] = self._restore.get(key, 0) + 1
+
     def waited(self, seconds: float) -> None:
         """Record the exposed wait of one batch for its adapters (0.0 when every adapter was resident)."""
         with self._lock:
@@ -218,4 +233,6 @@ class SwapMetrics:
                 wait,
                 dict(self._prefetch),
                 dict(residency or {}),
+                dict(self._disk),
+                dict(self._restore),
             )

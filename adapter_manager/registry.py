@@ -10,14 +10,16 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from .base_model import BaseModelSpec, ModuleKey
+from .disk_tier import DiskTier
 from .errors import (
     AdapterConflictError,
     AdapterNotFoundError,
@@ -26,9 +28,10 @@ from .errors import (
 )
 from .host_tier import HostTier
 from .hub import AdapterFiles, AdapterRef, HubConfig, HubResolver
-from .metrics import Move, SwapMetrics
+from .metrics import Move, SwapMetrics, Tier
 from .peft_format import LoraAdapterConfig, ModuleLora
 from .prepare import PreparedAdapter, prepare_adapter
+from .state_store import Registration, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,12 @@ class RegistryConfig:
     pin_memory: bool = False  # prepare into pinned host memory (set when serving on CUDA)
     allowed_local_roots: tuple[Path, ...] | None = None  # if set, local refs must lie under one of these
     hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded
+    state_dir: Path | None = None  # if set, registrations are kept durably here and restored by `restore()`
+    disk_cache_bytes: int | None = None  # if set, bound on the bytes of this registry's repos in the HF cache
 
     def __post_init__(self) -> None:
+        if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
+            raise ValueError(f"disk_cache_bytes must be positive, got {self.disk_cache_bytes}")
         if not isinstance(self.max_rank, int) or self.max_rank <= 0:
             raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
         if not self.dtype.is_floating_point:
@@ -118,8 +125,13 @@ class AdapterRegistry:
         self.host = HostTier(self.config.host_cache_bytes, self.metrics)
         self._resolver = HubResolver(self.config.hub)
         self._records: dict[str, AdapterRecord] = {}
+        self._unrestored: dict[str, UnrestoredAdapter] = {}
         self._lock = threading.Lock()
         self._id_locks: dict[str, threading.Lock] = {}
+        self.disk: DiskTier | None = None
+        if self.config.disk_cache_bytes is not None:
+            self.disk = DiskTier(self._resolver.cache_dir, self.config.disk_cache_bytes, self.metrics, self._needed)
+        self.store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
 
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
         """Register `ref` under `adapter_id` (default: the repo id, or the local directory's name).
@@ -132,9 +144,7 @@ class AdapterRegistry:
         parsed = AdapterRef.parse(ref)
         self._check_local_root(parsed, ref)
         adapter_id = check_adapter_id(adapter_id or (parsed.repo_id if parsed.repo_id else parsed.path.name))
-        with self._lock:
-            id_lock = self._id_locks.setdefault(adapter_id, threading.Lock())
-        with id_lock:
+        with self._id_lock(adapter_id):
             previous = self._records.get(adapter_id)
             if previous is not None:
                 if (previous.ref.repo_id, previous.ref.path) != (parsed.repo_id, parsed.path):
@@ -143,36 +153,79 @@ class AdapterRegistry:
                     )
                 if previous.ref == parsed and not refresh:
                     return RegisterResult(previous, "unchanged", None, 0.0, 0.0, 0)
-            start = time.perf_counter()
-            files = self._resolver.resolve(parsed, adapter_id)
-            download_s = time.perf_counter() - start
-            if not parsed.is_local:
-                self.metrics.record(Move.HUB_TO_DISK, adapter_id, download_s, files.downloaded_bytes)
-            if previous is not None and previous.sha == files.sha:
-                record = _replace_ref(previous, parsed, files)
+            with self._on_disk(parsed.repo_id):
+                start = time.perf_counter()
+                files = self._resolver.resolve(parsed, adapter_id)
+                download_s = time.perf_counter() - start
+                if not parsed.is_local:
+                    self.metrics.record(Move.HUB_TO_DISK, adapter_id, download_s, files.downloaded_bytes)
+                    (self.metrics.miss if files.downloaded_bytes else self.metrics.hit)(Tier.DISK)
+                if previous is not None and previous.sha == files.sha:
+                    record = _replace_ref(previous, parsed, files)
+                    self._persist(record)
+                    with self._lock:
+                        self._records[adapter_id] = record
+                    return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
+                record, prepared, prepare_s = self._load(adapter_id, parsed, files)
+                self._persist(record)
                 with self._lock:
                     self._records[adapter_id] = record
-                return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
-            record, prepared, prepare_s = self._load(adapter_id, parsed, files)
-            with self._lock:
-                self._records[adapter_id] = record
+                    self._unrestored.pop(adapter_id, None)
             self.host.put((adapter_id, record.sha), prepared)
             if previous is not None:
                 self.host.discard((adapter_id, previous.sha))
                 log.info("adapter %r updated %s -> %s", adapter_id, previous.sha, record.sha)
-            action = "registered" if previous is None else "updated"
-            return RegisterResult(
-                record, action, previous.sha if previous else None, download_s, prepare_s, files.downloaded_bytes
-            )
+        self._used(record)
+        action = "registered" if previous is None else "updated"
+        return RegisterResult(
+            record, action, previous.sha if previous else None, download_s, prepare_s, files.downloaded_bytes
+        )
 
-    def unregister(self, adapter_id: str) -> AdapterRecord:
-        """Forget an adapter and drop its prepared weights from the host tier. Its files stay in the HF cache."""
-        with self._lock:
-            record = self._records.pop(adapter_id, None)
-        if record is None:
-            raise AdapterNotFoundError(adapter_id, "not registered")
-        self.host.discard((adapter_id, record.sha))
+    def unregister(self, adapter_id: str) -> AdapterRecord | None:
+        """Forget an adapter (its durable row first) and drop its prepared weights from the host tier. Its files
+        stay in the HF cache (the disk tier evicts them first when bounded). Returns None for an adapter that
+        was never restored."""
+        with self._id_lock(adapter_id):
+            with self._lock:
+                known = adapter_id in self._records or adapter_id in self._unrestored
+            if not known:
+                raise AdapterNotFoundError(adapter_id, "not registered")
+            if self.store is not None:
+                self.store.delete(adapter_id)
+            with self._lock:
+                record = self._records.pop(adapter_id, None)
+                self._unrestored.pop(adapter_id, None)
+        if record is not None:
+            self.host.discard((adapter_id, record.sha))
         return record
+
+    def set_pinned(self, adapter_id: str, pinned: bool) -> None:
+        """Record an operator pin durably (re-applied by the manager on restore)."""
+        if self.store is not None:
+            self.store.set_pinned(adapter_id, pinned)
+
+    def restore(self) -> list[Registration]:
+        """Register again every durable registration at its recorded sha, from the HF cache without contacting the
+        hub (files that left the cache are downloaded again at that sha). One that fails is logged, counted and
+        listed by `unrestored()`; the others go on. Returns the registrations restored."""
+        restored = []
+        for row in self.store.load() if self.store is not None else []:
+            try:
+                self._restore(row)
+            except Exception as err:  # noqa: BLE001 - one broken adapter must not stop the others
+                log.error("adapter %r (%s at %s) could not be restored: %s", row.adapter_id, row.ref, row.sha, err)
+                self.metrics.restored(False)
+                with self._lock:
+                    self._unrestored[row.adapter_id] = UnrestoredAdapter(row, f"{type(err).__name__}: {err}")
+                continue
+            self.metrics.restored(True)
+            restored.append(row)
+        return restored
+
+    def unrestored(self) -> list[UnrestoredAdapter]:
+        """Durable registrations that could not be restored, sorted by id (unregister or register them again)."""
+        with self._lock:
+            return sorted(self._unrestored.values(), key=lambda u: u.registration.adapter_id)
 
     def get(self, adapter_id: str) -> AdapterRecord:
         with self._lock:
@@ -200,21 +253,95 @@ class AdapterRegistry:
         record = self.get(adapter_id)
 
         def load() -> PreparedAdapter:
-            files = record.files
-            if record.ref.is_local:
-                files = self._resolver.resolve(record.ref, adapter_id)
-                if files.sha != record.sha:
-                    raise AdapterConflictError(
-                        adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
-                    )
-            elif not (files.config_path.is_file() and files.weights_path.is_file()):
-                pinned = AdapterRef(record.ref.repo_id, record.sha, None)
-                start = time.perf_counter()
-                files = self._resolver.resolve(pinned, adapter_id)
-                self.metrics.record(Move.HUB_TO_DISK, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
-            return self._prepare(adapter_id, files, record.modules)[0]
+            with self._on_disk(record.ref.repo_id):
+                files = self._files(record)
+                prepared = self._prepare(adapter_id, files, record.modules)[0]
+            self._used(record)
+            return prepared
 
         return self.host.get_or_load((adapter_id, record.sha), load)
+
+    def _files(self, record: AdapterRecord) -> AdapterFiles:
+        """The record's files on disk now: a local dir unchanged since registration, or the hub revision at the
+        recorded sha, fetched again (a disk miss) only if it left the cache."""
+        adapter_id = record.adapter_id
+        if record.ref.is_local:
+            files = self._resolver.resolve(record.ref, adapter_id)
+            if files.sha != record.sha:
+                raise AdapterConflictError(
+                    adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
+                )
+            return files
+        cached = self._resolver.cached(record.ref.repo_id, record.sha)
+        if cached is not None:
+            self.metrics.hit(Tier.DISK)
+            return cached
+        self.metrics.miss(Tier.DISK)
+        start = time.perf_counter()
+        files = self._resolver.resolve(AdapterRef(record.ref.repo_id, record.sha, None), adapter_id)
+        self.metrics.record(Move.HUB_TO_DISK, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
+        return files
+
+    def _restore(self, row: Registration) -> None:
+        if row.is_local:
+            ref = AdapterRef(None, None, Path(row.ref))
+        else:
+            ref = AdapterRef.parse(row.ref + (f"@{row.revision}" if row.revision else ""))
+        check_adapter_id(row.adapter_id)
+        with self._id_lock(row.adapter_id), self._on_disk(ref.repo_id):
+            # A stand-in record at the recorded sha: `_files` finds (or fetches) exactly that revision.
+            files = AdapterFiles(Path(), Path(), row.sha, 0)
+            stand_in = AdapterRecord(row.adapter_id, ref, files, {}, 0, None, row.registered_at)
+            files = self._files(stand_in)
+            record, prepared, _ = self._load(row.adapter_id, ref, files)
+            record = replace(record, registered_at=row.registered_at)
+            with self._lock:
+                self._records[row.adapter_id] = record
+                self._unrestored.pop(row.adapter_id, None)
+        self.host.put((row.adapter_id, record.sha), prepared)
+        self._used(record)
+
+    def _persist(self, record: AdapterRecord) -> None:
+        """Commit the registration to the durable store (before it is published or answered)."""
+        if self.store is None:
+            return
+        ref = record.ref
+        source = ref.repo_id if ref.repo_id is not None else str(ref.path)
+        self.store.put(Registration(record.adapter_id, source, ref.revision, record.sha, False, record.registered_at))
+
+    @contextmanager
+    def _id_lock(self, adapter_id: str) -> Iterator[None]:
+        with self._lock:
+            lock = self._id_locks.setdefault(adapter_id, threading.Lock())
+        with lock:
+            yield
+
+    @contextmanager
+    def _on_disk(self, repo_id: str | None) -> Iterator[None]:
+        """Keep a hub repo's cached files from disk-tier eviction while the block downloads or reads them."""
+        if self.disk is None or repo_id is None:
+            yield
+            return
+        with self.disk.using(repo_id):
+            yield
+
+    def _used(self, record: AdapterRecord) -> None:
+        """A hub adapter's files were just used: refresh their LRU position and keep the disk tier in bound."""
+        if self.disk is None or record.ref.repo_id is None:
+            return
+        self.disk.touch(record.ref.repo_id, record.sha)
+        try:
+            self.disk.enforce()
+        except OSError as err:
+            log.error("disk tier: eviction failed: %s", err)
+
+    def _needed(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return {(r.ref.repo_id, r.sha) for r in self._records.values() if r.ref.repo_id is not None}
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     def _load(self, adapter_id: str, ref: AdapterRef, files: AdapterFiles):
         start = time.perf_counter()
@@ -257,6 +384,14 @@ class AdapterRegistry:
             return
         if not any(ref.path.is_relative_to(Path(root).resolve()) for root in roots):
             raise InvalidAdapterRefError(raw, f"local path {ref.path} is outside the allowed roots {list(roots)}")
+
+
+@dataclass(frozen=True)
+class UnrestoredAdapter:
+    """A durable registration that could not be restored at start-up, and why."""
+
+    registration: Registration
+    error: str
 
 
 def _same_model(a: str, b: str) -> bool:

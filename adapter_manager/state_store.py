@@ -1,0 +1,95 @@
+"""Durable registrations: one row per registered adapter in a sqlite3 database under a state directory.
+
+    store = StateStore(Path("/var/lib/adapter-manager"))     # creates registrations.sqlite3 (WAL mode)
+    store.put(Registration("org/a", "org/a", "v2", "3f2c...", pinned=False, registered_at=time.time()))
+    store.load()                                              # every row, sorted by id
+
+Every write is one committed transaction before the call returns, so a caller that answers a client after `put` or
+`delete` has made that answer durable. The journal is WAL with ``synchronous=FULL``: each commit fsyncs the WAL, so a
+committed registration survives not only a killed process (which NORMAL already guarantees in WAL mode) but also a
+power loss or kernel crash, where NORMAL may roll back the last commits. Registrations are rare and each one costs a
+download and a preparation, so one fsync per commit costs nothing that matters.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+DB_NAME = "registrations.sqlite3"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS registrations (
+    adapter_id    TEXT PRIMARY KEY,
+    ref           TEXT NOT NULL,     -- hub repo id, or the resolved local directory
+    revision      TEXT,              -- the revision asked for (None = the hub's default branch)
+    sha           TEXT NOT NULL,     -- the resolved commit sha ("local-..." digest for a directory)
+    pinned        INTEGER NOT NULL DEFAULT 0,
+    registered_at REAL NOT NULL
+)
+"""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One durable registration."""
+
+    adapter_id: str
+    ref: str  # "org/name" for a hub repo, an absolute directory for a local adapter
+    revision: str | None  # as registered (branch, tag or sha); None = default branch
+    sha: str  # resolved commit sha the adapter is restored at
+    pinned: bool  # operator pin, re-applied on restore
+    registered_at: float  # time.time()
+
+    @property
+    def is_local(self) -> bool:
+        return self.ref.startswith("/")
+
+
+class StateStore:
+    """The registrations table of one state directory; thread-safe. `close()` when done."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.state_dir / DB_NAME
+        self._lock = threading.Lock()
+        # isolation_level=None: every statement below is its own transaction, committed when execute returns.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise OSError(f"state store {self.path}: the file system refused WAL mode (journal_mode={mode})")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(_SCHEMA)
+
+    def put(self, row: Registration) -> None:
+        """Insert or replace the registration of `row.adapter_id`, keeping its pin unless `row.pinned`."""
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO registrations (adapter_id, ref, revision, sha, pinned, registered_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(adapter_id) DO UPDATE SET ref = excluded.ref, "
+                "revision = excluded.revision, sha = excluded.sha, pinned = MAX(pinned, excluded.pinned), "
+                "registered_at = excluded.registered_at",
+                (row.adapter_id, row.ref, row.revision, row.sha, int(row.pinned), row.registered_at),
+            )
+
+    def set_pinned(self, adapter_id: str, pinned: bool) -> None:
+        with self._lock:
+            self._db.execute("UPDATE registrations SET pinned = ? WHERE adapter_id = ?", (int(pinned), adapter_id))
+
+    def delete(self, adapter_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM registrations WHERE adapter_id = ?", (adapter_id,))
+
+    def load(self) -> list[Registration]:
+        """Every registration, sorted by adapter id."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT adapter_id, ref, revision, sha, pinned, registered_at FROM registrations ORDER BY adapter_id"
+            ).fetchall()
+        return [Registration(a, ref, rev, sha, bool(pinned), at) for a, ref, rev, sha, pinned, at in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
