@@ -13,6 +13,8 @@ snapshot and the server's adapter info endpoint). Latencies are histograms in se
     adapter_manager_exposed_wait_seconds_bucket{le=...} (+ _count, _sum) time batches waited for adapters
     adapter_manager_adapters{tier="slot"|"host"|"disk"}                 registered adapters by highest tier
     adapter_manager_slots, adapter_manager_slots_pinned, adapter_manager_host_tier_{used,capacity}_bytes
+    adapter_manager_disk_tier_{used,capacity}_bytes, _disk_tier_evicted_bytes_total  (with disk_cache_bytes)
+    adapter_manager_restored_adapters_total{outcome="restored"|"failed"}, adapter_manager_adapters_unrestorable
 """
 
 from __future__ import annotations
@@ -84,6 +86,24 @@ class AdapterManagerCollector(Collector):
         host = manager.registry.host
         yield GaugeMetricFamily(f"{ns}_host_tier_used_bytes", "Bytes of prepared adapters on the host", host.used_bytes)
         yield GaugeMetricFamily(f"{ns}_host_tier_capacity_bytes", "Byte bound of the host tier", host.capacity_bytes)
+        if snapshot.disk:
+            for key in ("used_bytes", "capacity_bytes"):
+                doc = f"Bounded disk tier: {key.replace('_', ' ')} of the manager's adapter repos in the HF cache"
+                yield GaugeMetricFamily(f"{ns}_disk_tier_{key}", doc, snapshot.disk[key])
+            yield CounterMetricFamily(
+                f"{ns}_disk_tier_evicted_bytes", "Bytes evicted from the disk tier", snapshot.disk["evicted_bytes"]
+            )
+        restore = CounterMetricFamily(
+            f"{ns}_restored_adapters", "Durable registrations restored at start-up, by outcome", labels=["outcome"]
+        )
+        for outcome in ("restored", "failed"):
+            restore.add_metric([outcome], snapshot.restore.get(outcome, 0))
+        yield restore
+        yield GaugeMetricFamily(
+            f"{ns}_adapters_unrestorable",
+            "Durable registrations that could not be restored (listed by GET /v1/adapters)",
+            len(manager.registry.unrestored()),
+        )
 
 
 def _buckets(stats: LatencyStats) -> list[tuple[str, int]]:

@@ -138,7 +138,21 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="local adapter directories must lie under one of these (repeatable; default: any directory)",
+        help="let the admin API register local adapter directories under DIR (repeatable; default: the API "
+        "registers hub ids only; --adapter at start-up may name any directory)",
+    )
+    serve.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep registrations durably in DIR (sqlite3) and restore them at start from the HF cache, offline",
+    )
+    serve.add_argument(
+        "--disk-cache-bytes",
+        type=parse_bytes,
+        default=None,
+        help="bound the adapter files in the HF cache, e.g. 10GiB (least recently used revisions evicted)",
     )
     serve.add_argument("--workdir", type=Path, default=None, help="with --random: where to write it (default: temp)")
 
@@ -203,7 +217,8 @@ def _serve(args: argparse.Namespace) -> int:
                     host_cache_bytes=args.host_cache_bytes,
                     device=args.device,
                     dtype=getattr(torch, args.dtype),
-                    allowed_local_roots=tuple(p.resolve() for p in args.local_root) if args.local_root else None,
+                    state_dir=args.state_dir,
+                    disk_cache_bytes=args.disk_cache_bytes,
                 ),
                 EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
                 ServerConfig(
@@ -212,9 +227,11 @@ def _serve(args: argparse.Namespace) -> int:
                     port=args.port,
                     admin_token=args.admin_token,
                     max_pending=args.max_pending,
+                    local_roots=tuple(args.local_root) if args.local_root else None,
                 ),
                 dtype=getattr(torch, args.dtype),
             )
+            _print_restored(serving.manager)
             for spec in args.adapter:
                 ref, _, adapter_id = spec.partition("=")
                 result = serving.manager.register(ref, adapter_id or None)
@@ -226,6 +243,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, CheckpointError, LookupError) as err:
         return _fail(USAGE_ERROR, err)
     return OK
+
+
+def _print_restored(manager) -> None:
+    unrestored = manager.registry.unrestored()
+    if manager.restored or unrestored:
+        print(f"restored {len(manager.restored)} adapters from the state directory ({len(unrestored)} failed)")
+    for failed in unrestored:
+        print(f"warning: {failed.registration.adapter_id} not restored: {failed.error}", file=sys.stderr)
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -256,8 +281,9 @@ def _adapter_table(adapters: list[dict]) -> str:
     lines = [f"{'id':40} {'rank':>4} {'MB':>7} {'tier':5} {'slot':>4} {'pinned':6} sha"]
     for a in adapters:
         slot = "" if a["slot"] is None else str(a["slot"])
+        tier = a["tier"] or a["status"]
         lines.append(
-            f"{a['id']:40} {a['rank']:4d} {a['bytes'] / 1e6:7.2f} {a['tier']:5} {slot:>4} "
+            f"{a['id']:40} {a['rank'] or 0:4d} {a['bytes'] / 1e6:7.2f} {tier:5} {slot:>4} "
             f"{'yes' if a['pinned'] else '':6} {a['sha'][:12]}"
         )
     return "\n".join(lines)

@@ -8,6 +8,11 @@
     POST   /v1/load_lora_adapter         vLLM: {"lora_name", "lora_path", "load_inplace"?}
     POST   /v1/unload_lora_adapter       vLLM: {"lora_name"}
 
+Ids, refs and revisions are validated from their text before any file or network access. A local directory is
+refused (403) unless the server was given local roots (`--local-root DIR`) and it lies under one of them; the CLI's
+start-up `--adapter PATH` is not an API call and stays allowed. With a state directory, a registration is committed
+to it before the answer, and an unregistration removed from it; registrations that could not be restored at start-up
+are listed with status "unrestorable" and their error until unregistered or registered again.
 Ids may hold '/', so they are path-converter parameters. Routes that change state need the admin bearer token when
 one is configured. Registration (download, validation, preparation) runs on the server's registration threads, so
 serving never waits for it; any failure is answered with its status and leaves the server running.
@@ -22,7 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from adapter_manager import AdapterManager, AdapterRecord, AdapterResidency, check_adapter_id
+from adapter_manager import AdapterManager, AdapterRecord, AdapterResidency, UnrestoredAdapter, check_adapter_id
 
 from .http_errors import to_api_error
 from .openai_schema import LoadLoraAdapterRequest, RegisterAdapterRequest, UnloadLoraAdapterRequest
@@ -44,10 +49,14 @@ def admin_router(state: ServerState) -> APIRouter:
         except Exception as err:  # noqa: BLE001 - an adapter's failure is the client's answer, never a crash
             raise to_api_error(err) from err
 
-    async def register(ref: str, adapter_id: str | None, refresh: bool, pin: bool) -> tuple[str, dict]:
+    async def register(
+        ref: str, revision: str | None, adapter_id: str | None, refresh: bool, pin: bool
+    ) -> tuple[str, dict]:
         if adapter_id is not None:
             check_adapter_id(adapter_id)
-        result = await off_loop(manager.register, ref, adapter_id, refresh)
+        state.check_ref(ref, revision)
+        full_ref = ref if revision is None else f"{ref}@{revision}"
+        result = await off_loop(manager.register, full_ref, adapter_id, refresh)
         adapter_id = result.record.adapter_id
         if pin:
             await off_loop(manager.pin, adapter_id)
@@ -56,7 +65,7 @@ def admin_router(state: ServerState) -> APIRouter:
     @router.post("/v1/adapters", dependencies=admin)
     async def register_adapter(body: RegisterAdapterRequest) -> JSONResponse:
         try:
-            action, info = await register(body.full_ref(), body.id, body.refresh, body.pin)
+            action, info = await register(body.ref, body.revision, body.id, body.refresh, body.pin)
         except Exception as err:  # noqa: BLE001
             raise to_api_error(err) from err
         return JSONResponse({**info, "action": action}, status_code=201 if action == "registered" else 200)
@@ -65,7 +74,8 @@ def admin_router(state: ServerState) -> APIRouter:
     def list_adapters() -> dict:
         residency = manager.residency()
         data = [adapter_info(manager, r, residency.get(r.adapter_id)) for r in manager.registry.list()]
-        return {"object": "list", "data": data}
+        data += [unrestored_info(u) for u in manager.registry.unrestored()]
+        return {"object": "list", "data": sorted(data, key=lambda a: a["id"])}
 
     @router.post("/v1/adapters/{adapter_id:path}/pin", dependencies=admin)
     async def pin(adapter_id: str) -> dict:
@@ -79,6 +89,9 @@ def admin_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/adapters/{adapter_id:path}")
     def get_adapter(adapter_id: str) -> dict:
+        unrestored = _unrestored(manager, adapter_id)
+        if unrestored is not None:
+            return unrestored_info(unrestored)
         record = _record(manager, adapter_id)
         info = adapter_info(manager, record)
         moves = manager.swap_metrics.moves(adapter_id)
@@ -95,7 +108,7 @@ def admin_router(state: ServerState) -> APIRouter:
         try:
             if body.load_inplace and body.lora_name in manager.registry:
                 await off_loop(manager.unregister, body.lora_name)
-            await register(body.lora_path, body.lora_name, False, False)
+            await register(body.lora_path, None, body.lora_name, False, False)
         except Exception as err:  # noqa: BLE001
             raise to_api_error(err) from err
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -134,7 +147,37 @@ def adapter_info(manager: AdapterManager, record: AdapterRecord, residency: Adap
     }
 
 
+def unrestored_info(unrestored: UnrestoredAdapter) -> dict:
+    """A durable registration that could not be restored at start-up: its source, sha and why."""
+    row = unrestored.registration
+    return {
+        "id": row.adapter_id,
+        "object": "adapter",
+        "source": row.ref,
+        "revision": row.revision,
+        "sha": row.sha,
+        "rank": None,
+        "modules": 0,
+        "bytes": 0,
+        "registered_at": row.registered_at,
+        "warnings": [],
+        "status": "unrestorable",  # unregister it, or register it again once its source is back
+        "error": unrestored.error,
+        "tier": None,
+        "slot": None,
+        "pinned": row.pinned,
+        "in_flight": 0,
+        "last_used": None,
+    }
+
+
+def _unrestored(manager: AdapterManager, adapter_id: str) -> UnrestoredAdapter | None:
+    return next((u for u in manager.registry.unrestored() if u.registration.adapter_id == adapter_id), None)
+
+
 def _known(manager: AdapterManager, adapter_id: str) -> str:
+    if _unrestored(manager, adapter_id) is not None:
+        return adapter_id
     return _record(manager, adapter_id).adapter_id
 
 

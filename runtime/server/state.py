@@ -6,8 +6,9 @@ import hmac
 import ipaddress
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from adapter_manager import AdapterManager, background_executor
+from adapter_manager import AdapterManager, AdapterRef, background_executor, is_local_ref
 
 from ..engine.engine import Engine
 from ..model.tokenizer import Tokenizer
@@ -31,8 +32,11 @@ class ServerConfig:
     default_chat_max_tokens: int = 256  # chat max_tokens when the client sends none (capped by the context left)
     register_workers: int = 2  # threads that download and prepare adapters, off the event loop
     chat_template: ChatTemplate = field(default_factory=ChatTemplate.default)  # messages -> prompt text
+    local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: no local paths
 
     def __post_init__(self) -> None:
+        if self.local_roots is not None:
+            self.local_roots = tuple(Path(root).expanduser().resolve() for root in self.local_roots)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_pending < 1 or self.max_body_bytes < 1024 or self.register_workers < 1:
@@ -78,6 +82,32 @@ class ServerState:
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise APIError(401, "admin routes need 'Authorization: Bearer <admin token>'", None, "unauthorized")
+
+    def check_ref(self, ref: str, revision: str | None = None) -> None:
+        """Validate a ref sent to the admin API from its text, before any file or network access: a hub id must
+        parse; a local directory needs `local_roots` (`--local-root`) and must lie under one of them."""
+        if not is_local_ref(ref):
+            AdapterRef.parse(ref if revision is None else f"{ref}@{revision}")
+            return
+        if revision is not None:
+            raise APIError(400, "a revision applies to hub ids only, not to a local directory", "revision")
+        roots = self.config.local_roots
+        if roots is None:
+            raise APIError(
+                403,
+                f"registering a local directory ({ref}) over the API is disabled; start the server with "
+                "--local-root DIR (ServerConfig.local_roots) to allow directories under DIR, or register a hub id",
+                "ref",
+                "local_paths_disabled",
+            )
+        path = AdapterRef.parse(ref).path
+        if not any(path.is_relative_to(root) for root in roots):
+            raise APIError(
+                403,
+                f"local path {path} is outside the allowed --local-root directories {[str(r) for r in roots]}",
+                "ref",
+                "outside_local_root",
+            )
 
     def close(self) -> None:
         self.generator.close()

@@ -107,6 +107,8 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
             f"{adapter}=pre/loaded",
             "--workdir",
             str(tmp_path),
+            "--local-root",
+            str(tmp_path),  # the API may register directories under it
         ],  # fmt: skip
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -40,13 +40,22 @@ def files(tmp_path_factory):
     return root
 
 
-def start(files, *, hub: LocalHub | None = None, max_slots=2, max_pending=64, host_cache_bytes=1 << 24):
+def start(
+    files, *, hub: LocalHub | None = None, max_slots=2, max_pending=64, host_cache_bytes=1 << 24, local_roots="all"
+):
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=files / "hf-cache", retries=0) if hub else HubConfig()
     serving = build_serving(
         files / "model",
         AdapterManagerConfig(max_slots=max_slots, max_rank=8, host_cache_bytes=host_cache_bytes, hub=hub_config),
         EngineConfig(max_batch=16, max_seq_len=96),
-        ServerConfig(model_name=NAME, port=0, admin_token=TOKEN, max_pending=max_pending, max_body_bytes=64 * 1024),
+        ServerConfig(
+            model_name=NAME,
+            port=0,
+            admin_token=TOKEN,
+            max_pending=max_pending,
+            max_body_bytes=64 * 1024,
+            local_roots=(files / "local", files / "many") if local_roots == "all" else local_roots,
+        ),
     )
     return serving, BackgroundServer(serving.app).start()
 
@@ -184,11 +193,52 @@ def test_bad_adapters_are_refused_and_the_server_lives_on(server, admin, files):
     too_big = admin.post("/v1/adapters", json={"ref": str(files / "local" / "too-big")})
     assert too_big.status_code == 422 and "rank" in too_big.json()["error"]["message"]
     assert admin.post("/v1/adapters", json={"ref": "org/missing"}).status_code == 404
-    assert admin.post("/v1/adapters", json={"ref": str(files / "nowhere")}).status_code == 404
+    assert admin.post("/v1/adapters", json={"ref": str(files / "local" / "nowhere")}).status_code == 404
     assert admin.post("/v1/adapters", json={"ref": "not a ref!"}).status_code == 400
     conflict = admin.post("/v1/adapters", json={"ref": str(files / "local" / "ad1"), "id": "team/ad0"})
     assert conflict.status_code == 409
     assert admin.get("/health").json()["status"] == "ok"
+
+
+def test_refs_are_checked_before_any_file_or_hub_access(server, admin, files):
+    hub = server[1].hub
+    hub.clear_requests()
+    outside = admin.post("/v1/adapters", json={"ref": str(files / "model")})  # a directory, outside --local-root
+    assert outside.status_code == 403 and "outside the allowed --local-root" in outside.json()["error"]["message"]
+    escape = admin.post("/v1/adapters", json={"ref": str(files / "local" / ".." / "model")})
+    assert escape.status_code == 403
+    for body in (
+        {"ref": "org/hubbed", "revision": "../../etc"},
+        {"ref": "org/hubbed@main//x"},
+        {"ref": "org/hub--bed"},
+        {"ref": "./bad\x01name"},
+        {"ref": str(files / "local" / "ad0"), "revision": "v1"},  # a revision on a local directory
+        {"ref": "org/hubbed", "id": "a/../b"},
+    ):
+        answer = admin.post("/v1/adapters", json=body)
+        assert answer.status_code == 400, (body, answer.text)
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    vllm = admin.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "org/hubbed@bad..rev"})
+    assert vllm.status_code == 400
+    assert hub.requests == []  # none of them reached the hub
+
+
+def test_local_paths_over_the_api_are_refused_without_local_root(files):
+    serving, background = start(files, local_roots=None)
+    try:
+        with httpx.Client(base_url=background.url, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            refused = http.post("/v1/adapters", json={"ref": str(files / "local" / "ad0")})
+            assert refused.status_code == 403
+            error = refused.json()["error"]
+            assert "--local-root" in error["message"] and error["code"] == "local_paths_disabled"
+            vllm = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(files / "local")})
+            assert vllm.status_code == 403 and "--local-root" in vllm.json()["error"]["message"]
+            assert http.get("/v1/adapters").json()["data"] == []
+        serving.manager.register(str(files / "local" / "ad0"), "python/ad0")  # Python (and CLI start-up) may
+        assert "python/ad0" in serving.manager.registry
+    finally:
+        background.stop()
+        serving.close()
 
 
 def test_vllm_load_and_unload_bodies(server, admin, files):
