@@ -167,7 +167,7 @@ class AdapterRegistry:
                         self._records[adapter_id] = record
                     return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
                 record, prepared, prepare_s = self._load(adapter_id, parsed, files)
-                self._persist(record)
+                self._persist(record, keep_pin=previous is not None)
                 with self._lock:
                     self._records[adapter_id] = record
                     self._unrestored.pop(adapter_id, None)
@@ -175,7 +175,7 @@ class AdapterRegistry:
             if previous is not None:
                 self.host.discard((adapter_id, previous.sha))
                 log.info("adapter %r updated %s -> %s", adapter_id, previous.sha, record.sha)
-        self._used(record)
+        self._used(record, files.downloaded_bytes > 0)
         action = "registered" if previous is None else "updated"
         return RegisterResult(
             record, action, previous.sha if previous else None, download_s, prepare_s, files.downloaded_bytes
@@ -220,6 +220,8 @@ class AdapterRegistry:
                 continue
             self.metrics.restored(True)
             restored.append(row)
+        if self.disk is not None:
+            self.disk.enforce()  # also applies a bound lowered since the last run
         return restored
 
     def unrestored(self) -> list[UnrestoredAdapter]:
@@ -256,7 +258,7 @@ class AdapterRegistry:
             with self._on_disk(record.ref.repo_id):
                 files = self._files(record)
                 prepared = self._prepare(adapter_id, files, record.modules)[0]
-            self._used(record)
+            self._used(record, files.downloaded_bytes > 0)
             return prepared
 
         return self.host.get_or_load((adapter_id, record.sha), load)
@@ -299,15 +301,16 @@ class AdapterRegistry:
                 self._records[row.adapter_id] = record
                 self._unrestored.pop(row.adapter_id, None)
         self.host.put((row.adapter_id, record.sha), prepared)
-        self._used(record)
+        self._used(record, grew=False)  # the bound is enforced once all are restored
 
-    def _persist(self, record: AdapterRecord) -> None:
+    def _persist(self, record: AdapterRecord, keep_pin: bool = True) -> None:
         """Commit the registration to the durable store (before it is published or answered)."""
         if self.store is None:
             return
         ref = record.ref
         source = ref.repo_id if ref.repo_id is not None else str(ref.path)
-        self.store.put(Registration(record.adapter_id, source, ref.revision, record.sha, False, record.registered_at))
+        row = Registration(record.adapter_id, source, ref.revision, record.sha, False, record.registered_at)
+        self.store.put(row, keep_pin)
 
     @contextmanager
     def _id_lock(self, adapter_id: str) -> Iterator[None]:
@@ -325,15 +328,17 @@ class AdapterRegistry:
         with self.disk.using(repo_id):
             yield
 
-    def _used(self, record: AdapterRecord) -> None:
-        """A hub adapter's files were just used: refresh their LRU position and keep the disk tier in bound."""
+    def _used(self, record: AdapterRecord, grew: bool) -> None:
+        """A hub adapter's files were just used: refresh their LRU position and, if a download `grew` the cache,
+        bring the disk tier back under its bound (a disk hit scans nothing)."""
         if self.disk is None or record.ref.repo_id is None:
             return
         self.disk.touch(record.ref.repo_id, record.sha)
-        try:
-            self.disk.enforce()
-        except OSError as err:
-            log.error("disk tier: eviction failed: %s", err)
+        if grew:
+            try:
+                self.disk.enforce()
+            except OSError as err:
+                log.error("disk tier: eviction failed: %s", err)
 
     def _needed(self) -> set[tuple[str, str]]:
         with self._lock:

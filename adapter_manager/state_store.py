@@ -63,15 +63,15 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
 
-    def put(self, row: Registration) -> None:
-        """Insert or replace the registration of `row.adapter_id`, keeping its pin unless `row.pinned`."""
+    def put(self, row: Registration, keep_pin: bool = True) -> None:
+        """Insert or replace the registration of `row.adapter_id`; an update keeps a stored pin if `keep_pin`."""
         with self._lock:
             self._db.execute(
                 "INSERT INTO registrations (adapter_id, ref, revision, sha, pinned, registered_at) "
                 "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(adapter_id) DO UPDATE SET ref = excluded.ref, "
-                "revision = excluded.revision, sha = excluded.sha, pinned = MAX(pinned, excluded.pinned), "
-                "registered_at = excluded.registered_at",
-                (row.adapter_id, row.ref, row.revision, row.sha, int(row.pinned), row.registered_at),
+                "revision = excluded.revision, sha = excluded.sha, registered_at = excluded.registered_at, "
+                "pinned = CASE WHEN ? THEN MAX(pinned, excluded.pinned) ELSE excluded.pinned END",
+                (row.adapter_id, row.ref, row.revision, row.sha, int(row.pinned), row.registered_at, keep_pin),
             )
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> None:

@@ -1,0 +1,83 @@
+"""The disk tier on a real HF cache filled by huggingface_hub from the local hub: LRU order, pins during use,
+revisions no registration needs first, and repositories it does not own never touched."""
+
+from __future__ import annotations
+
+import pytest
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import scan_cache_dir, snapshot_download
+
+from adapter_manager import DiskTier, LocalHub, SwapMetrics, write_synthetic_adapter
+
+
+@pytest.fixture
+def cache(tmp_path, tiny_spec, monkeypatch):
+    """org/a, org/b, org/c (each one revision) and other/model (not owned) downloaded into one HF cache."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    for i, name in enumerate(("org/a", "org/b", "org/c", "other/model")):
+        write_synthetic_adapter(tmp_path / "hub" / name, tiny_spec, r=4, seed=i)
+    with LocalHub(tmp_path / "hub") as hub:
+        for name in ("other/model", "org/a", "org/b", "org/c"):
+            snapshot_download(name, endpoint=hub.endpoint, cache_dir=tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+def _repos(cache) -> dict[str, str]:
+    return {r.repo_id: next(iter(r.revisions)).commit_hash for r in scan_cache_dir(cache).repos}
+
+
+def _tier(cache, capacity, needed=set) -> DiskTier:
+    tier = DiskTier(cache, capacity, SwapMetrics(), needed)
+    for repo in ("org/a", "org/b", "org/c"):
+        tier.own(repo)
+    return tier
+
+
+def test_least_recently_used_goes_first_and_unowned_repos_stay(cache):
+    shas = _repos(cache)
+    one = max(r.size_on_disk for r in scan_cache_dir(cache).repos)
+    tier = _tier(cache, 2 * one)
+    for repo in ("org/b", "org/a", "org/c"):
+        tier.touch(repo, shas[repo])
+    assert tier.usage().used_bytes == sum(
+        r.size_on_disk for r in scan_cache_dir(cache).repos if r.repo_id != "other/model"
+    )
+    freed = tier.enforce()
+    assert set(_repos(cache)) == {"org/a", "org/c", "other/model"} and freed > 0
+    assert tier.usage().used_bytes <= 2 * one
+    small = _tier(cache, 1)  # below any adapter: every owned revision goes, the unowned model stays
+    small.enforce()
+    assert set(_repos(cache)) == {"other/model"}
+
+
+def test_a_repo_in_use_is_never_evicted_and_unneeded_revisions_go_first(cache):
+    shas = _repos(cache)
+    one = max(r.size_on_disk for r in scan_cache_dir(cache).repos)
+    tier = _tier(cache, one, needed=lambda: {("org/a", shas["org/a"]), ("org/b", shas["org/b"])})
+    for repo in ("org/c", "org/a", "org/b"):
+        tier.touch(repo, shas[repo])  # org/c: needed by no registration; org/a: oldest of the needed, in use
+    with tier.using("org/a"):
+        tier.enforce()
+        assert set(_repos(cache)) == {"org/a", "other/model"}  # in use: kept although least recently used
+    metrics = tier._metrics.snapshot()
+    assert metrics.evictions["disk"] == 2 and metrics.disk["used_bytes"] <= one
+    assert metrics.disk["evicted_bytes"] > 0 and metrics.disk["capacity_bytes"] == one
+
+
+def test_capacity_must_be_positive(cache):
+    with pytest.raises(ValueError, match="disk_cache_bytes must be positive, got 0"):
+        DiskTier(cache, 0, SwapMetrics())
+
+
+def test_a_sha_shared_with_a_repo_not_owned_is_kept(tmp_path, tiny_spec, monkeypatch):
+    """delete_revisions deletes a sha from every repo holding it, so a sha the base model shares is never deleted."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    for name in ("org/twin", "other/twin"):
+        write_synthetic_adapter(tmp_path / "hub" / name, tiny_spec, r=2, seed=0)  # same files: same commit sha
+    with LocalHub(tmp_path / "hub") as hub:
+        for name in ("org/twin", "other/twin"):
+            snapshot_download(name, endpoint=hub.endpoint, cache_dir=tmp_path / "cache")
+    tier = DiskTier(tmp_path / "cache", 1, SwapMetrics())
+    tier.own("org/twin")
+    assert tier.enforce() == 0
+    assert set(_repos(tmp_path / "cache")) == {"org/twin", "other/twin"}
