@@ -124,9 +124,9 @@ class AdapterManager:
             self.allocator.forget(result.record.adapter_id)
         return result
 
-    def unregister(self, adapter_id: str) -> AdapterRecord:
-        """Forget an adapter: its host entry goes at once, its slot at once if unpinned, else when the last
-        in-flight batch using it releases it."""
+    def unregister(self, adapter_id: str) -> AdapterRecord | None:
+        """Forget an adapter: its durable row and host entry go at once, its slot at once if unpinned, else when
+        the last in-flight batch using it releases it. None for a registration that could not be restored."""
         record = self.registry.unregister(adapter_id)
         self.prefetcher.forget(adapter_id)
         self.allocator.forget(adapter_id)

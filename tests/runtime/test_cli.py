@@ -77,6 +77,8 @@ def test_help_explains_every_command():
         assert command in top.stdout
     serve_help = run_cli("serve", "--help").stdout
     assert "--max-slots" in serve_help and "--admin-token" in serve_help and "127.0.0.1" in serve_help
+    for option in ("--state-dir", "--disk-cache-bytes", "--local-root"):
+        assert option in serve_help, option
     assert run_cli("serve").returncode == 2  # neither a model nor --random: usage error
 
 
