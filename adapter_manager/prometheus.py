@@ -14,7 +14,7 @@ snapshot and the server's adapter info endpoint). Latencies are histograms in se
     adapter_manager_adapters{tier="slot"|"host"|"disk"}                 registered adapters by highest tier
     adapter_manager_slots, adapter_manager_slots_pinned, adapter_manager_host_tier_{used,capacity}_bytes
     adapter_manager_disk_tier_{used,capacity}_bytes, _disk_tier_evicted_bytes_total  (with disk_cache_bytes)
-    adapter_manager_restored_adapters_total{outcome="restored"|"failed"}, adapter_manager_adapters_unrestorable
+    adapter_manager_restored_adapters_total, _restore_failures_total, _adapters_unrestorable (durable registrations)
 """
 
 from __future__ import annotations
@@ -93,12 +93,9 @@ class AdapterManagerCollector(Collector):
             yield CounterMetricFamily(
                 f"{ns}_disk_tier_evicted_bytes", "Bytes evicted from the disk tier", snapshot.disk["evicted_bytes"]
             )
-        restore = CounterMetricFamily(
-            f"{ns}_restored_adapters", "Durable registrations restored at start-up, by outcome", labels=["outcome"]
-        )
-        for outcome in ("restored", "failed"):
-            restore.add_metric([outcome], snapshot.restore.get(outcome, 0))
-        yield restore
+        restored, failed = snapshot.restore.get("restored", 0), snapshot.restore.get("failed", 0)
+        yield CounterMetricFamily(f"{ns}_restored_adapters", "Durable registrations restored at start-up", restored)
+        yield CounterMetricFamily(f"{ns}_restore_failures", "Durable registrations not restored at start-up", failed)
         yield GaugeMetricFamily(
             f"{ns}_adapters_unrestorable",
             "Durable registrations that could not be restored (listed by GET /v1/adapters)",

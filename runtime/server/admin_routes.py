@@ -106,6 +106,7 @@ def admin_router(state: ServerState) -> APIRouter:
     @router.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
         try:
+            state.check_ref(body.lora_path)  # before an in-place load drops the adapter it replaces
             if body.load_inplace and body.lora_name in manager.registry:
                 await off_loop(manager.unregister, body.lora_name)
             await register(body.lora_path, None, body.lora_name, False, False)

@@ -235,7 +235,10 @@ def test_local_paths_over_the_api_are_refused_without_local_root(files):
             assert vllm.status_code == 403 and "--local-root" in vllm.json()["error"]["message"]
             assert http.get("/v1/adapters").json()["data"] == []
         serving.manager.register(str(files / "local" / "ad0"), "python/ad0")  # Python (and CLI start-up) may
-        assert "python/ad0" in serving.manager.registry
+        body = {"lora_name": "python/ad0", "lora_path": str(files / "local" / "ad1"), "load_inplace": True}
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.post(background.url + "/v1/load_lora_adapter", json=body, headers=auth).status_code == 403
+        assert "python/ad0" in serving.manager.registry  # the refused in-place load dropped nothing
     finally:
         background.stop()
         serving.close()
