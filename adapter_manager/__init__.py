@@ -40,12 +40,11 @@ from .registry import (
     AdapterRegistry,
     RegisterResult,
     RegistryConfig,
-    UnrestoredAdapter,
     check_adapter_id,
 )
 from .row_layout import ModuleColumns, RowLayout
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, units_for
-from .state_store import Registration, StateStore
+from .state_store import Registration, StateStore, UnrestoredAdapter
 from .synthetic import write_synthetic_adapter
 from .workers import background_executor
 

@@ -31,7 +31,7 @@ from .hub import AdapterFiles, AdapterRef, HubConfig, HubResolver
 from .metrics import Move, SwapMetrics, Tier
 from .peft_format import LoraAdapterConfig, ModuleLora
 from .prepare import PreparedAdapter, prepare_adapter
-from .state_store import Registration, StateStore
+from .state_store import Registration, StateStore, UnrestoredAdapter
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class AdapterRegistry:
                     self.metrics.record(Move.HUB_TO_DISK, adapter_id, download_s, files.downloaded_bytes)
                     (self.metrics.miss if files.downloaded_bytes else self.metrics.hit)(Tier.DISK)
                 if previous is not None and previous.sha == files.sha:
-                    record = _replace_ref(previous, parsed, files)
+                    record = replace(previous, ref=parsed, files=files)
                     self._persist(record)
                     with self._lock:
                         self._records[adapter_id] = record
@@ -391,28 +391,7 @@ class AdapterRegistry:
             raise InvalidAdapterRefError(raw, f"local path {ref.path} is outside the allowed roots {list(roots)}")
 
 
-@dataclass(frozen=True)
-class UnrestoredAdapter:
-    """A durable registration that could not be restored at start-up, and why."""
-
-    registration: Registration
-    error: str
-
-
 def _same_model(a: str, b: str) -> bool:
     """Same base model: equal names, or equal last path component (a hub id vs a local copy of it)."""
     a, b = a.rstrip("/"), b.rstrip("/")
     return a == b or a.rsplit("/", 1)[-1].lower() == b.rsplit("/", 1)[-1].lower()
-
-
-def _replace_ref(record: AdapterRecord, ref: AdapterRef, files: AdapterFiles) -> AdapterRecord:
-    return AdapterRecord(
-        record.adapter_id,
-        ref,
-        files,
-        record.modules,
-        record.nbytes,
-        record.base_model,
-        record.registered_at,
-        record.warnings,
-    )

@@ -47,6 +47,14 @@ class Registration:
         return self.ref.startswith("/")
 
 
+@dataclass(frozen=True)
+class UnrestoredAdapter:
+    """A durable registration that could not be restored at start-up, and why."""
+
+    registration: Registration
+    error: str
+
+
 class StateStore:
     """The registrations table of one state directory; thread-safe. `close()` when done."""
 
