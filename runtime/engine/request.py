@@ -89,6 +89,11 @@ class RequestHandle:
         """Logprobs of the tokens streamed so far (all of them once done) when the params ask for ``logprobs``."""
         return list(self._request.logprobs)
 
+    def token_logprobs(self, index: int) -> TokenLogprobs | None:
+        """The logprobs of output token ``index`` once it was streamed (None without ``logprobs``)."""
+        logprobs = self._request.logprobs
+        return logprobs[index] if index < len(logprobs) else None
+
     @property
     def prompt_logprobs(self) -> list[TokenLogprobs | None]:
         """With ``prompt_logprobs``: one entry per prompt token (None for the first, which nothing predicts);
