@@ -9,7 +9,7 @@ tensors built on the host before the forward (`SamplingBatch.make`); after it, `
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +176,7 @@ class SamplingBatch:
     repetition: torch.Tensor | None  # [p, 1]
     frequency: torch.Tensor | None  # [p, 1]
     presence: torch.Tensor | None  # [p, 1]
-    history: torch.Tensor | None  # [p, L] prompt + output ids, padded with V
+    history: torch.Tensor | None  # [p, L] prompt + output ids, padded with the row's first id
     outputs: torch.Tensor | None  # [p, Lo] output ids, padded with V
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row in p, token id, value)
     masked: tuple[torch.Tensor, torch.Tensor] | None  # (row in p, stop id) of rows still under min_tokens
@@ -195,9 +195,9 @@ class SamplingBatch:
             picked = [i for i, row in enumerate(samples) if keep(row.params)]
             return tensor(picked) if picked else None
 
-        def padded(seqs: list[Sequence[int]]) -> torch.Tensor:
+        def padded(seqs: list[Sequence[int]], pad: Callable[[Sequence[int]], int]) -> torch.Tensor:
             width = max(1, *(len(s) for s in seqs))
-            return tensor([[*s, *([vocab] * (width - len(s)))] for s in seqs])
+            return tensor([[*s, *([pad(s)] * (width - len(s)))] for s in seqs])
 
         def column(values: list[float]) -> torch.Tensor:
             return tensor([[v] for v in values], torch.float32)
@@ -227,8 +227,8 @@ class SamplingBatch:
             repetition=column([r.params.repetition_penalty for r in pen]) if pen else None,
             frequency=column([r.params.frequency_penalty for r in pen]) if pen else None,
             presence=column([r.params.presence_penalty for r in pen]) if pen else None,
-            history=padded([r.history for r in pen]) if pen else None,
-            outputs=padded([r.generated for r in pen]) if pen else None,
+            history=padded([r.history for r in pen], lambda s: s[0]) if pen else None,  # repeats are harmless
+            outputs=padded([r.generated for r in pen], lambda s: vocab) if pen else None,
             bias=_bias_tensors(bias, tensor) if bias else None,
             masked=(tensor([m[0] for m in masked]), tensor([m[1] for m in masked])) if masked else None,
             logprob_rows=rows_where(lambda p: p.logprobs is not None),
@@ -259,9 +259,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.index_put_(batch.bias[:2], batch.bias[2], accumulate=True)
     if batch.masked is not None:
         logits.index_put_(batch.masked, torch.tensor(-math.inf, device=logits.device))
-    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device).scatter_(1, batch.history, True)
-    rp = batch.repetition
-    logits = torch.where(seen[:, :vocab], torch.where(logits > 0, logits / rp, logits * rp), logits)
+    seen, rp = logits.gather(1, batch.history), batch.repetition  # [p, L]: duplicates write the same value
+    logits.scatter_(1, batch.history, torch.where(seen > 0, seen / rp, seen * rp))
     ones = torch.ones_like(batch.outputs, dtype=torch.float32)
     counts = torch.zeros(rows, vocab + 1, device=logits.device).scatter_add_(1, batch.outputs, ones)[:, :vocab]
     logits = logits - batch.frequency * counts
@@ -284,17 +283,21 @@ def sample_step(logits: torch.Tensor, batch: SamplingBatch) -> StepSample:
     parts: list[torch.Tensor] = []
     tokens = None
     if n:
-        raw = logits.index_select(0, batch.rows).float()  # [n, V]
-        work = raw
-        if batch.penalized is not None:
-            work = raw.index_copy(0, batch.penalized, apply_penalties(raw.index_select(0, batch.penalized), batch))
-        tokens = work.argmax(-1)  # [n]
-        if not batch.greedy_only:
-            tokens = _draw(work, tokens, batch)
+        if batch.greedy_only and batch.penalized is None:  # the common path: argmax of the rows, no copy
+            tokens = logits.argmax(-1).index_select(0, batch.rows)
+        else:
+            work = logits.index_select(0, batch.rows).float()  # [n, V]
+            if batch.penalized is not None:
+                penalized = apply_penalties(work.index_select(0, batch.penalized), batch)
+                work = work.index_copy(0, batch.penalized, penalized)
+            tokens = work.argmax(-1)  # [n]
+            if not batch.greedy_only:
+                tokens = _draw(work, tokens, batch)
         parts.append(tokens.double())
         if batch.logprob_rows is not None:
             chosen = tokens.index_select(0, batch.logprob_rows).unsqueeze(1)
-            parts.append(_logprobs(raw.index_select(0, batch.logprob_rows), chosen, k))
+            raw = logits.index_select(0, batch.rows.index_select(0, batch.logprob_rows)).float()
+            parts.append(_logprobs(raw, chosen, k))
     if batch.prompt_rows is not None:
         rows = logits.index_select(0, batch.prompt_rows).float()
         parts.append(_logprobs(rows, batch.prompt_targets, k))
