@@ -84,7 +84,7 @@ def openai_router(state: ServerState) -> APIRouter:
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        k, echo = body.logprobs, body.echo
+        k = body.logprobs
         formats: dict[int, CompletionLogprobsFormat] = {}
 
         def prompt_text(index: int) -> str:
@@ -102,30 +102,32 @@ def openai_router(state: ServerState) -> APIRouter:
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs(index, entries), finish_reason=finish)
             return CompletionResponse(id=rid, created=created, model=body.model, choices=[choice]).model_dump()
 
-        def echoed(index: int, handle: RequestHandle) -> dict:
-            text = prompt_text(index)
-            entries = list(zip(prompts[index // body.n], handle.prompt_logprobs, strict=True)) if k is not None else []
-            out = chunk(index, text, None, entries)
+        def echo(index: int, handle: RequestHandle) -> tuple[str, CompletionLogprobs | None]:
+            """The prompt's text and, with logprobs, its tokens' (once the prompt is scored); offsets run on after."""
+            text, scored = prompt_text(index), None
             if k is not None:
+                scored = logprobs(index, list(zip(prompts[index // body.n], handle.prompt_logprobs, strict=True)))
                 formats[index].offset = len(text)
-            return out
+            return text, scored
+
+        def echoed(index: int, handle: RequestHandle) -> dict:
+            text, scored = echo(index, handle)
+            choice = CompletionChoice(index=index, text=text, logprobs=scored, finish_reason=None)
+            return CompletionResponse(id=rid, created=created, model=body.model, choices=[choice]).model_dump()
 
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        requests = _requests(state, body, prompts, max_tokens, echo=echo)
+        requests = _requests(state, body, prompts, max_tokens, echo=body.echo)
         if body.stream:
-            return await _stream(state, body, requests, adapter_id, chunk, echoed if echo else None)
+            return await _stream(state, body, requests, adapter_id, chunk, echoed if body.echo else None)
         results, handles, usage = await _complete(state, body, requests, adapter_id)
         choices = []
         for i, (result, handle) in enumerate(zip(results, handles, strict=True)):
-            head = echoed(i, handle)["choices"][0] if echo else {"text": "", "logprobs": None}
+            head, scored = echo(i, handle) if body.echo else ("", None)
             tail = logprobs(i, [(lp.token, lp) for lp in result.logprobs])
-            if tail is not None and head["logprobs"] is not None:
-                tail = CompletionLogprobs(**{key: head["logprobs"][key] + value for key, value in tail})
-            choices.append(
-                CompletionChoice(
-                    index=i, text=head["text"] + result.text, logprobs=tail, finish_reason=result.finish_reason
-                )
-            )
+            if scored is not None and tail is not None:
+                tail = CompletionLogprobs(**{key: getattr(scored, key) + value for key, value in tail})
+            finish = result.finish_reason
+            choices.append(CompletionChoice(index=i, text=head + result.text, logprobs=tail, finish_reason=finish))
         return CompletionResponse(id=rid, created=created, model=body.model, choices=choices, usage=usage)
 
     @router.post("/v1/chat/completions")
