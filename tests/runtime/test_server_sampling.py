@@ -10,7 +10,9 @@ from runtime.engine.engine import EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.model.checkpoint import write_random_checkpoint
 from runtime.model.config import LlamaConfig
+from runtime.model.tokenizer import ByteTokenizer
 from runtime.server.app import BackgroundServer
+from runtime.server.generation import TextDecoder
 from runtime.server.launch import build_serving
 from runtime.server.state import ServerConfig
 
@@ -177,3 +179,18 @@ def test_bad_options_get_a_400_naming_the_parameter(server, route, body, param):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_stop_strings_count_from_min_tokens_on():
+    def decode(min_tokens: int) -> str:
+        decoder = TextDecoder(ByteTokenizer(CONFIG.vocab_size), ["\n"], min_tokens)
+        text = ""
+        for token in b"a\nb\nc":
+            text += decoder.add(token)
+            if decoder.stopped:
+                return text
+        return text + decoder.flush()
+
+    assert decode(0) == "a"
+    assert decode(3) == "a\nb"  # the first newline came before the 3rd token
+    assert decode(5) == "a\nb\nc"
