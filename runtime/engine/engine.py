@@ -416,6 +416,7 @@ class Engine:
             self._running.remove(request)
             self._free_rows.append(request.cache_row)
             request.cache_row, request.prefilled = None, 0
+            request.prompt_logprobs.clear()
             self._waiting.appendleft(request)
 
     def _prefetch(self) -> None:
