@@ -13,7 +13,6 @@ after which steps, slot swaps and changing adapter mixes compile nothing. Eager 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import threading
@@ -31,8 +30,9 @@ from kernels.active_table import bucket_for
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from ..model.llama import Llama
 from .request import Request, RequestHandle
-from .sampling import PromptRow, SampleRow, SamplingBatch, SamplingParams, sample_step
+from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
+from .step_sampling import plan_sampling
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,10 @@ class Engine:
             bucket = next(b for b in self._buckets if b >= tokens)
             padding = StaticPadding(bucket, self.config.max_batch, self._padding_row)
         batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
-        batch, sampling, draws = self._sampling_batch(chunks, batch)
+        traced = self._sync is not None
+        pad_logits = max(batch.num_tokens, self.config.max_batch) if traced else None
+        device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
+        batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
         logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
         result = sample_step(logits, sampling)
         drawn = iter(zip(result.tokens, result.logprobs, strict=True))
@@ -347,38 +350,6 @@ class Engine:
                 self._finish(request, "stop")
             elif len(request.output) >= request.params.max_tokens:
                 self._finish(request, "length")
-
-    def _sampling_batch(
-        self, chunks: list[ScheduledChunk], batch: ForwardBatch
-    ) -> tuple[ForwardBatch, SamplingBatch, list[bool]]:
-        """The step's sampling inputs, built before the forward: which logits rows draw a token (each chunk's last
-        token, once its prompt is in) and which score prompt tokens (every token of a prompt_logprobs chunk). Only
-        chunks that score their prompt widen the logits beyond one row per chunk."""
-        samples, prompts, draws, index = [], [], [], []
-        flat = 0
-        for chunk in chunks:
-            request, params = chunk.request, chunk.request.params
-            prefill = request.in_prefill
-            done = not prefill or request.prefilled + chunk.count == len(request.prompt)
-            draws.append(done and params.max_tokens > 0)
-            if prefill and params.prompt_logprobs is not None:
-                for i in range(min(request.prefilled + chunk.count, len(request.prompt) - 1) - request.prefilled):
-                    at = request.prefilled + i  # this position's logits score prompt token at + 1
-                    prompts.append(PromptRow(len(index) + i, request.prompt[at + 1], params.prompt_logprobs))
-                index.extend(range(flat, flat + chunk.count))
-            else:
-                index.append(flat + chunk.count - 1)
-            if draws[-1]:
-                uniform = 0.0 if request.generator is None else float(torch.rand((), generator=request.generator))
-                history = (*request.prompt, *request.output) if params.penalized else ()
-                samples.append(SampleRow(len(index) - 1, params, history, request.output, request.stop_ids, uniform))
-            flat += chunk.count
-        if len(index) > len(chunks):  # prompt rows: ask for them; a traced step pads the logits to its token bucket
-            rows = max(batch.num_tokens, self.config.max_batch) if self._buckets else len(index)
-            logits_index = torch.tensor(index + [0] * (rows - len(index)), dtype=torch.long)
-            batch = dataclasses.replace(batch, logits_index=logits_index.to(self.model.device))
-        device = "cpu" if self._sync is not None else self.model.device  # traced: logits come back to the host
-        return batch, SamplingBatch.make(samples, prompts, self.model.config.vocab_size, device), draws
 
     def _run_model(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
         """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host.
