@@ -2,7 +2,7 @@
 
 from .engine import Engine, EngineConfig, StepStats
 from .request import Request, RequestFailedError, RequestHandle
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SamplingParamsError, TokenLogprobs
 from .scheduler import ScheduledChunk, SchedulerConfig, StepPlan, plan_step
 
 __all__ = [
@@ -12,10 +12,11 @@ __all__ = [
     "RequestFailedError",
     "RequestHandle",
     "SamplingParams",
+    "SamplingParamsError",
     "ScheduledChunk",
     "SchedulerConfig",
     "StepPlan",
     "StepStats",
+    "TokenLogprobs",
     "plan_step",
-    "sample",
 ]

@@ -30,8 +30,9 @@ from kernels.active_table import bucket_for
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from ..model.llama import Llama
 from .request import Request, RequestHandle
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
+from .step_sampling import plan_sampling
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
+        outside = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias / stop_ids token ids must lie in [0, {vocab}), got {sorted(outside)}")
         if adapter_id is not None:
             self.manager.registry.get(adapter_id)
         generator = None
@@ -318,15 +322,30 @@ class Engine:
             bucket = next(b for b in self._buckets if b >= tokens)
             padding = StaticPadding(bucket, self.config.max_batch, self._padding_row)
         batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
-        logits = self._run_model(batch, lease.slot_rows)  # [N, vocab], one row per chunk (then padding rows)
-        for row, chunk in enumerate(chunks):
+        traced = self._sync is not None
+        pad_logits = max(batch.num_tokens, self.config.max_batch) if traced else None
+        device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
+        batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
+        logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
+        result = sample_step(logits, sampling)
+        drawn = iter(zip(result.tokens, result.logprobs, strict=True))
+        scored = iter(result.prompt_logprobs)
+        for chunk, draws_token in zip(chunks, draws, strict=True):
             request = chunk.request
             if request.in_prefill:
+                if request.params.prompt_logprobs is not None:
+                    first = request.prefilled
+                    request.prompt_logprobs.extend([None] if first == 0 else [])
+                    targets = min(first + chunk.count, len(request.prompt) - 1) - first
+                    request.prompt_logprobs.extend(itertools.islice(scored, targets))
                 request.prefilled += chunk.count
                 if request.in_prefill:
                     continue
-            token = sample(logits[row], request.params, request.generator)
-            request.emit(token)
+                if not draws_token:  # max_tokens 0: the prompt is scored, nothing generated
+                    self._finish(request, "length")
+                    continue
+            token, logprobs = next(drawn)
+            request.emit(token, logprobs)
             if token in request.stop_ids:
                 self._finish(request, "stop")
             elif len(request.output) >= request.params.max_tokens:
@@ -368,6 +387,7 @@ class Engine:
             self._running.remove(request)
             self._free_rows.append(request.cache_row)
             request.cache_row, request.prefilled = None, 0
+            request.prompt_logprobs.clear()
             self._waiting.appendleft(request)
 
     def _prefetch(self) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 
 _DONE = object()
 
@@ -37,6 +37,8 @@ class Request:
     cache_row: int | None = None  # KV cache row while running
     prefilled: int = 0  # prompt tokens already in the cache
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # params.prompt_logprobs: [None, ..]
     finish_reason: str | None = None  # "length", "stop", "cancelled" or "error"
     error: BaseException | None = None
     _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
@@ -52,9 +54,11 @@ class Request:
         """Tokens of this sequence in the KV cache (= the position of its next token)."""
         return self.prefilled + max(len(self.output) - 1, 0) if not self.in_prefill else self.prefilled
 
-    def emit(self, token: int) -> None:
+    def emit(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output.append(token)
-        self._events.put(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        self._events.put(token)  # after the appends: a streamed token's logprobs are there
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         self.finish_reason, self.error = reason, error
@@ -79,6 +83,22 @@ class RequestHandle:
     @property
     def finish_reason(self) -> str | None:
         return self._request.finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Logprobs of the tokens streamed so far (all of them once done) when the params ask for ``logprobs``."""
+        return list(self._request.logprobs)
+
+    def token_logprobs(self, index: int) -> TokenLogprobs | None:
+        """The logprobs of output token ``index`` once it was streamed (None without ``logprobs``)."""
+        logprobs = self._request.logprobs
+        return logprobs[index] if index < len(logprobs) else None
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        """With ``prompt_logprobs``: one entry per prompt token (None for the first, which nothing predicts);
+        complete once the first token is streamed or the request is done."""
+        return list(self._request.prompt_logprobs)
 
     def cancel(self) -> None:
         """Ask the engine to drop the request (a client went away); it ends at the next step with finish_reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from ..engine.engine import Engine
 from ..engine.request import RequestHandle
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import SamplingParams, TokenLogprobs
 from ..model.tokenizer import Tokenizer
 
 _END = object()
@@ -30,15 +31,19 @@ class Completion:
     text: str
     finish_reason: str  # "stop" or "length"
     completion_tokens: int
+    logprobs: list[TokenLogprobs]  # of the tokens read (through the one completing a stop string), if asked for
 
 
 class TextDecoder:
     """Token ids -> text deltas. Decodes the whole output each time (outputs are short) so multi-byte characters
-    split across tokens come out whole; holds back a possible stop-string prefix until it is decided."""
+    split across tokens come out whole; holds back a possible stop-string prefix until it is decided. Stop strings
+    count only from the ``min_tokens``-th token on (as vLLM's min_tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._min_tokens = min_tokens
+        self._search_from = 0  # stop strings start at or after this character
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
         self._sent = 0
@@ -50,8 +55,10 @@ class TextDecoder:
         self.tokens += 1
         self._ids.append(token)
         text = self._tokenizer.decode(self._ids)
-        for stop in self._stop:
-            at = text.find(stop)
+        if self.tokens < self._min_tokens:
+            self._search_from = len(text)
+        for stop in self._stop if self.tokens >= self._min_tokens else ():
+            at = text.find(stop, self._search_from)
             if at >= 0:
                 self.stopped = True
                 return self._emit(text[:at])
@@ -113,25 +120,28 @@ class Generator:
                     handle.cancel()
                     self._drain.submit(self._await_end, handle)
 
-    async def tokens(self, handle: RequestHandle) -> AsyncIterator[int]:
-        """The request's token ids as the engine produces them; raises `RequestFailedError` if it fails."""
+    async def tokens(self, handle: RequestHandle) -> AsyncIterator[tuple[int, TokenLogprobs | None]]:
+        """The request's token ids, each with its logprobs (None unless asked for), as the engine produces them;
+        raises `RequestFailedError` if it fails."""
         loop = asyncio.get_running_loop()
         stream = handle.stream()
-        while True:
+        for index in itertools.count():
             token = await loop.run_in_executor(self._waiters, next, stream, _END)
             if token is _END:
                 return
-            yield token
+            yield token, handle.token_logprobs(index)
 
-    async def complete(self, handle: RequestHandle, stop: Sequence[str]) -> Completion:
-        decoder = TextDecoder(self.tokenizer, stop)
-        text = []
-        async for token in self.tokens(handle):
+    async def complete(self, handle: RequestHandle, stop: Sequence[str], min_tokens: int = 0) -> Completion:
+        decoder = TextDecoder(self.tokenizer, stop, min_tokens)
+        text, logprobs = [], []
+        async for token, token_logprobs in self.tokens(handle):
             text.append(decoder.add(token))
+            if token_logprobs is not None:
+                logprobs.append(token_logprobs)
             if decoder.stopped:
                 break
         text.append(decoder.flush())
-        return Completion("".join(text), finish_reason(handle, decoder), decoder.tokens)
+        return Completion("".join(text), finish_reason(handle, decoder), decoder.tokens, logprobs)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)

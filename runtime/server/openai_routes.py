@@ -17,10 +17,12 @@ from contextlib import AsyncExitStack
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
-from ..engine.sampling import SamplingParams
+from ..engine.request import RequestHandle
+from ..engine.sampling import SamplingParams, SamplingParamsError
 from .chat_template import ChatTemplateError
 from .generation import TextDecoder, finish_reason
 from .http_errors import APIError, error_body, to_api_error
+from .openai_logprobs import CompletionLogprobsFormat, TokenEntry, chat_logprobs
 from .openai_schema import (
     MAX_PROMPTS,
     AssistantMessage,
@@ -30,7 +32,9 @@ from .openai_schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     SamplingFields,
@@ -38,8 +42,8 @@ from .openai_schema import (
 )
 from .state import ServerState
 
-# (choice index, text delta, finish reason or None) -> one SSE chunk body
-_ChunkFn = Callable[[int, str, str | None], dict]
+# (choice index, text delta, finish reason or None, token entries whose text the delta carries) -> one SSE chunk body
+_ChunkFn = Callable[[int, str, str | None, list[TokenEntry]], dict]
 
 
 def openai_router(state: ServerState) -> APIRouter:
@@ -68,26 +72,62 @@ def openai_router(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
         adapter_id = _admit(state, body)
-        prompts = []
+        prompts, texts = [], []
         for i, prompt in enumerate(body.prompts()):
+            text = prompt if isinstance(prompt, str) else None
             if isinstance(prompt, str):
                 prompt = state.tokenizer.encode(prompt)
             if not prompt:
                 raise APIError(400, f"prompt {i} is empty", "prompt")
             prompts.append(prompt)
+            texts.append(text)
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        k = body.logprobs
+        formats: dict[int, CompletionLogprobsFormat] = {}
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
-            choice = CompletionChoice(index=index, text=text, finish_reason=finish)
+        def prompt_text(index: int) -> str:
+            text = texts[index // body.n]
+            return text if text is not None else state.tokenizer.decode(prompts[index // body.n])
+
+        def logprobs(index: int, entries: list[TokenEntry]) -> CompletionLogprobs | None:
+            if k is None:
+                return None
+            if index not in formats:
+                formats[index] = CompletionLogprobsFormat(state.tokenizer)
+            return formats[index](entries)
+
+        def chunk(index: int, text: str, finish: str | None, entries: list[TokenEntry]) -> dict:
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs(index, entries), finish_reason=finish)
             return CompletionResponse(id=rid, created=created, model=body.model, choices=[choice]).model_dump()
 
-        requests = _requests(state, body, prompts, body.max_tokens or 16)
+        def echo(index: int, handle: RequestHandle) -> tuple[str, CompletionLogprobs | None]:
+            """The prompt's text and, with logprobs, its tokens' (once the prompt is scored); offsets run on after."""
+            text, scored = prompt_text(index), None
+            if k is not None:
+                scored = logprobs(index, list(zip(prompts[index // body.n], handle.prompt_logprobs, strict=True)))
+                formats[index].offset = len(text)
+            return text, scored
+
+        def echoed(index: int, handle: RequestHandle) -> dict:
+            text, scored = echo(index, handle)
+            choice = CompletionChoice(index=index, text=text, logprobs=scored, finish_reason=None)
+            return CompletionResponse(id=rid, created=created, model=body.model, choices=[choice]).model_dump()
+
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        requests = _requests(state, body, prompts, max_tokens, echo=body.echo)
         if body.stream:
-            return await _stream(state, body, requests, adapter_id, chunk)
-        results, usage = await _complete(state, body, requests, adapter_id)
-        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)]
+            return await _stream(state, body, requests, adapter_id, chunk, echoed if body.echo else None)
+        results, handles, usage = await _complete(state, body, requests, adapter_id)
+        choices = []
+        for i, (result, handle) in enumerate(zip(results, handles, strict=True)):
+            head, scored = echo(i, handle) if body.echo else ("", None)
+            tail = logprobs(i, [(lp.token, lp) for lp in result.logprobs])
+            if scored is not None and tail is not None:
+                tail = CompletionLogprobs(**{key: getattr(scored, key) + value for key, value in tail})
+            finish = result.finish_reason
+            choices.append(CompletionChoice(index=i, text=head + result.text, logprobs=tail, finish_reason=finish))
         return CompletionResponse(id=rid, created=created, model=body.model, choices=choices, usage=usage)
 
     @router.post("/v1/chat/completions")
@@ -102,18 +142,27 @@ def openai_router(state: ServerState) -> APIRouter:
         room = state.engine.config.max_seq_len - len(prompt)
         max_tokens = body.max_completion_tokens or body.max_tokens or min(state.config.default_chat_max_tokens, room)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        asked = body.top_logprobs_count() is not None
 
-        def chunk(index: int, text: str, finish: str | None) -> dict:
+        def logprobs(entries: list[TokenEntry]) -> ChatLogprobs | None:
+            return chat_logprobs(state.tokenizer, [lp for _, lp in entries if lp is not None]) if asked else None
+
+        def chunk(index: int, text: str, finish: str | None, entries: list[TokenEntry]) -> dict:
             delta = ChatDelta(role="assistant", content=text) if finish is None else ChatDelta(content=text or None)
-            choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(entries), finish_reason=finish)
             return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[choice]).model_dump()
 
         requests = _requests(state, body, [prompt], max(max_tokens, 1))
         if body.stream:
             return await _stream(state, body, requests, adapter_id, chunk)
-        results, usage = await _complete(state, body, requests, adapter_id)
+        results, _, usage = await _complete(state, body, requests, adapter_id)
         choices = [
-            ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=r.text),
+                logprobs=chat_logprobs(state.tokenizer, r.logprobs) if asked else None,
+                finish_reason=r.finish_reason,
+            )
             for i, r in enumerate(results)
         ]
         return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=choices, usage=usage)
@@ -129,19 +178,38 @@ def _admit(state: ServerState, body: SamplingFields) -> str | None:
 
 
 def _requests(
-    state: ServerState, body: SamplingFields, prompts: list[list[int]], max_tokens: int
+    state: ServerState, body: SamplingFields, prompts: list[list[int]], max_tokens: int, echo: bool = False
 ) -> list[tuple[list[int], SamplingParams]]:
-    """`n` engine requests per prompt; choice j of a seeded request uses seed + j so the choices differ."""
+    """`n` engine requests per prompt; choice j of a seeded request uses seed + j so the choices differ. With echo
+    and logprobs the prompt is scored too (a prompt-only echo, max_tokens 0, scores it without reporting)."""
     eos = state.tokenizer.eos_id
     stop_ids = () if body.ignore_eos or eos is None else (eos,)
+    k = body.top_logprobs_count()
+    try:
+        bias = body.bias()
+    except ValueError as err:
+        raise APIError(400, str(err), "logit_bias") from err
     out = []
     for prompt in prompts:
         for j in range(body.n):
-            seed = None if body.seed is None else body.seed + j
             try:
-                params = SamplingParams(max_tokens, body.temperature, body.top_p, seed, stop_ids, body.ignore_eos)
-            except ValueError as err:
-                raise APIError(400, str(err), "max_tokens") from err
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    seed=None if body.seed is None else body.seed + j,
+                    stop_ids=stop_ids,
+                    ignore_eos=body.ignore_eos,
+                    logprobs=k,
+                    prompt_logprobs=(k or 0) if echo and (k is not None or max_tokens == 0) else None,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logit_bias=bias,
+                    min_tokens=body.min_tokens,
+                )
+            except SamplingParamsError as err:
+                raise APIError(400, str(err), err.param) from err
             out.append((prompt, params))
     return out
 
@@ -150,19 +218,32 @@ async def _complete(state: ServerState, body: SamplingFields, requests, adapter_
     generator, stops = state.generator, body.stop_strings()
     try:
         async with generator.run(requests, adapter_id) as handles:
-            results = await asyncio.gather(*(generator.complete(h, stops) for h in handles))
+            results = await asyncio.gather(*(generator.complete(h, stops, body.min_tokens) for h in handles))
     except Exception as err:  # noqa: BLE001 - every failure becomes an OpenAI error with its status
         raise to_api_error(err, "model") from err
     prompt_tokens = sum(len(p) for p, _ in requests[:: body.n])
     completion_tokens = sum(r.completion_tokens for r in results)
-    return results, Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    return (
+        results,
+        handles,
+        Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        ),
     )
 
 
 async def _stream(
-    state: ServerState, body: SamplingFields, requests, adapter_id: str | None, chunk: _ChunkFn
+    state: ServerState,
+    body: SamplingFields,
+    requests,
+    adapter_id: str | None,
+    chunk: _ChunkFn,
+    echoed: Callable[[int, RequestHandle], dict] | None = None,
 ) -> StreamingResponse:
+    """An SSE stream, choice after choice; ``echoed`` gives a choice's first chunk (the prompt) once its prompt is
+    scored. A chunk carries the logprobs of the tokens whose text it brings (held-back text: in a later chunk)."""
     generator, stops = state.generator, body.stop_strings()
     stack = AsyncExitStack()
     try:
@@ -178,19 +259,22 @@ async def _stream(
         async with stack:
             try:
                 for index, handle in enumerate(handles):
-                    decoder = TextDecoder(state.tokenizer, stops)
+                    decoder = TextDecoder(state.tokenizer, stops, body.min_tokens)
                     tokens = first_tokens if index == 0 else generator.tokens(handle)
-                    if index == 0 and first is not None:
-                        yield _sse(chunk(index, decoder.add(first), None))
-                    if not decoder.stopped:
-                        async for token in tokens:
-                            text = decoder.add(token)
-                            if text:
-                                yield _sse(chunk(index, text, None))
-                            if decoder.stopped:
-                                break
+                    head = first if index == 0 else await anext(tokens, None)
+                    if echoed is not None:
+                        yield _sse(echoed(index, handle))
+                    pending: list[TokenEntry] = []
+                    async for token, logprobs in _prepend(head, tokens):
+                        pending.append((token, logprobs))
+                        text = decoder.add(token)
+                        if text:
+                            yield _sse(chunk(index, text, None, pending))
+                            pending = []
+                        if decoder.stopped:
+                            break
                     completion_tokens += decoder.tokens
-                    yield _sse(chunk(index, decoder.flush(), finish_reason(handle, decoder)))
+                    yield _sse(chunk(index, decoder.flush(), finish_reason(handle, decoder), pending))
                 if body.stream_options is not None and body.stream_options.include_usage:
                     prompt_tokens = sum(len(p) for p, _ in requests[:: body.n])
                     usage = Usage(
@@ -198,13 +282,21 @@ async def _stream(
                         completion_tokens=completion_tokens,
                         total_tokens=prompt_tokens + completion_tokens,
                     )
-                    yield _sse({**chunk(0, "", None), "choices": [], "usage": usage.model_dump()})
+                    yield _sse({**chunk(0, "", None, []), "choices": [], "usage": usage.model_dump()})
             except Exception as err:  # noqa: BLE001 - headers are sent: report in the stream, then end it
                 api = to_api_error(err, "model")
                 yield _sse(error_body(api.status, api.message, api.param, api.code))
             yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _prepend(head: TokenEntry | None, rest: AsyncIterator[TokenEntry]) -> AsyncIterator[TokenEntry]:
+    if head is None:
+        return
+    yield head
+    async for item in rest:
+        yield item
 
 
 def _sse(payload: dict) -> str:

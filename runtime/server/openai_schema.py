@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.sampling import MAX_LOGPROBS
+
 MAX_STOP_STRINGS = 4
 MAX_N = 8
 MAX_PROMPTS = 32
@@ -31,24 +33,32 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's extension (1 = none)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: no eos / stop token before this many tokens
     ignore_eos: bool = False  # vLLM's extension: keep generating past the end-of-sequence token
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
+    def bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer keys; raises ValueError naming a key that is not a token id."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            out[int(key)] = value
+        return out
+
+    def top_logprobs_count(self) -> int | None:
+        """Top-k alternatives per generated token; None: no logprobs."""
+        return None
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) of the first field set to something this server does not do, else None."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty", "presence_penalty and frequency_penalty are not supported (use 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
             return "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_strings())}"
         return None
@@ -58,8 +68,9 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: text, token ids, or a list of either (one choice set per prompt)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -71,13 +82,16 @@ class CompletionRequest(SamplingFields):
             return [list(prompt)]
         return list(prompt)
 
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.best_of not in (None, 1) and self.best_of != self.n:
             return "best_of", "best_of is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 is only meaningful with echo (score the prompt)"
         return super().unsupported()
 
 
@@ -103,10 +117,14 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     response_format: dict | None = None
-    top_logprobs: int | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
@@ -116,6 +134,8 @@ class ChatCompletionRequest(SamplingFields):
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list) and any(p.type != "text" for p in message.content):
                 return f"messages[{i}].content", "only text content parts are supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
 
 
@@ -125,10 +145,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's logprobs: per token its text, logprob, top alternatives (text -> logprob, the chosen
+    token included) and its character offset in the choice's text; the first prompt token of an echo has None."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -146,10 +176,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -170,7 +214,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -136,3 +136,36 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
             assert handle.result(timeout=0) == expected[(tuple(prompt), name)][:max_tokens], (prompt, name)
     finally:
         manager.close()
+
+
+def test_logprobs_and_prompt_logprobs_on_xla_equal_peft(written):
+    """A step with a prompt-scoring row asks for every prompt position's logits (padded to the token bucket); the
+    logprobs equal log_softmax of PEFT's logits, and the plain row beside it still decodes HF's greedy tokens."""
+    device = torch_xla.device()
+    model = load_model(written[None][0], dtype=torch.float32, device=device)
+    manager = AdapterManager(
+        model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device)
+    )
+    manager.register(str(written["qv"][0]), adapter_id="qv")
+    config = EngineConfig(
+        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=16), token_buckets=(16,), eos_ids=()
+    )
+    engine = Engine(model, manager, config)
+    try:
+        prompt = [4, 60, 4, 33, 4, 17, 4, 9, 12]
+        scored = engine.submit(prompt, "qv", SamplingParams(max_tokens=3, logprobs=4, prompt_logprobs=4))
+        plain = engine.submit([2, 8, 33], None, SamplingParams(max_tokens=3, logprobs=2))
+        engine.run_until_idle(max_steps=20)
+        output = scored.result(timeout=0)
+        reference = torch.log_softmax(oracle_logits(written, "qv", prompt + output), -1)
+        entries = [(scored.prompt_logprobs[i], reference[i - 1]) for i in range(1, len(prompt))]
+        entries += [(lp, reference[len(prompt) + j - 1]) for j, lp in enumerate(scored.logprobs)]
+        for lp, ref in entries:
+            assert abs(lp.logprob - ref[lp.token].item()) < FP32_TOL
+            assert [t for t, _ in lp.top] == ref.topk(4).indices.tolist()
+        base = plain.result(timeout=0)
+        base_ref = torch.log_softmax(oracle_logits(written, None, [2, 8, 33] + base), -1)
+        assert base == base_ref[2 : 2 + len(base)].argmax(-1).tolist()
+        assert all(abs(lp.logprob - base_ref[2 + j, lp.token].item()) < FP32_TOL for j, lp in enumerate(plain.logprobs))
+    finally:
+        manager.close()

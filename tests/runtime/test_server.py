@@ -142,7 +142,14 @@ def test_errors_have_the_openai_shape_and_status(server, client):
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
     with pytest.raises(openai.NotFoundError):
         list(client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}], stream=True))
-    for bad in (dict(temperature=5.0), dict(max_tokens=500), dict(max_tokens=0), dict(logprobs=2), dict(n=99)):
+    for bad in (
+        dict(temperature=5.0),
+        dict(max_tokens=500),
+        dict(max_tokens=0),
+        dict(logprobs=21),
+        dict(suffix="s"),
+        dict(n=99),
+    ):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=NAME, prompt="x", **{"max_tokens": 2, **bad})
     with pytest.raises(openai.BadRequestError):
