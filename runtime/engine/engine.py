@@ -209,9 +209,10 @@ class Engine:
         self._finished_in_step = 0
         self._drop_cancelled()
         with self._lock:
-            running = {r.adapter_id for r in self._running}
+            wanted = {r.adapter_id for r in self._running} | {r.adapter_id for r in self._waiting}
             states = self.manager.allocator.states()
-            held = sum(s.units for s in states if s.manual and s.adapter_id not in running)
+            # operator pins of adapters no request here wants; a wanted one's units are counted when it is admitted
+            held = sum(s.units for s in states if s.manual and s.adapter_id not in wanted)
             plan = plan_step(
                 self.config.scheduler,
                 self._step,

@@ -51,6 +51,9 @@ class ChatTemplate:
         except TemplateError as err:
             raise ChatTemplateError(f"chat template does not compile: {err}") from err
 
+    def __reduce__(self) -> tuple:  # pickled by its fields (Ray ships configs to replicas), compiled again on load
+        return type(self), (self.source, self.from_checkpoint, self.bos_token, self.eos_token)
+
     def render(self, messages: list[dict[str, str]]) -> str:
         """Shape: messages = [{"role": ..., "content": ...}, ...]; returns the prompt with the assistant turn open."""
         try:

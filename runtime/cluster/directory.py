@@ -1,0 +1,66 @@
+"""The cluster's adapter directory: registration recorded once, and the latest report of every replica.
+
+Registration is validated once, by the replica that answers the admin request (the single-machine admin route, with
+its typed errors), then recorded here. Every other replica registers an adapter lazily, on its first request for it,
+from the same hub ref (huggingface_hub's cache makes that a disk read on a shared node). A deleted adapter leaves
+the directory at once (the ingress refuses it from then on); replicas unregister it at their next report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DirectoryEntry:
+    """One registered adapter: the ref replicas register it from, and what the validating replica answered."""
+
+    adapter_id: str
+    ref: str  # hub id[@revision] or local directory, as registered
+    version: int  # bumped on every (re-)registration, so replicas know to register it again
+    info: dict[str, Any] = field(default_factory=dict)  # the admin API's answer (source, sha, rank, bytes, ...)
+
+
+class AdapterDirectory:
+    """Plain state behind the directory deployment (one replica); every method is a short critical section."""
+
+    def __init__(self, report_ttl_s: float = 30.0) -> None:
+        self._entries: dict[str, DirectoryEntry] = {}
+        self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._version = 0
+        self._ttl = report_ttl_s
+
+    def put(self, adapter_id: str, ref: str, info: dict[str, Any]) -> DirectoryEntry:
+        old = self._entries.get(adapter_id)
+        if old is not None and old.ref == ref and old.info.get("sha") == info.get("sha"):
+            entry = DirectoryEntry(adapter_id, ref, old.version, info)
+        else:
+            self._version += 1
+            entry = DirectoryEntry(adapter_id, ref, self._version, info)
+        self._entries[adapter_id] = entry
+        return entry
+
+    def remove(self, adapter_id: str) -> bool:
+        return self._entries.pop(adapter_id, None) is not None
+
+    def get(self, adapter_id: str) -> DirectoryEntry | None:
+        return self._entries.get(adapter_id)
+
+    def entries(self) -> list[DirectoryEntry]:
+        return list(self._entries.values())
+
+    def versions(self) -> dict[str, int]:
+        return {a: e.version for a, e in self._entries.items()}
+
+    def report(self, replica: str, snapshot: dict[str, Any]) -> dict[str, int]:
+        """A replica's periodic report; answers with the adapters it may keep (id -> version)."""
+        self._reports[replica] = (time.time(), snapshot)
+        return self.versions()
+
+    def reports(self) -> dict[str, dict[str, Any]]:
+        """The live replicas' latest reports, each with its age; reports older than the TTL (dead replicas) go."""
+        now = time.time()
+        for replica in [r for r, (at, _) in self._reports.items() if now - at > self._ttl]:
+            del self._reports[replica]
+        return {r: {**snapshot, "age_s": round(now - at, 3)} for r, (at, snapshot) in self._reports.items()}

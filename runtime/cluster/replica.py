@@ -1,0 +1,218 @@
+"""One engine replica: an Engine with its own AdapterManager behind the single-machine server's app, with Serve's
+model multiplexing mapped onto the replica's slot pool.
+
+Serve's multiplexed loader is the pool's door: loading adapter X registers it (lazily, from the directory's ref)
+and operator-pins it into a slot; Serve's LRU unload unpins it (the slot stays filled, and evictable). Serve keeps
+at most `max_num_models_per_replica` = the pool's max-rank capacity loaded, so every adapter it believes the replica
+holds is pinned in the pool at once; the pool and host tier stay the only cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from adapter_manager import AdapterConflictError, AdapterNotFoundError, AdapterNotPinnedError, SlotsExhaustedError
+
+from ..server.http_errors import error_body, to_api_error
+from ..server.launch import build_serving
+from .config import ClusterConfig
+from .directory import DirectoryEntry
+from .forward import ForwardedRequest, ResponseStart, call_app
+from .replica_metrics import ReplicaGauges
+
+log = logging.getLogger(__name__)
+
+PIN_WAIT_S = 120.0  # how long a load waits for in-flight batches to release room in the pool
+
+
+class Heat:
+    """Requests per adapter, decayed exponentially (half-life `half_life_s`): how valuable each resident is."""
+
+    def __init__(self, half_life_s: float = 10.0) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._values: dict[str, tuple[float, float]] = {}
+
+    def hit(self, adapter_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._values[adapter_id] = (self.value(adapter_id, now) + 1.0, now)
+
+    def value(self, adapter_id: str, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        value, at = self._values.get(adapter_id, (0.0, now))
+        return value * math.exp(-self._rate * (now - at))
+
+    def forget(self, adapter_id: str) -> None:
+        self._values.pop(adapter_id, None)
+
+
+class Resident:
+    """What Serve's multiplexer caches for one adapter: a pin in the replica's pool, dropped once on unload."""
+
+    def __init__(self, replica: EngineReplica, adapter_id: str) -> None:
+        self._replica, self.adapter_id, self._held = replica, adapter_id, True
+        replica.loaded[adapter_id] = self
+
+    def __del__(self) -> None:  # Serve calls it on LRU unload (and Python again at collection: hence `_held`)
+        if not self._held:
+            return
+        self._held = False
+        if self._replica.loaded.get(self.adapter_id) is self:
+            del self._replica.loaded[self.adapter_id]
+        try:
+            self._replica.manager.unpin(self.adapter_id)
+        except (AdapterNotPinnedError, AdapterNotFoundError):
+            pass  # unregistered meanwhile: nothing is held
+
+
+class EngineReplica:
+    """The deployment's class body; `replica_class` wraps it with Serve's decorators (`models_per_replica` is a
+    decorator argument, so the class is made per config)."""
+
+    def __init__(self, config: ClusterConfig, directory: DeploymentHandle) -> None:
+        self.config = config
+        self.serving = build_serving(config.folder, config.manager, config.engine, config.server, config.dtype)
+        self.manager = self.serving.manager
+        self.serving.engine.start()
+        self.directory = directory
+        self.loaded: dict[str, Resident] = {}  # Serve's multiplexed models on this replica, by adapter id
+        self.synced: dict[str, int] = {}  # adapter id -> directory version it is registered at here
+        self.heat = Heat()
+        context = serve.get_replica_context()
+        self.name = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
+        self.gauges = ReplicaGauges()
+
+    async def load(self, adapter_id: str) -> Resident:
+        """The multiplexed loader: register from the directory if needed, then pin into the pool."""
+        await self._register(adapter_id)
+        await self._pin(adapter_id)
+        return Resident(self, adapter_id)
+
+    async def _register(self, adapter_id: str) -> None:
+        entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)
+        if entry is None:
+            raise AdapterNotFoundError(adapter_id, "is not registered in the cluster")
+        if self.synced.get(adapter_id) == entry.version and adapter_id in self.manager.registry:
+            return
+        loop = asyncio.get_running_loop()
+        registrations = self.serving.app.state.server.registrations
+        try:
+            await loop.run_in_executor(registrations, self.manager.register, entry.ref, adapter_id)
+        except AdapterConflictError:  # registered here from another source: the directory's entry wins
+            await loop.run_in_executor(registrations, self.manager.unregister, adapter_id)
+            await loop.run_in_executor(registrations, self.manager.register, entry.ref, adapter_id)
+        self.synced[adapter_id] = entry.version
+
+    async def _pin(self, adapter_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + PIN_WAIT_S
+        while True:
+            try:
+                await loop.run_in_executor(self.serving.app.state.server.registrations, self.manager.pin, adapter_id)
+                return
+            except SlotsExhaustedError:  # the units are held by batches of adapters Serve already unloaded
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
+
+    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """One HTTP request through the server's own app; with a multiplexed model id, its adapter is loaded first."""
+        adapter_id = serve.get_multiplexed_model_id()
+        if adapter_id:
+            self.heat.hit(adapter_id)
+            try:
+                await self.multiplexed(adapter_id)
+                if adapter_id not in self.manager.registry:  # deleted and registered again since Serve loaded it
+                    await self._register(adapter_id)
+                    await self._pin(adapter_id)
+            except Exception as err:  # noqa: BLE001 - answered like the single server answers it
+                api = to_api_error(err, "model")
+                body = json.dumps(error_body(api.status, api.message, api.param, api.code)).encode()
+                yield ResponseStart(api.status, ((b"content-type", b"application/json"),))
+                yield body
+                return
+        async for part in call_app(self.serving.app, request):
+            yield part
+
+    async def multiplexed(self, adapter_id: str) -> Resident:  # replaced by the Serve-decorated loader
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        """This replica's report: capacity, what it holds, how hot each adapter is, and its swap metrics."""
+        manager, now = self.manager, time.monotonic()
+        states = manager.allocator.states()
+        used = sum(s.units for s in states)
+        metrics = manager.metrics().to_dict()
+        metrics.pop("residency", None)
+        heat = {a: round(self.heat.value(a, now), 3) for a in self.loaded}
+        victim = min(heat.values(), default=0.0) if len(self.loaded) >= self.config.models_per_replica else 0.0
+        return {
+            "replica": self.name,
+            "pid": os.getpid(),
+            "capacity": self.config.models_per_replica,
+            "loaded": sorted(self.loaded),
+            "free": max(self.config.models_per_replica - len(self.loaded), 0),
+            "victim_heat": victim,
+            "heat": heat,
+            "units": manager.num_units,
+            "free_units": manager.num_units - used,
+            "slots": {
+                s.adapter_id: {"slot": s.slot, "rank": s.rank, "pinned": s.manual, "in_flight": s.pins} for s in states
+            },
+            "registered": len(manager.registry),
+            "in_flight": self.serving.app.state.server.generator.pending,
+            "metrics": metrics,
+        }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Serve every `stats_period_s`: report to the directory, drop deleted adapters, feed the router
+        and Prometheus."""
+        snapshot = self.snapshot()
+        try:
+            versions: dict[str, int] = await self.directory.report.remote(self.name, snapshot)
+            await self._reconcile(versions)
+        except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
+            log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
+        self.gauges.update(snapshot)
+        return {k: snapshot[k] for k in ("capacity", "free", "victim_heat", "free_units", "in_flight")}
+
+    async def _reconcile(self, versions: dict[str, int]) -> None:
+        loop = asyncio.get_running_loop()
+        for adapter_id in [r.adapter_id for r in self.manager.registry.list()]:
+            known = self.synced.get(adapter_id)
+            if known is None:
+                if adapter_id in versions:  # registered here by the admin route: adopt the directory's version
+                    self.synced[adapter_id] = versions[adapter_id]
+                continue
+            if versions.get(adapter_id) != known:  # deleted, or registered again from elsewhere
+                self.synced.pop(adapter_id, None)
+                self.heat.forget(adapter_id)
+                try:
+                    await loop.run_in_executor(None, self.manager.unregister, adapter_id)
+                except AdapterNotFoundError:
+                    pass
+
+    def __del__(self) -> None:
+        serving = getattr(self, "serving", None)
+        if serving is not None:
+            serving.engine.stop()
+            serving.close()
+
+
+def replica_class(config: ClusterConfig) -> type:
+    """The Serve deployment class for `config`: Serve's multiplexed loader sized to the pool."""
+
+    class AdapterReplica(EngineReplica):
+        @serve.multiplexed(max_num_models_per_replica=config.models_per_replica)
+        async def multiplexed(self, adapter_id: str) -> Resident:
+            return await self.load(adapter_id)
+
+    return AdapterReplica
