@@ -16,7 +16,7 @@ ensure_venv() {
         "$PY" -m pip install -q -e "$root[dev,xla]"
     else
         "$PY" -m pip install -q torch==2.13.0
-        "$PY" -m pip install -q -e "$root[dev]"
+        "$PY" -m pip install -q -e "$root[dev,cluster]"  # cluster: ray[serve] for tests/runtime/cluster (~25 s)
     fi
     echo "$want" > "$stamp"
 }

@@ -1,0 +1,190 @@
+"""The cluster as users use it: a local Ray on loopback, 2 engine replicas of the tiny model with 4 slots each,
+40 adapters served from the local hub, the official `openai` client against Serve's ingress. Every answer must
+equal the single-machine server's for the same prompt and seed; a replica killed mid-run loses nothing silently."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not installed")
+pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter  # noqa: E402
+from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
+from runtime.engine.engine import EngineConfig  # noqa: E402
+from runtime.model.checkpoint import write_random_checkpoint  # noqa: E402
+from runtime.model.config import LlamaConfig  # noqa: E402
+from runtime.server.app import BackgroundServer  # noqa: E402
+from runtime.server.launch import build_serving  # noqa: E402
+from runtime.server.state import ServerConfig  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+NAME = "tiny-base"
+ADAPTERS = [f"org/lora-{i:02d}" for i in range(40)]
+CONFIG = LlamaConfig.tiny()
+
+
+def _configs(root, hub: LocalHub) -> tuple[AdapterManagerConfig, EngineConfig, ServerConfig]:
+    hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", retries=0)
+    return (
+        AdapterManagerConfig(max_slots=4, max_rank=8, hub=hub_config),
+        EngineConfig(max_batch=8, max_seq_len=96),
+        ServerConfig(model_name=NAME, port=0),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _request(i: int) -> dict:
+    """Request i of the trace: adapter i mod 40, seeded sampling, every third one streamed, every fifth a chat."""
+    return {"model": ADAPTERS[i % len(ADAPTERS)], "seed": i, "stream": i % 3 == 0, "chat": i % 5 == 0}
+
+
+def _send(client, request: dict) -> str:
+    common = dict(model=request["model"], max_tokens=6, temperature=1.0, seed=request["seed"])
+    if request["chat"]:
+        messages = [{"role": "user", "content": f"hi {request['seed']}"}]
+        if request["stream"]:
+            stream = client.chat.completions.create(messages=messages, stream=True, **common)
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        return client.chat.completions.create(messages=messages, **common).choices[0].message.content
+    prompt = f"Hello {request['seed']}"
+    if request["stream"]:
+        return "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **common))
+    return client.completions.create(prompt=prompt, **common).choices[0].text
+
+
+def _client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    write_random_checkpoint(CONFIG, root / "model")
+    spec = CONFIG.to_spec(NAME)
+    for i, adapter in enumerate(ADAPTERS):
+        write_synthetic_adapter(root / "hub" / adapter, spec, r=4 if i % 2 else 8, lora_alpha=8, seed=i)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hub(files):
+    with LocalHub(files / "hub") as hub:
+        yield hub
+
+
+@pytest.fixture(scope="module")
+def expected(files, hub):
+    """The single-machine server's answers to the first 120 requests of the trace."""
+    manager, engine, server = _configs(files, hub)
+    serving = build_serving(files / "model", manager, engine, server)
+    for adapter in ADAPTERS:
+        serving.manager.register(adapter)
+    with BackgroundServer(serving.app) as background:
+        client = _client(background.url)
+        answers = {i: _send(client, _request(i)) for i in range(120)}
+    serving.close()
+    return answers
+
+
+@pytest.fixture(scope="module")
+def cluster(files, hub):
+    manager, engine, server = _configs(files, hub)
+    config = ClusterConfig(files / "model", manager, engine, server, replicas=2, replica_cpus=0.5, stats_period_s=0.5)
+    url = start_cluster(config, RayOptions(num_cpus=2, port=_free_port()))
+    try:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for adapter in ADAPTERS:
+                answer = http.post("/v1/adapters", json={"ref": adapter})
+                assert answer.status_code == 201, answer.text
+            yield url, http
+    finally:
+        stop_cluster(config)
+
+
+def _replicas(http, count: int = 2, timeout: float = 90.0) -> list[dict]:
+    """The replicas' reports once `count` live replicas have reported."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reports = [r for r in http.get("/v1/cluster/replicas").json()["data"] if r["age_s"] < 2.0]
+        if len(reports) >= count or time.monotonic() > deadline:
+            return reports
+        time.sleep(0.25)
+
+
+def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expected):
+    url, http = cluster
+    client = _client(url)
+    with ThreadPoolExecutor(8) as pool:
+        answers = dict(zip(range(80), pool.map(lambda i: _send(client, _request(i)), range(80)), strict=True))
+    assert answers == {i: expected[i] for i in range(80)}
+    reports = _replicas(http)
+    assert len(reports) == 2
+    for report in reports:  # Serve's loaded models are exactly the pool's operator pins, within the pool
+        assert len(report["loaded"]) <= report["capacity"] == 4
+        assert sorted(a for a, s in report["slots"].items() if s["pinned"]) == report["loaded"]
+    served = set().union(*(r["heat"] for r in reports))
+    assert served and served <= set(ADAPTERS)
+    models = {m.id for m in client.models.list().data}
+    assert models == {NAME, *ADAPTERS}
+    swaps = http.get("/v1/metrics/swaps").json()
+    assert swaps["moves"]["host_to_slot"]["count"] >= 40  # every adapter reached a slot somewhere
+    assert set(swaps["replicas"]) == {r["replica"] for r in reports}
+
+
+def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
+    url, http = cluster
+    client = _client(url)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="org/nobody", prompt="Hi", max_tokens=2)
+    bad = http.post("/v1/adapters", json={"ref": "org/does-not-exist"})
+    assert bad.status_code in (404, 502), bad.text
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).choices[0].text is not None
+    extra = http.post("/v1/adapters", json={"ref": ADAPTERS[0], "id": "team/extra"})
+    assert extra.status_code == 201, extra.text
+    assert client.completions.create(model="team/extra", prompt="Hi", max_tokens=2).choices
+    assert http.delete("/v1/adapters/team/extra").json()["deleted"] is True
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="team/extra", prompt="Hi", max_tokens=2)
+    deadline = time.monotonic() + 10
+    while any("team/extra" in r["slots"] for r in _replicas(http)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not any("team/extra" in r["slots"] for r in _replicas(http))  # each replica unregistered it
+
+
+def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expected):
+    url, http = cluster
+    client = _client(url)
+    before = _replicas(http)
+    victim = before[0]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_send, client, _request(i)) for i in range(80, 120)]
+        time.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+        outcomes = []
+        for i, future in zip(range(80, 120), futures, strict=True):
+            try:
+                outcomes.append((i, future.result()))
+            except openai.APIError as err:  # a clear error (503, or a stream's error event), never a wrong answer
+                assert getattr(err, "status_code", 503) == 503 and "replica" in err.message, err.message
+                outcomes.append((i, None))
+    for i, text in outcomes:
+        assert text is None or text == expected[i]
+    assert sum(text is not None for _, text in outcomes) >= 30  # retried on the survivor
+    after = _replicas(http, timeout=120)
+    assert len(after) == 2 and victim["pid"] not in {r["pid"] for r in after}  # Serve started a new one
+    assert [_send(client, _request(i)) for i in range(80, 100)] == [expected[i] for i in range(80, 100)]
