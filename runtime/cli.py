@@ -7,6 +7,7 @@ Commands:
   unregister  unregister an adapter from a running server
   metrics     swap latency, hit rates, evictions and exposed wait of a running server
   hub serve   serve a folder of PEFT adapters as a local Hugging Face Hub mirror
+  cluster serve  the same API on Ray Serve: N engine replicas, requests routed to where the adapter is
   demo        the end-to-end demo: 64 adapters, 8 slots, Zipf traffic through a running server
 
 Exit codes: 0 ok, 1 the server failed or could not be reached, 2 bad usage or input (including 4xx answers).
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
+    _add_cluster(commands)
 
     def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
@@ -157,6 +159,37 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--workdir", type=Path, default=None, help="with --random: where to write it (default: temp)")
 
 
+def _add_cluster(commands: argparse._SubParsersAction) -> None:
+    cluster = commands.add_parser("cluster", help="serve on Ray Serve (the cluster extra: pip install '.[cluster]')")
+    cluster_commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+    serve = cluster_commands.add_parser(
+        "serve",
+        help="serve a model on N Ray Serve replicas, each with its own adapter pool",
+        description="Start a local Ray on 127.0.0.1 (or join --address) and serve the same OpenAI API and adapter "
+        "admin API through Serve's ingress; the `model` field is Serve's multiplexed model id. Stop with Ctrl-C.",
+    )
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("model", nargs="?", help="checkpoint directory (every replica loads it)")
+    source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
+    serve.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    serve.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: a local Ray")
+    serve.add_argument("--num-cpus", type=float, default=None, help="local Ray's CPUs (default: the machine's)")
+    serve.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
+    serve.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
+    serve.add_argument("--max-slots", type=int, default=8, help="max-rank adapters per replica's pool (default 8)")
+    serve.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted (default 64)")
+    serve.add_argument("--host-cache-bytes", type=parse_bytes, default="2GiB", help="host tier bound per replica")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    serve.add_argument("--max-batch", type=int, default=16, help="sequences in flight per replica (default 16)")
+    serve.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
+    serve.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1 (default 8000)")
+    serve.add_argument("--metrics-port", type=int, default=None, help="local Ray: Prometheus export port")
+    serve.add_argument(
+        "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
+    )
+    serve.add_argument("--no-multiplex", action="store_true", help="no model ids: Serve's default routing (baseline)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -164,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return _hub(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "cluster":
+        return _cluster_serve(args)
     if args.command == "demo":
         from .demo import DemoConfig, run_demo
 
@@ -251,6 +286,66 @@ def _print_restored(manager) -> None:
         print(f"restored {len(manager.restored)} adapters from the state directory ({len(unrestored)} failed)")
     for failed in unrestored:
         print(f"warning: {failed.registration.adapter_id} not restored: {failed.error}", file=sys.stderr)
+
+
+def _cluster_serve(args: argparse.Namespace) -> int:
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as err:
+        return _fail(USAGE_ERROR, f"the cluster needs ray[serve]: pip install 'adapter-manager[cluster]' ({err})")
+    with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
+        if args.random:
+            from .model.checkpoint import write_random_checkpoint
+            from .model.config import LlamaConfig
+
+            folder, name = Path(tmp) / f"random-{args.random}", args.model_name or f"random-{args.random}"
+            write_random_checkpoint(getattr(LlamaConfig, args.random)(), folder)
+        else:
+            folder, name = Path(args.model).resolve(), args.model_name or args.model
+        return _run_cluster(args, folder, name)
+
+
+def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
+    import signal
+    import threading
+
+    from adapter_manager import AdapterManagerConfig
+
+    from .cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
+    from .engine.engine import EngineConfig
+    from .server.state import ServerConfig
+
+    try:
+        config = ClusterConfig(
+            folder,
+            AdapterManagerConfig(
+                max_slots=args.max_slots,
+                max_rank=args.max_rank,
+                host_cache_bytes=args.host_cache_bytes,
+                device=args.device,
+            ),
+            EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
+            ServerConfig(model_name=name, admin_token=args.admin_token),
+            replicas=args.replicas,
+            replica_cpus=args.replica_cpus,
+            multiplexed=not args.no_multiplex,
+        )
+        if not config.folder.is_dir():
+            raise ValueError(f"{config.folder} is not a checkpoint directory")
+        options = RayOptions(args.address, args.num_cpus, port=args.port, metrics_export_port=args.metrics_port)
+    except ValueError as err:
+        return _fail(USAGE_ERROR, err)
+    url = start_cluster(config, options)
+    print(f"serving {config.server.model_name} on {args.replicas} replicas at {url} (OpenAI API: {url}/v1)")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_cluster(config, shutdown_ray=args.address is None)
+    return OK
 
 
 def _client(args: argparse.Namespace) -> int:

@@ -80,7 +80,9 @@ def start_cluster(config: ClusterConfig, options: RayOptions = RayOptions()) -> 
 
 
 def stop_cluster(config: ClusterConfig, shutdown_ray: bool = True) -> None:
-    serve.delete(config.app_name)
+    """Delete the application; with `shutdown_ray` (a Ray this process started) stop Serve and Ray instead."""
     if shutdown_ray:
         serve.shutdown()
         ray.shutdown()
+    else:
+        serve.delete(config.app_name)

@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from ..server.http_errors import APIError, error_body, install_handlers
 from .config import ClusterConfig
 from .forward import ForwardedRequest, ResponseStart
+from .snapshots import merge_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -207,20 +208,12 @@ class Ingress:
 
     @app.get("/v1/metrics/swaps")
     async def swaps(self) -> dict:
-        """Swap metrics summed over live replicas (counts), with each replica's own snapshot."""
+        """The single server's snapshot shape summed over live replicas (percentiles from the merged latency
+        histograms: bucket upper bounds), with each replica's own snapshot under `replicas`."""
         reports = await self.directory.reports.remote()
-        total: dict[str, Any] = {"moves": {}, "hits": {}, "misses": {}, "evictions": {}}
-        for report in reports.values():
-            metrics = report["metrics"]
-            for move, s in metrics["moves"].items():
-                into = total["moves"].setdefault(move, {"count": 0, "total_bytes": 0, "total_seconds": 0.0})
-                for key in into:
-                    into[key] += s[key]
-            for key in ("hits", "misses", "evictions"):
-                for tier, count in metrics[key].items():
-                    total[key][tier] = total[key].get(tier, 0) + count
-        total["replicas"] = {r: report["metrics"] for r, report in reports.items()}
-        return total
+        merged = merge_snapshots([report["metrics"] for report in reports.values()])
+        merged["replicas"] = {r: report["metrics"] for r, report in reports.items()}
+        return merged
 
     @app.get("/health")
     async def health(self) -> dict:

@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter  # noqa: E402
+from runtime import cli  # noqa: E402
 from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
 from runtime.engine.engine import EngineConfig  # noqa: E402
 from runtime.model.checkpoint import write_random_checkpoint  # noqa: E402
@@ -144,6 +145,8 @@ def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expe
     swaps = http.get("/v1/metrics/swaps").json()
     assert swaps["moves"]["host_to_slot"]["count"] >= 40  # every adapter reached a slot somewhere
     assert set(swaps["replicas"]) == {r["replica"] for r in reports}
+    assert 0 < swaps["moves"]["host_to_slot"]["p50_s"] <= swaps["moves"]["host_to_slot"]["max_s"]
+    assert cli.main(["metrics", "--url", url]) == 0  # the CLI reads the cluster like a single server
 
 
 def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
