@@ -30,7 +30,7 @@ def build_app(config: ClusterConfig) -> serve.Application:
             request_router_kwargs={"spill_queue": config.spill_queue},
             request_routing_stats_period_s=config.stats_period_s,
         )
-        if config.multiplexed
+        if config.multiplexed and config.custom_router
         else RequestRouterConfig(request_routing_stats_period_s=config.stats_period_s)
     )
     replicas = serve.deployment(

@@ -26,7 +26,8 @@ class ClusterConfig:
     replica_cpus: float = 1.0  # Ray CPUs reserved per replica
     max_ongoing_requests: int = 64  # per replica, Serve's admission limit (<= server.max_pending)
     multiplexed: bool = True  # False: no multiplexed model id, Serve's default routing (the benchmark's baseline)
-    spill_queue: int = 4  # a resident adapter spreads to another replica once its holders run this many requests
+    custom_router: bool = True  # False: model ids with Serve's own multiplexed routing (power of two choices)
+    spill_queue: int = 4  # a resident adapter spreads once its holders run this many more requests than another
     stats_period_s: float = 1.0  # how often replicas report free capacity and adapter heat to the router
     app_name: str = "adapter-manager"
     route_prefix: str = "/"

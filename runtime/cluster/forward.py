@@ -21,6 +21,7 @@ class ForwardedRequest:
     query: bytes
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
+    adapter_id: str = ""  # the adapter the body names ("" = none or the base model)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ A replica that dies under a request: a JSON answer is retried on another replica
 a prompt and seed), as is a stream that has sent nothing yet; a stream cut after its first bytes ends with an
 OpenAI error event, as the single server ends a failed stream."""
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -28,6 +29,7 @@ from .snapshots import merge_snapshots
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # tries of one request when its replica dies under it
+KNOWN_TTL_S = 1.0  # how long the ingress trusts that an adapter is registered
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 app = FastAPI(title="adapter-manager cluster", version="0.1.0", docs_url=None, redoc_url=None)
@@ -83,6 +85,7 @@ class Ingress:
         self.replicas = replicas
         self.directory = directory
         self.started_at = time.time()
+        self.known: dict[str, float] = {}  # adapter id -> when the directory last confirmed it
 
     # -- generation: forwarded with the adapter as Serve's multiplexed model id --
 
@@ -103,7 +106,7 @@ class Ingress:
         model = body.get("model") if isinstance(body, dict) else None
         model_id = ""
         if isinstance(model, str) and model != self.config.server.model_name:
-            if await self.directory.get.remote(model) is None:
+            if not await self._known(model):
                 raise APIError(
                     404,
                     f"model {model!r} is neither the base model nor a registered adapter",
@@ -111,6 +114,7 @@ class Ingress:
                     "model_not_found",
                 )
             model_id = model if self.config.multiplexed else ""
+            forwarded = dataclasses.replace(forwarded, adapter_id=model)
         if isinstance(body, dict) and body.get("stream"):
             return await self._stream(forwarded, model_id)
         return await self._whole(forwarded, model_id)
@@ -164,7 +168,19 @@ class Ingress:
         await self._remove(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
+    async def _known(self, adapter_id: str) -> bool:
+        """Whether the directory has the adapter; a yes is trusted for KNOWN_TTL_S (this ingress's own deletes
+        forget it at once), so a request costs no directory call."""
+        now = time.monotonic()
+        if now - self.known.get(adapter_id, -KNOWN_TTL_S) < KNOWN_TTL_S:
+            return True
+        if await self.directory.get.remote(adapter_id) is None:
+            return False
+        self.known[adapter_id] = now
+        return True
+
     async def _remove(self, adapter_id: str) -> None:
+        self.known.pop(adapter_id, None)
         if not await self.directory.remove.remote(adapter_id):
             raise APIError(404, f"adapter {adapter_id!r} is not registered", "model", "model_not_found")
 

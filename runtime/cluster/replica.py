@@ -139,6 +139,11 @@ class EngineReplica:
                 yield ResponseStart(api.status, ((b"content-type", b"application/json"),))
                 yield body
                 return
+        elif request.adapter_id and request.adapter_id not in self.manager.registry:
+            try:  # no model id (Serve's default routing): register only; the pool's own LRU decides residency
+                await self._register(request.adapter_id)
+            except Exception:  # noqa: BLE001 - the app answers an unknown adapter with its own 404
+                log.warning("could not register %s", request.adapter_id, exc_info=True)
         async for part in call_app(self.serving.app, request):
             yield part
 
@@ -182,7 +187,8 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
         self.gauges.update(snapshot)
-        return {k: snapshot[k] for k in ("capacity", "free", "victim_heat", "free_units", "in_flight")}
+        stats = {k: snapshot[k] for k in ("capacity", "free", "victim_heat", "free_units", "in_flight")}
+        return {**stats, "in_slot": sorted(snapshot["slots"])}
 
     async def _reconcile(self, versions: dict[str, int]) -> None:
         loop = asyncio.get_running_loop()

@@ -5,10 +5,13 @@ among the replicas with the fewest models, i.e. any replica once all are full, s
 replica's hot one (ray#35911), and a holder is kept as long as its queue has room, so a hot adapter stays on one
 replica while others idle (ray#65691). This router ranks candidates instead:
 
-  holders of the adapter            while the least busy runs fewer than `spill_queue` requests;
-  holders + the best other replica  once they all run more: the hot adapter may load on a second replica;
-  no holder (cold)                  the replica with free capacity, else the one whose least recently used adapter
-                                    (the one Serve's LRU would unload) is the coldest, then the shortest queue.
+  holders of the adapter            while the least busy runs fewer than `spill_queue` requests more than the best
+                                    other replica;
+  holders + the best other replica  once they all run that many more: the hot adapter may load on a second one;
+  no holder (cold)                  a replica whose pool still has it in a slot (Serve unloaded it, the pool kept
+                                    it: loading it again is a pin, not a copy), else the replica with free
+                                    capacity, else the one whose least recently used adapter (the one Serve's LRU
+                                    would unload) is the coldest; then the shortest queue.
 
 Capacity and heat come from each replica's `record_routing_stats`; between reports the router counts the cold
 adapters it has just sent, so a burst of cold adapters spreads instead of piling onto one replica. Requests
@@ -37,12 +40,15 @@ class AdapterRouter(MultiplexMixin, RequestRouter):
             return [candidate_replicas]
         now = time.time()
         holders = [r for r in candidate_replicas if model in r.multiplexed_model_ids or self._was_placed(r, model, now)]
-        others = sorted((r for r in candidate_replicas if r not in holders), key=lambda r: self._cost(r, now))
+        others = sorted(
+            (r for r in candidate_replicas if r not in holders),
+            key=lambda r: (model not in (r.routing_stats or {}).get("in_slot", ()), *self._cost(r, now)),
+        )
         if not holders:
             if others:
                 self._placed.setdefault(others[0].replica_id, {})[model] = now
             return [others[:1], others[1:]]
-        if others and min(self._queue(r) for r in holders) >= self.spill_queue:
+        if others and min(self._queue(r) for r in holders) >= self._queue(others[0]) + self.spill_queue:
             return [holders + others[:1], others[1:]]
         return [holders, others]
 

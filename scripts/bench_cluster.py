@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Slot swaps and throughput of the Ray Serve cluster under one Zipf trace, routed three ways, side by side.
+
+One local Ray (loopback), `--replicas` engine replicas of the tiny (or bench) model, each with a pool of `--slots`
+max-rank adapters; `--adapters` synthetic adapters (ranks 4/8) served from the local hub and registered through
+the ingress; `--requests` completions whose adapter follows Zipf(`--alpha`) popularity (one trace, seed 0), sent
+by `--clients` concurrent clients through Serve's HTTP proxy. For each routing mode a fresh application on the same
+Ray: (a) `adapter` — the model id as Serve's multiplexed model id, routed by AdapterRouter (cold adapters to free or
+coldest capacity, hot adapters spill); (b) `serve-mux` — the same model ids through Serve's own multiplexed router
+(power of two choices); (c) `default` — no model id: Serve's default routing, each replica's pool LRU on its own.
+Slot swaps = host -> slot loads summed over replicas (the floor: the distinct adapters of the trace, each loaded
+once somewhere), per 1000 requests; throughput = requests / wall time. Prints a table, writes out/bench_cluster.json.
+Usage: .venv/bin/python scripts/bench_cluster.py [--requests 1000] [--adapters 200] [--replicas 2] [--slots 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter
+from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
+from runtime.engine.engine import EngineConfig
+from runtime.model.checkpoint import write_random_checkpoint
+from runtime.model.config import LlamaConfig
+from runtime.server.state import ServerConfig
+
+MODES = {  # name -> (multiplexed, custom_router)
+    "adapter": (True, True),
+    "serve-mux": (True, False),
+    "default": (False, False),
+}
+
+
+def _zipf_trace(adapters: int, requests: int, alpha: float, seed: int = 0) -> list[int]:
+    weights = 1.0 / np.arange(1, adapters + 1) ** alpha
+    rng = np.random.default_rng(seed)
+    return rng.choice(adapters, size=requests, p=weights / weights.sum()).tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_mode(name: str, args, root: Path, hub: LocalHub, ids: list[str], trace: list[int], port: int) -> dict:
+    multiplexed, custom = MODES[name]
+    config = ClusterConfig(
+        root / "model",
+        AdapterManagerConfig(
+            max_slots=args.slots, max_rank=8, hub=HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache")
+        ),
+        EngineConfig(max_batch=16, max_seq_len=128),
+        ServerConfig(model_name="base", port=0),
+        replicas=args.replicas,
+        replica_cpus=args.replica_cpus,
+        multiplexed=multiplexed,
+        custom_router=custom,
+        app_name=f"bench-{name}",
+    )
+    url = start_cluster(config, RayOptions(num_cpus=args.num_cpus, port=port))
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for adapter_id in ids:
+            http.post("/v1/adapters", json={"ref": adapter_id}).raise_for_status()
+        time.sleep(2 * config.stats_period_s)
+        before = http.get("/v1/metrics/swaps").json()["moves"].get("host_to_slot", {}).get("count", 0)
+
+        def send(i: int) -> int:
+            body = {"model": ids[trace[i]], "prompt": f"request {i}", "max_tokens": args.max_tokens, "seed": i}
+            return http.post("/v1/completions", json=body).status_code
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            statuses = list(pool.map(send, range(len(trace))))
+        wall = time.perf_counter() - start
+        time.sleep(3 * config.stats_period_s)  # the replicas' last reports
+        swaps = http.get("/v1/metrics/swaps").json()
+        reports = http.get("/v1/cluster/replicas").json()["data"]
+    stop_cluster(config, shutdown_ray=False)
+    loads = swaps["moves"].get("host_to_slot", {}).get("count", 0) - before
+    failed = sum(s != 200 for s in statuses)
+    return {
+        "mode": name,
+        "requests": len(trace),
+        "failed": failed,
+        "wall_s": wall,
+        "throughput_rps": len(trace) / wall,
+        "slot_loads": loads,
+        "swaps_per_1000": 1000 * loads / len(trace),
+        "slot_hit_rate": swaps["hit_rates"].get("slot"),
+        "per_replica_loads": {
+            r["replica"]: r["metrics"]["moves"].get("host_to_slot", {}).get("count", 0) for r in reports
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--adapters", type=int, default=200)
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=8, help="max-rank adapters per replica's pool")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--model", choices=("tiny", "bench"), default="tiny")
+    parser.add_argument("--num-cpus", type=float, default=2)
+    parser.add_argument("--replica-cpus", type=float, default=0.5)
+    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    parser.add_argument("--out", type=Path, default=Path("out/bench_cluster.json"))
+    args = parser.parse_args()
+
+    trace = _zipf_trace(args.adapters, args.requests, args.alpha)
+    distinct = len(set(trace))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        root = Path(tmp)
+        model = getattr(LlamaConfig, args.model)()
+        write_random_checkpoint(model, root / "model")
+        spec = model.to_spec("base")
+        ids = [f"bench/lora-{i:03d}" for i in range(args.adapters)]
+        for i, adapter_id in enumerate(ids):
+            write_synthetic_adapter(root / "hub" / adapter_id, spec, r=8 if i % 2 else 4, lora_alpha=8, seed=i)
+        port = _free_port()
+        with LocalHub(root / "hub") as hub:
+            try:
+                for name in args.modes:
+                    results.append(_run_mode(name, args, root, hub, ids, trace, port))
+                    print(f"{name}: done", flush=True)
+            finally:
+                from ray import serve
+
+                serve.shutdown()
+    floor = 1000 * distinct / args.requests
+    print(
+        f"\n{args.requests} requests, {args.adapters} adapters Zipf({args.alpha}), {distinct} distinct; "
+        f"{args.replicas} replicas x {args.slots} slots, {args.clients} clients, {args.model} model"
+    )
+    print(f"{'routing':10} {'swaps/1000':>10} {'floor':>7} {'ratio':>6} {'slot hit':>8} {'req/s':>7} {'failed':>6}")
+    for r in results:
+        hit = r["slot_hit_rate"] or 0.0
+        print(
+            f"{r['mode']:10} {r['swaps_per_1000']:10.1f} {floor:7.1f} {r['swaps_per_1000'] / floor:6.2f} "
+            f"{hit:8.1%} {r['throughput_rps']:7.2f} {r['failed']:6d}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "distinct_adapters": distinct,
+        "floor_swaps_per_1000": floor,
+        "results": results,
+    }
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
