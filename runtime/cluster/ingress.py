@@ -7,6 +7,9 @@ A replica that dies under a request: a JSON answer is retried on another replica
 a prompt and seed), as is a stream that has sent nothing yet; a stream cut after its first bytes ends with an
 OpenAI error event, as the single server ends a failed stream."""
 
+# No `from __future__ import annotations` here: FastAPI reads the routes' annotations (Request) off the class Serve
+# wraps, where string annotations do not resolve. Module-level helpers come before the class: Serve pickles it when
+# it is decorated.
 import dataclasses
 import hmac
 import json
