@@ -187,6 +187,14 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
     )
+    serve.add_argument(
+        "--local-root",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="let the admin API register local adapter directories under DIR (repeatable; default: hub ids only)",
+    )
     serve.add_argument("--no-multiplex", action="store_true", help="no model ids: Serve's default routing (baseline)")
 
 
@@ -325,7 +333,11 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
                 device=args.device,
             ),
             EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
-            ServerConfig(model_name=name, admin_token=args.admin_token),
+            ServerConfig(
+                model_name=name,
+                admin_token=args.admin_token,
+                local_roots=tuple(args.local_root) if args.local_root else None,
+            ),
             replicas=args.replicas,
             replica_cpus=args.replica_cpus,
             multiplexed=not args.no_multiplex,
