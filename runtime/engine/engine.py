@@ -218,8 +218,10 @@ class Engine:
                 lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
                 self._units_of,
             )
+            if plan.admitted:  # one pass over the queue, not one list scan per admitted request
+                taken = {id(r) for r in plan.admitted}
+                self._waiting = deque(r for r in self._waiting if id(r) not in taken)
             for request in plan.admitted:
-                self._waiting.remove(request)
                 request.cache_row = self._free_rows.pop()
                 self._running.append(request)
             self._step += 1
@@ -357,9 +359,9 @@ class Engine:
     def _drop_cancelled(self) -> None:
         with self._lock:
             cancelled = [r for r in (*self._waiting, *self._running) if r.cancelled.is_set()]
-            for request in cancelled:
-                if request in self._waiting:
-                    self._waiting.remove(request)
+            if cancelled:
+                dropped = {id(r) for r in cancelled}
+                self._waiting = deque(r for r in self._waiting if id(r) not in dropped)
         for request in cancelled:
             self._finish(request, "cancelled")
 
