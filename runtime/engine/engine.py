@@ -148,6 +148,7 @@ class Engine:
             raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
         if adapter_id is not None:
             self.manager.registry.get(adapter_id)
+        self.manager.note_request(adapter_id)
         generator = None
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
