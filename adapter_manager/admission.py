@@ -34,12 +34,13 @@ class SketchConfig:
     depth: int = 4  # rows (hash functions); the estimate is the minimum over them
     sample_size: int = 10_000  # records between agings (halve counters, clear the doorkeeper)
     max_count: int = 15  # counters saturate here (TinyLFU's 4-bit counters)
+    top_k: int = 64  # the most popular keys tracked by name (heavy hitters), for popularity prefetch
 
     def __post_init__(self) -> None:
-        if self.width < 1 or not 1 <= self.depth <= 8 or self.sample_size < 1 or self.max_count < 1:
+        if self.width < 1 or not 1 <= self.depth <= 8 or self.sample_size < 1 or self.max_count < 1 or self.top_k < 0:
             raise ValueError(
                 f"sketch width ({self.width}) and sample_size ({self.sample_size}) must be >= 1, depth ({self.depth}) "
-                f"in 1..8, max_count ({self.max_count}) >= 1"
+                f"in 1..8, max_count ({self.max_count}) >= 1, top_k ({self.top_k}) >= 0"
             )
         self.width = 1 << (self.width - 1).bit_length()
 
@@ -53,6 +54,7 @@ class FrequencySketch:
         self._counts = np.zeros((self.config.depth, self.config.width), dtype=np.uint8)  # [depth, width]
         self._rows = np.arange(self.config.depth)
         self._doorkeeper: set[Hashable] = set()
+        self._top: dict[Hashable, int] = {}  # up to top_k keys -> their estimate when last recorded
         self._records = 0
         self._agings = 0
         self._lock = threading.Lock()
@@ -72,12 +74,27 @@ class FrequencySketch:
             else:
                 counts = self._counts[self._rows, cells]
                 self._counts[self._rows, cells] = np.minimum(counts + 1, self.config.max_count)
+            self._track(key, int(self._counts[self._rows, cells].min()) + 1)
             self._records += 1
             if self._records >= self.config.sample_size:
                 self._counts >>= 1
                 self._doorkeeper.clear()
+                self._top = {k: v >> 1 for k, v in self._top.items()}
                 self._records = 0
                 self._agings += 1
+
+    def top(self, n: int) -> list[Hashable]:
+        """Up to `n` of the most requested keys (of the `top_k` tracked), most popular first."""
+        with self._lock:
+            keys = list(self._top)
+        scored = sorted(((self.estimate(k), i, k) for i, k in enumerate(keys)), key=lambda e: (-e[0], e[1]))
+        return [k for estimate, _, k in scored[:n] if estimate > 0]
+
+    def discard(self, key: Hashable) -> None:
+        """Stop tracking `key` by name (unregistered); its counters age away."""
+        with self._lock:
+            self._top.pop(key, None)
+            self._doorkeeper.discard(key)
 
     def estimate(self, key: Hashable) -> int:
         """Estimated requests of `key` in the recent past (never below the truth since the last aging, up to
@@ -85,6 +102,17 @@ class FrequencySketch:
         cells = self._cells(key)
         with self._lock:
             return int(self._counts[self._rows, cells].min()) + (key in self._doorkeeper)
+
+    def _track(self, key: Hashable, estimate: int) -> None:
+        """Keep `key` among the tracked top keys if it is, or beats the least of them (lock held)."""
+        top = self._top
+        if key in top or len(top) < self.config.top_k:
+            top[key] = estimate
+        elif top:
+            least = min(top, key=top.__getitem__)
+            if estimate > top[least]:
+                del top[least]
+                top[key] = estimate
 
     def _cells(self, key: Hashable) -> np.ndarray:
         digest = hashlib.blake2b(repr(key).encode(), digest_size=4 * self.config.depth).digest()

@@ -204,16 +204,17 @@ class SlotAllocator:
             self._settle(residency)
             self._cond.notify_all()
 
-    def preload(self, adapter_id: str, protect: Container[str] = ()) -> bool:
-        """Load `adapter_id` without pinning it (prefetch), evicting least recently used adapters not in `protect`
-        as needed. Returns whether it loaded anything; a failed load frees its range and raises."""
+    def preload(self, adapter_id: str, protect: Container[str] = (), strict: bool = False) -> bool:
+        """Load `adapter_id` without pinning it (prefetch), evicting the least valuable adapters not in `protect` as
+        needed (with a frequency: only ones no more popular than it; `strict`: only less popular ones). Returns
+        whether it loaded anything; a failed load frees its range and raises."""
         rank: int | None = None
         while True:
             with self._cond:
                 if adapter_id in self._by_adapter:
                     return False
                 if rank is not None:
-                    ceiling = self._frequency(adapter_id) if self._frequency is not None else None
+                    ceiling = self._frequency(adapter_id) - strict if self._frequency is not None else None
                     plan = self._plan([adapter_id], {adapter_id: rank}, protect, ceiling)
                     if plan is None:
                         return False

@@ -46,6 +46,7 @@ class AdapterManagerConfig:
     granule: int | None = None  # pool rows per unit (slot index step); None: min(8, max_rank)
     prefetch_workers: int = 2  # prefetch threads; 0 turns prefetching off
     prefetch_depth: int = 16  # the most queued adapters one prefetch call considers
+    prefetch_popular: int = 4  # the most popular adapters (TinyLFU) kept warm beside the queue; 0: none
     admission: Literal["tinylfu", "lru"] = "tinylfu"  # host/slot eviction and admission: popularity + recency, or LRU
     sketch: SketchConfig = field(default_factory=SketchConfig)  # the TinyLFU frequency sketch's size and aging
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
@@ -69,7 +70,7 @@ class AdapterManagerConfig:
         )
 
     def prefetch_config(self) -> PrefetchConfig:
-        return PrefetchConfig(self.prefetch_workers, self.prefetch_depth)
+        return PrefetchConfig(self.prefetch_workers, self.prefetch_depth, self.prefetch_popular)
 
     def registry_config(self) -> RegistryConfig:
         return RegistryConfig(
@@ -99,7 +100,8 @@ class AdapterManager:
         )
         if frequency is not None:
             self.registry.host.frequency = lambda key: frequency(key[0])  # host keys are (adapter id, sha)
-        self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config())
+        popular = self._popular if self.popularity is not None else None
+        self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config(), popular)
 
     @property
     def num_slots(self) -> int:
@@ -138,7 +140,14 @@ class AdapterManager:
         self.prefetcher.forget(adapter_id)
         self.allocator.forget(adapter_id)
         self.swap_metrics.forget(adapter_id)
+        if self.popularity is not None:
+            self.popularity.discard(adapter_id)
         return record
+
+    def _popular(self, n: int) -> list[str]:
+        """Up to `n` registered adapters, most requested recently first (the sketch's tracked top)."""
+        assert self.popularity is not None
+        return [a for a in self.popularity.top(n + 8) if a in self.registry][:n]
 
     def note_request(self, adapter_id: str | None) -> None:
         """One request was submitted for `adapter_id` (None: the base model, not counted): feeds the popularity

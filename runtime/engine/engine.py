@@ -375,10 +375,9 @@ class Engine:
 
     def _prefetch(self) -> None:
         # Running requests' adapters go first: needed sooner than any waiting one's, so never a prefetch victim.
+        # Called with an empty queue too: the prefetcher also keeps the most popular adapters warm.
         with self._lock:
-            queued = [r.adapter_id for r in self._waiting]
-            if queued:
-                queued = [r.adapter_id for r in self._running] + queued
+            queued = [r.adapter_id for r in self._running] + [r.adapter_id for r in self._waiting]
         if queued:
             self.manager.prefetch(queued)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from adapter_manager import FrequencySketch, HostTier, SketchConfig, SwapMetrics
 from adapter_manager.allocator import SlotAllocator
+from adapter_manager.prefetch import PrefetchConfig, Prefetcher
 from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
 
 from .test_allocator import Catalog
@@ -127,3 +128,32 @@ def test_popularity_allocator_serves_every_batch_within_bounds(tiny_spec, batche
             assert not loaded or all(sketch.estimate(a) <= sketch.estimate(candidate) for a in evicted)
             assert loaded or not evicted
     assert allocator.free_units() + sum(s.units for s in allocator.states()) == pool.num_units
+
+
+def test_popularity_prefetch_brings_a_hot_adapter_back_after_a_burst(tiny_spec):
+    sketch = FrequencySketch(SketchConfig(width=256))
+    allocator, catalog = cold_scan_allocator(tiny_spec, sketch)
+    prefetcher = Prefetcher(catalog, allocator, PrefetchConfig(workers=1, popular=2), sketch.top)
+    try:
+        for _ in range(10):
+            sketch.record("hot")
+            allocator.release(allocator.acquire(["hot"]))
+        burst = [f"cold{i}" for i in range(4)]
+        for adapter_id in burst:
+            sketch.record(adapter_id)
+        allocator.release(allocator.acquire(burst))  # one batch needs all 4 slots: the hot adapter has to go
+        assert allocator.slot_of("hot") is None
+        assert prefetcher.prefetch(burst[:3]) == 1  # cold0..2 are queued/running: protected
+        prefetcher.wait(10)
+        assert allocator.slot_of("hot") is not None  # back before its next request
+        assert all(allocator.slot_of(a) is not None for a in burst[:3]) and allocator.slot_of("cold3") is None
+        assert allocator.metrics.snapshot().prefetch == {"popular_to_slot": 1}
+        for _ in range(20):  # a popular adapter whose fetch fails
+            sketch.record("missing")
+        catalog.fail.add("missing")
+        catalog.add("missing")
+        prefetcher.prefetch([])
+        prefetcher.wait(10)
+        assert prefetcher.errors() == {}  # a popular job's failure is only logged: nobody waits for it
+    finally:
+        prefetcher.close()
