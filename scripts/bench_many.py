@@ -286,7 +286,8 @@ def print_row(row: dict, base: dict) -> None:
         f"{100 * ratio:6.1f} % | ttft p50/p99 {row['ttft_p50_s'] * 1e3:7.0f}/{row['ttft_p99_s'] * 1e3:7.0f} ms "
         f"e2e {row['e2e_p50_s']:5.2f}/{row['e2e_p99_s']:5.2f} s | wait p99 {wait * 1e3:7.1f} ms | "
         f"slot hit {hit_rate(t, 'slot'):.3f} host hit {hit_rate(t, 'host'):.3f} | "
-        f"evict/1k {row['evictions_per_1000_requests']:6.0f} | moves "
+        f"evict/1k {row['evictions_per_1000_requests']:6.0f} | register {row['register_s']:.1f}s "
+        f"({row.get('registered_via', 'local')}) | moves "
         + " ".join(f"{m} {v['count']}" for m, v in sorted(t["moves"].items())),
         flush=True,
     )

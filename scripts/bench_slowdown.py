@@ -101,7 +101,8 @@ def heatmap(args: argparse.Namespace) -> None:
             prompts = [
                 torch.randint(0, config.vocab_size, (length,), generator=gen).tolist() for _ in range(args.requests)
             ]
-            prefill_tok_s = serve(engine, prompts, adapters["base"], 1)  # one output token: (almost) only prefill
+            # one output token: (almost) only prefill; median of the repeats like every other figure
+            prefill_tok_s = statistics.median(serve(engine, prompts, adapters["base"], 1) for _ in range(args.repeats))
             prefill_s = len(prompts) * (length + 1) / prefill_tok_s
             for output in outputs:
                 runs: dict[str, list[float]] = {name: [] for name in adapters}
