@@ -231,7 +231,7 @@ class Bench:
                 info["resident_adapters"] = len(used)
                 adapters = [adapter_id(i) for i in mapped]
             else:
-                via_hub = n not in self.hub_registered
+                via_hub = self.args.register == "hub" and n not in self.hub_registered
                 refs = {
                     adapter_id(i): adapter_id(i) if via_hub else str(self.cache / "population" / adapter_id(i))
                     for i in range(n)
@@ -309,6 +309,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", default="16,128", help="prompt lengths: uniform in [lo, hi)")
     parser.add_argument("--output-len", default="4,48", help="generated tokens: uniform in [lo, hi)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:i] or xla")
+    parser.add_argument(
+        "--register", default="hub", choices=["hub", "local"], help="first manager of each N: hub ids or local dirs"
+    )
     parser.add_argument("--cache", type=Path, default=Path("out/bench_many"), help="population + HF cache (reused)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
