@@ -2,6 +2,7 @@
 prefetcher, metrics, local hub. The Prometheus collector is in `adapter_manager.prometheus` (it imports
 prometheus_client, which the rest does not need)."""
 
+from .admission import FrequencySketch, SketchConfig
 from .allocator import SlotAllocator, SlotLease, SlotState
 from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
 from .disk_tier import DiskTier, DiskUsage
@@ -49,6 +50,8 @@ from .synthetic import write_synthetic_adapter
 from .workers import background_executor
 
 __all__ = [
+    "FrequencySketch",
+    "SketchConfig",
     "PROJECTIONS",
     "AdapterAccessError",
     "AdapterConfigError",

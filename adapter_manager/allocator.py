@@ -13,9 +13,13 @@ Policy (exact, so a reference model can mirror it):
   space first: when it cannot be satisfied — fewer free plus evictable units than needed, or enough in total but no
   free range large enough even after evicting every evictable adapter (fragmentation) — `SlotsExhaustedError` is
   raised and nothing changes.
+- With a `frequency` (the manager's TinyLFU sketch, `admission.py`), "least recently used" above reads "least
+  valuable": evictable adapters are taken in order of (estimated frequency, recency), so a burst of cold adapters
+  evicts its own kind before a hot adapter. Without one (or while every frequency is equal) the order is exact LRU.
 - `pin(id)` is the same for one adapter with an operator pin instead of a lease pin. `preload(id, protect)` is the
-  same for one adapter with no pin, evicting only adapters not in `protect`; it returns False, changing nothing,
-  when the adapter is resident or loading, or cannot be placed.
+  same for one adapter with no pin, evicting only adapters not in `protect` and, with a `frequency`, no more popular
+  than `id` itself (a prefetch never evicts a hotter adapter); it returns False, changing nothing, when the adapter
+  is resident or loading, or cannot be placed.
 - Loads run outside the lock, in order, into ranges reserved for them (not free, not evictable). A range is
   published only after its copy completed; a failed load frees its range and every range reserved after it
   (unloaded), unpins every other adapter of the call (loaded ones stay resident, unpinned) and re-raises
@@ -130,6 +134,7 @@ class SlotAllocator:
         rank_of: Callable[[str], int],
         metrics: SwapMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        frequency: Callable[[str], int] | None = None,
     ) -> None:
         self.pool = pool
         self.num_slots = pool.num_slots
@@ -138,6 +143,7 @@ class SlotAllocator:
         self._fetch = fetch
         self._rank_of = rank_of
         self._clock = clock
+        self._frequency = frequency  # adapter id -> estimated recent requests (None: pure LRU)
         self._cond = threading.Condition()
         self._space = RowSpace(pool.num_units, pool.max_units)
         self._ranges: dict[int, _Residency] = {}  # slot -> occupied range (loading, ready or draining)
@@ -198,16 +204,18 @@ class SlotAllocator:
             self._settle(residency)
             self._cond.notify_all()
 
-    def preload(self, adapter_id: str, protect: Container[str] = ()) -> bool:
-        """Load `adapter_id` without pinning it (prefetch), evicting least recently used adapters not in `protect`
-        as needed. Returns whether it loaded anything; a failed load frees its range and raises."""
+    def preload(self, adapter_id: str, protect: Container[str] = (), strict: bool = False) -> bool:
+        """Load `adapter_id` without pinning it (prefetch), evicting the least valuable adapters not in `protect` as
+        needed (with a frequency: only ones no more popular than it; `strict`: only less popular ones). Returns
+        whether it loaded anything; a failed load frees its range and raises."""
         rank: int | None = None
         while True:
             with self._cond:
                 if adapter_id in self._by_adapter:
                     return False
                 if rank is not None:
-                    plan = self._plan([adapter_id], {adapter_id: rank}, protect)
+                    ceiling = self._frequency(adapter_id) - strict if self._frequency is not None else None
+                    plan = self._plan([adapter_id], {adapter_id: rank}, protect, ceiling)
                     if plan is None:
                         return False
                     reserved = self._commit(plan, [adapter_id], {adapter_id: rank})
@@ -323,11 +331,28 @@ class SlotAllocator:
         by_id = {r.adapter_id: r for r in resident + reserved}
         return [by_id[a] for a in distinct], reserved
 
-    def _plan(self, missing: list[str], ranks: Mapping[str, int], keep: Container[str]) -> _Plan | None:
-        """Place `missing` in order on a copy of the space, evicting LRU adapters not in `keep` until each fits;
-        None when they cannot all be placed."""
+    def eviction_order(self) -> list[str]:
+        """Evictable adapters, the first to be evicted first: by (frequency, recency), or LRU without a frequency."""
+        with self._cond:
+            return [r.adapter_id for r in self._candidates(())]
+
+    def _candidates(self, keep: Container[str], ceiling: int | None = None) -> list[_Residency]:
+        """Evictable adapters not in `keep`, least valuable first; with `ceiling`, only those no more popular."""
+        candidates = [r for a, r in self._lru.items() if a not in keep]  # least recently used first
+        if self._frequency is None:
+            return candidates
+        scored = [(self._frequency(r.adapter_id), i, r) for i, r in enumerate(candidates)]
+        if ceiling is not None:
+            scored = [entry for entry in scored if entry[0] <= ceiling]
+        return [r for _, _, r in sorted(scored, key=lambda entry: entry[:2])]
+
+    def _plan(
+        self, missing: list[str], ranks: Mapping[str, int], keep: Container[str], ceiling: int | None = None
+    ) -> _Plan | None:
+        """Place `missing` in order on a copy of the space, evicting the least valuable adapters not in `keep` (and
+        with `ceiling`, no more popular than it) until each fits; None when they cannot all be placed."""
         space = self._space.clone()
-        candidates = iter([r for a, r in self._lru.items() if a not in keep])
+        candidates = iter(self._candidates(keep, ceiling))
         victims, starts = [], []
         for adapter_id in missing:
             units = self.pool.units_for(ranks[adapter_id])

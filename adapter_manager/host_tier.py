@@ -1,31 +1,79 @@
-"""The host tier: a byte-bounded LRU of prepared adapters (cachetools), safe to share between threads."""
+"""The host tier: a byte-bounded cache of prepared adapters (cachetools does the byte accounting), safe to share
+between threads. Eviction is LRU; with a `frequency` (the manager's TinyLFU sketch, `admission.py`) it takes the least
+valuable entries first, by (estimated frequency, recency), and a new entry is admitted only if it is at least as
+popular as every entry it would evict, so one pass over cold adapters cannot flush the hot ones."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from cachetools import LRUCache
+from cachetools import Cache
 
 from .metrics import SwapMetrics, Tier
 from .prepare import PreparedAdapter
 
 
-class _ByteLRU(LRUCache):
-    """LRUCache sized in bytes that tells its owner what it evicts."""
+class _ByteCache(Cache):
+    """A cachetools Cache sized in bytes, evicting by (frequency, recency), that tells its owner what it evicts."""
 
     def __init__(self, capacity_bytes: int, on_evict: Callable[[], None]) -> None:
         super().__init__(maxsize=capacity_bytes, getsizeof=lambda prepared: prepared.nbytes)
         self._on_evict = on_evict
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
+        self.frequency: Callable[[Hashable], int] | None = None
 
-    def popitem(self):
-        item = super().popitem()
+    def __getitem__(self, key: Hashable) -> PreparedAdapter:
+        value = super().__getitem__(key)
+        self._order.move_to_end(key)
+        return value
+
+    def __setitem__(self, key: Hashable, value: PreparedAdapter) -> None:
+        super().__setitem__(key, value)
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def __delitem__(self, key: Hashable) -> None:
+        super().__delitem__(key)
+        del self._order[key]
+
+    def eviction_order(self) -> list[Hashable]:
+        """Keys, the first to be evicted first."""
+        if self.frequency is None:
+            return list(self._order)
+        frequency = self.frequency
+        return [key for _, _, key in sorted((frequency(k), i, k) for i, k in enumerate(self._order))]
+
+    def admits(self, key: Hashable, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` for `key` may go in: it fits in free room, or it is at least as popular as
+        every entry that would be evicted for it."""
+        room = self.maxsize - self.currsize
+        if nbytes <= room or self.frequency is None:
+            return True
+        popularity, freed = self.frequency(key), room
+        for victim in self.eviction_order():
+            if self.frequency(victim) > popularity:
+                return False
+            freed += self.getsizeof(Cache.__getitem__(self, victim))
+            if freed >= nbytes:
+                return True
+        return True
+
+    def popitem(self) -> tuple[Hashable, PreparedAdapter]:
+        try:
+            key = self.eviction_order()[0]
+        except IndexError:
+            raise KeyError("the host tier is empty") from None
+        value = Cache.__getitem__(self, key)
+        del self[key]
         self._on_evict()
-        return item
+        return key, value
 
 
 class HostTier:
-    """Prepared adapters kept in host memory, least recently used evicted first, `capacity_bytes` never exceeded.
+    """Prepared adapters kept in host memory, `capacity_bytes` never exceeded: least recently used evicted first, or
+    with `frequency` set, least valuable first and unpopular newcomers not admitted (see the module doc).
 
     `get_or_load` runs a loader at most once per key at a time: concurrent callers for the same key wait for the
     first one's result instead of preparing the same adapter twice.
@@ -35,9 +83,24 @@ class HostTier:
         if capacity_bytes <= 0:
             raise ValueError(f"host tier capacity must be positive, got {capacity_bytes} bytes")
         self._metrics = metrics
-        self._cache = _ByteLRU(capacity_bytes, lambda: metrics.evicted(Tier.HOST))
+        self._cache = _ByteCache(capacity_bytes, lambda: metrics.evicted(Tier.HOST))
         self._lock = threading.Lock()
         self._loading: dict[Hashable, threading.Event] = {}
+
+    @property
+    def frequency(self) -> Callable[[Hashable], int] | None:
+        """Key -> estimated recent requests (the manager's sketch); None: plain LRU, every newcomer admitted."""
+        return self._cache.frequency
+
+    @frequency.setter
+    def frequency(self, frequency: Callable[[Hashable], int] | None) -> None:
+        with self._lock:
+            self._cache.frequency = frequency
+
+    def eviction_order(self) -> list[Hashable]:
+        """Resident keys, the first to be evicted first."""
+        with self._lock:
+            return self._cache.eviction_order()
 
     @property
     def capacity_bytes(self) -> int:
@@ -67,7 +130,9 @@ class HostTier:
             self._metrics.hit(Tier.HOST)
         return prepared
 
-    def put(self, key: Hashable, prepared: PreparedAdapter) -> None:
+    def put(self, key: Hashable, prepared: PreparedAdapter) -> bool:
+        """Cache `prepared` under `key` unless admission refuses it (less popular than what it would evict); returns
+        whether it was cached."""
         if prepared.nbytes > self.capacity_bytes:
             raise ValueError(
                 f"adapter {prepared.adapter_id!r} ({prepared.nbytes} B) is larger than the host tier "
@@ -76,7 +141,11 @@ class HostTier:
         with self._lock:
             # Replace as remove + insert: cachetools may evict the key being replaced and then miscount its size.
             self._cache.pop(key, None)
+            if not self._cache.admits(key, prepared.nbytes):
+                self._metrics.rejected(Tier.HOST)
+                return False
             self._cache[key] = prepared
+        return True
 
     def discard(self, key: Hashable) -> None:
         with self._lock:

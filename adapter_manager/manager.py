@@ -7,6 +7,9 @@ The runtime's engine uses it per step:
     ... forward with manager.stacks ...
     manager.release(lease)
     manager.prefetch(adapter_id_per_waiting_request)
+
+and `manager.note_request(adapter_id)` once per submitted request: the popularity (TinyLFU sketch) the host and slot
+tiers and the prefetcher act on, and the per-adapter request counts of the metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from .admission import FrequencySketch, SketchConfig
 from .allocator import SlotAllocator, SlotLease
 from .base_model import BaseModelSpec, ModuleKey
 from .hub import HubConfig
@@ -44,6 +48,9 @@ class AdapterManagerConfig:
     granule: int | None = None  # pool rows per unit (slot index step); None: min(8, max_rank)
     prefetch_workers: int = 2  # prefetch threads; 0 turns prefetching off
     prefetch_depth: int = 16  # the most queued adapters one prefetch call considers
+    prefetch_popular: int = 4  # the most popular adapters (TinyLFU) kept warm beside the queue; 0: none
+    admission: Literal["tinylfu", "lru"] = "tinylfu"  # host/slot eviction and admission: popularity + recency, or LRU
+    sketch: SketchConfig = field(default_factory=SketchConfig)  # the TinyLFU frequency sketch's size and aging
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
     allowed_local_roots: tuple[Path, ...] | None = None  # if set, local refs must lie under one of these
     hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded (token, offline, cache, endpoint)
@@ -52,6 +59,8 @@ class AdapterManagerConfig:
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
+        if self.admission not in ("tinylfu", "lru"):
+            raise ValueError(f"admission must be 'tinylfu' or 'lru', got {self.admission!r}")
         if self.max_slots == "auto" and self.slot_memory_bytes is None:
             raise ValueError("max_slots='auto' needs slot_memory_bytes (the device bytes the slot stacks may take)")
         # Each component validates its own part; building them here reports a bad value before anything is made.
@@ -65,7 +74,7 @@ class AdapterManagerConfig:
         )
 
     def prefetch_config(self) -> PrefetchConfig:
-        return PrefetchConfig(self.prefetch_workers, self.prefetch_depth)
+        return PrefetchConfig(self.prefetch_workers, self.prefetch_depth, self.prefetch_popular)
 
     def registry_config(self) -> RegistryConfig:
         return RegistryConfig(
@@ -90,8 +99,15 @@ class AdapterManager:
         self.swap_metrics = SwapMetrics()
         self.registry = AdapterRegistry(spec, self.config.registry_config(), self.swap_metrics)
         self.pool = SlotPool(spec, self.config.pool_config())
-        self.allocator = SlotAllocator(self.pool, self.registry.prepared, self.rank_of, self.swap_metrics)
-        self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config())
+        self.popularity = FrequencySketch(self.config.sketch) if self.config.admission == "tinylfu" else None
+        frequency = self.popularity.estimate if self.popularity is not None else None
+        self.allocator = SlotAllocator(
+            self.pool, self.registry.prepared, self.rank_of, self.swap_metrics, frequency=frequency
+        )
+        if frequency is not None:
+            self.registry.host.frequency = lambda key: frequency(key[0])  # host keys are (adapter id, sha)
+        popular = self._popular if self.popularity is not None else None
+        self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config(), popular)
         self.restored = self._restore()
 
     @property
@@ -130,7 +146,24 @@ class AdapterManager:
         record = self.registry.unregister(adapter_id)
         self.prefetcher.forget(adapter_id)
         self.allocator.forget(adapter_id)
+        self.swap_metrics.forget(adapter_id)
+        if self.popularity is not None:
+            self.popularity.discard(adapter_id)
         return record
+
+    def _popular(self, n: int) -> list[str]:
+        """Up to `n` registered adapters, most requested recently first (the sketch's tracked top)."""
+        assert self.popularity is not None
+        return [a for a in self.popularity.top(n + 8) if a in self.registry][:n]
+
+    def note_request(self, adapter_id: str | None) -> None:
+        """One request was submitted for `adapter_id` (None: the base model, not counted): feeds the popularity
+        sketch and the per-adapter request counts."""
+        if adapter_id is None:
+            return
+        if self.popularity is not None:
+            self.popularity.record(adapter_id)
+        self.swap_metrics.requested(adapter_id)
 
     def acquire(self, adapter_ids: Iterable[str | None]) -> SlotLease:
         """Pin the slots of one batch (one entry per request or token, None = no adapter); see

@@ -139,6 +139,8 @@ class MetricsSnapshot:
     evictions: dict[str, int]  # by Tier value
     exposed_wait: WaitStats | None = None  # None until a batch has acquired its slots
     prefetch: dict[str, int] = field(default_factory=dict)  # "host_to_slot" loads done, "skipped_no_room" jobs
+    rejections: dict[str, int] = field(default_factory=dict)  # by Tier value: newcomers admission did not keep
+    requests: dict[str, int] = field(default_factory=dict)  # requests submitted per adapter id (registered ones)
     residency: dict[str, AdapterResidency] = field(default_factory=dict)  # by adapter id (from the manager)
     disk: dict[str, int] = field(default_factory=dict)  # bounded disk tier: used_bytes, capacity_bytes, evicted_bytes
     restore: dict[str, int] = field(default_factory=dict)  # durable registrations at start: restored, failed
@@ -162,6 +164,8 @@ class SwapMetrics:
     _prefetch: dict[str, int] = field(default_factory=dict, repr=False)
     _disk: dict[str, int] = field(default_factory=dict, repr=False)
     _restore: dict[str, int] = field(default_factory=dict, repr=False)
+    _rejections: dict[Tier, int] = field(default_factory=dict, repr=False)
+    _requests: dict[str, int] = field(default_factory=dict, repr=False)
     _recent: deque[AdapterMove] = field(init=False, repr=False)
     _waits: _Latencies = field(init=False, repr=False)
 
@@ -190,6 +194,21 @@ class SwapMetrics:
     def evicted(self, tier: Tier) -> None:
         with self._lock:
             self._evictions[tier] = self._evictions.get(tier, 0) + 1
+
+    def rejected(self, tier: Tier) -> None:
+        """Count a newcomer the tier's admission policy did not keep (served once, not cached)."""
+        with self._lock:
+            self._rejections[tier] = self._rejections.get(tier, 0) + 1
+
+    def requested(self, adapter_id: str) -> None:
+        """Count one request submitted for `adapter_id`."""
+        with self._lock:
+            self._requests[adapter_id] = self._requests.get(adapter_id, 0) + 1
+
+    def forget(self, adapter_id: str) -> None:
+        """The adapter was unregistered: drop its request count (keeps the per-adapter map bounded)."""
+        with self._lock:
+            self._requests.pop(adapter_id, None)
 
     def prefetched(self, outcome: str) -> None:
         """Count one prefetch job's outcome: ``host_to_slot`` (it loaded a slot) or ``skipped_no_room``."""
@@ -232,6 +251,8 @@ class SwapMetrics:
                 {t.value: n for t, n in self._evictions.items()},
                 wait,
                 dict(self._prefetch),
+                {t.value: n for t, n in self._rejections.items()},
+                dict(self._requests),
                 dict(residency or {}),
                 dict(self._disk),
                 dict(self._restore),

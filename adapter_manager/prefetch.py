@@ -5,7 +5,13 @@ victim that nothing queued ahead of the adapter needs, so it never evicts someth
 brings in. Work is bounded (`depth` adapters per call, `workers` threads), a newer queue cancels the jobs of adapters
 it no longer holds, and a failure is recorded against its adapter until the manager surfaces it at `acquire`.
 Each job's slot outcome is counted in the metrics (``prefetch``: ``host_to_slot`` loads, ``skipped_no_room`` when
-no free or evictable range could take the adapter). Workers run torch ops on one intra-op thread
+no free or evictable range could take the adapter).
+
+Popularity: beside the queue, each call also brings up the `popular` most requested adapters (the manager's TinyLFU
+sketch) that are not resident, so a hot adapter evicted by a burst is back before its next request. Such a job evicts
+nothing any queued or running request needs (the whole head of the queue is protected) and only adapters strictly
+less popular than the one it brings in; its outcome counts as ``popular_to_slot`` / ``popular_no_room``, and its
+failure is only logged (no request is waiting for it). Workers run torch ops on one intra-op thread
 (`workers.background_executor`), so a prefetch never slows the engine's own parallel ops.
 """
 
@@ -30,8 +36,11 @@ class PrefetchConfig:
 
     workers: int = 2  # threads moving adapters up the tiers; 0 turns prefetching off
     depth: int = 16  # the most queued adapters one `prefetch` call considers (the head of the queue)
+    popular: int = 4  # the most popular adapters (by the popularity source) kept warm beside the queue; 0: none
 
     def __post_init__(self) -> None:
+        if not isinstance(self.popular, int) or self.popular < 0:
+            raise ValueError(f"prefetch popular must be an int >= 0, got {self.popular!r}")
         if not isinstance(self.workers, int) or self.workers < 0:
             raise ValueError(f"prefetch workers must be an int >= 0, got {self.workers!r}")
         if not isinstance(self.depth, int) or self.depth <= 0:
@@ -46,8 +55,10 @@ class Prefetcher:
         fetch: Callable[[str], PreparedAdapter],
         allocator: SlotAllocator,
         config: PrefetchConfig | None = None,
+        popular: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         self.config = config or PrefetchConfig()
+        self._popular = popular  # n -> up to n adapter ids, most popular first (None: queue only)
         self._fetch = fetch
         self._allocator = allocator
         self._lock = threading.RLock()  # re-entrant: Future.cancel() runs the done callback, which takes it, at once
@@ -62,18 +73,29 @@ class Prefetcher:
         tiers. Jobs for adapters no longer in the head are cancelled if not started. Returns the jobs started."""
         if self._executor is None:
             return 0
-        queue = tuple(dict.fromkeys(a for a in adapter_ids if a is not None))[: self.config.depth]
+        head: dict[str, None] = {}
+        for adapter_id in adapter_ids:  # stops at `depth` distinct adapters: linear in what it reads
+            if adapter_id is not None and adapter_id not in head:
+                head[adapter_id] = None
+                if len(head) == self.config.depth:
+                    break
+        queue = tuple(head)
+        popular: tuple[str, ...] = ()
+        if self._popular is not None and self.config.popular:
+            popular = tuple(a for a in self._popular(self.config.popular) if a not in head)
         started = 0
         with self._lock:
-            self._queue = queue
+            self._queue = queue + popular
             for adapter_id, job in list(self._jobs.items()):
-                if adapter_id not in queue and job.cancel():
+                if adapter_id not in self._queue and job.cancel():
                     self._jobs.pop(adapter_id, None)
-            for position, adapter_id in enumerate(queue):
+            everything = frozenset(queue)
+            for position, adapter_id in enumerate(self._queue):
                 if adapter_id in self._jobs or self._allocator.slot_of(adapter_id) is not None:
                     continue
-                ahead = frozenset(queue[:position])
-                job = self._executor.submit(self._run, adapter_id, ahead)
+                is_popular = position >= len(queue)
+                ahead = everything if is_popular else frozenset(queue[:position])
+                job = self._executor.submit(self._run, adapter_id, ahead, is_popular)
                 self._jobs[adapter_id] = job
                 job.add_done_callback(lambda _, adapter_id=adapter_id, job=job: self._done(adapter_id, job))
                 started += 1
@@ -128,21 +150,23 @@ class Prefetcher:
             self.cancel()
             self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _run(self, adapter_id: str, ahead: frozenset[str]) -> None:
+    def _run(self, adapter_id: str, ahead: frozenset[str], popular: bool = False) -> None:
         with self._lock:
             if adapter_id not in self._queue:
                 return
         try:
             self._fetch(adapter_id)  # hub -> disk -> host
-            loaded = self._allocator.preload(adapter_id, protect=ahead)  # host -> slot, evicting nothing needed sooner
+            # host -> slot, evicting nothing needed sooner (and for a popular one, nothing as popular as it)
+            loaded = self._allocator.preload(adapter_id, protect=ahead, strict=popular)
             if self._allocator.slot_of(adapter_id) is None:
-                self._allocator.metrics.prefetched("skipped_no_room")
+                self._allocator.metrics.prefetched("popular_no_room" if popular else "skipped_no_room")
             elif loaded:
-                self._allocator.metrics.prefetched("host_to_slot")
+                self._allocator.metrics.prefetched("popular_to_slot" if popular else "host_to_slot")
         except Exception as error:
             log.warning("prefetch of adapter %r failed: %s", adapter_id, error)
-            with self._lock:
-                self._errors[adapter_id] = error
+            if not popular:
+                with self._lock:
+                    self._errors[adapter_id] = error
 
     def _done(self, adapter_id: str, job: Future) -> None:
         with self._lock:

@@ -2,8 +2,10 @@
 scrape time.
 
 Labels stay low-cardinality and use the metrics module's vocabulary: ``move`` (``hub_to_disk``, ``disk_to_host``,
-``host_to_slot``) and ``tier`` (``hub``, ``disk``, ``host``, ``slot``); nothing per adapter (per-adapter data is in the
-snapshot and the server's adapter info endpoint). Latencies are histograms in seconds (`metrics.LATENCY_BUCKETS_S`)::
+``host_to_slot``) and ``tier`` (``hub``, ``disk``, ``host``, ``slot``). The one per-adapter series, requests, is
+bounded: the `top_adapters` most requested adapters by name, every other adapter summed under ``adapter="other"``
+(so 1000 adapters make at most K + 1 series; the full per-adapter counts are in the JSON snapshot). Latencies are
+histograms in seconds (`metrics.LATENCY_BUCKETS_S`)::
 
     adapter_manager_move_seconds_bucket{move="host_to_slot",le="0.01"}  host -> slot copies that took <= 10 ms
     adapter_manager_move_seconds_count{move="host_to_slot"}             every move since start
@@ -12,9 +14,14 @@ snapshot and the server's adapter info endpoint). Latencies are histograms in se
     adapter_manager_{hits,misses,evictions}_total{tier="slot"|"host"}
     adapter_manager_exposed_wait_seconds_bucket{le=...} (+ _count, _sum) time batches waited for adapters
     adapter_manager_adapters{tier="slot"|"host"|"disk"}                 registered adapters by highest tier
+    adapter_manager_adapter_requests{adapter="org/a"|...|"other"}      requests so far (top K by name, the rest summed)
+    adapter_manager_admission_rejections_total{tier="host"}             newcomers the host tier served but did not keep
     adapter_manager_slots, adapter_manager_slots_pinned, adapter_manager_host_tier_{used,capacity}_bytes
     adapter_manager_disk_tier_{used,capacity}_bytes, _disk_tier_evicted_bytes_total  (with disk_cache_bytes)
     adapter_manager_restored_adapters_total, _restore_failures_total, _adapters_unrestorable (durable registrations)
+
+The requests series is a gauge, not a counter: an adapter can enter or leave the top K, moving its count into or out
+of "other", so no series is guaranteed monotonic.
 """
 
 from __future__ import annotations
@@ -33,9 +40,12 @@ _RESIDENCY = (Tier.SLOT.value, Tier.HOST.value, Tier.DISK.value)
 class AdapterManagerCollector(Collector):
     """Register it on a `CollectorRegistry` (one per server; not the global default registry)."""
 
-    def __init__(self, manager: AdapterManager, namespace: str = "adapter_manager") -> None:
+    def __init__(self, manager: AdapterManager, namespace: str = "adapter_manager", top_adapters: int = 10) -> None:
+        if top_adapters < 0:
+            raise ValueError(f"top_adapters must be >= 0, got {top_adapters}")
         self._manager = manager
         self._ns = namespace
+        self._top = top_adapters
 
     def collect(self) -> Iterator[Metric]:
         manager, ns = self._manager, self._ns
@@ -57,6 +67,7 @@ class AdapterManagerCollector(Collector):
             ("hits", snapshot.hits, "Adapter lookups served by the tier"),
             ("misses", snapshot.misses, "Adapter lookups the tier could not serve"),
             ("evictions", snapshot.evictions, "Adapters evicted from the tier"),
+            ("admission_rejections", snapshot.rejections, "Newcomers served but not kept by the tier's admission"),
         ):
             family = CounterMetricFamily(f"{ns}_{name}", doc, labels=["tier"])
             for tier, count in sorted(counts.items()):
@@ -67,6 +78,17 @@ class AdapterManagerCollector(Collector):
         if snapshot.exposed_wait is not None:
             wait.add_metric([], _buckets(snapshot.exposed_wait), snapshot.exposed_wait.total_seconds)
         yield wait
+
+        requests = GaugeMetricFamily(
+            f"{ns}_adapter_requests",
+            f"Requests submitted per adapter: the {self._top} most requested by name, the rest summed as 'other'",
+            labels=["adapter"],
+        )
+        ranked = sorted(snapshot.requests.items(), key=lambda item: (-item[1], item[0]))
+        for adapter_id, count in ranked[: self._top]:
+            requests.add_metric([adapter_id], count)
+        requests.add_metric(["other"], sum(count for _, count in ranked[self._top :]))
+        yield requests
 
         by_tier = dict.fromkeys(_RESIDENCY, 0)
         for residency in snapshot.residency.values():

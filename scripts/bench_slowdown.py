@@ -10,6 +10,12 @@ Prints a table and writes out/bench_slowdown.json.
 
   .venv/bin/python scripts/bench_slowdown.py [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
       [--dtype float32|bfloat16] [--device cpu|cuda]
+
+--heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
+lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
+in prefill and of the weight bytes read per step in decode (distinct active adapters), weighted by the time the base
+run spends in each phase (prefill time measured by a run with one output token). Target: slowdown <= 1.25x floor.
+Writes out/bench_slowdown_heatmap.json and, with matplotlib (the `bench` extra), out/bench_slowdown_heatmap.png.
 """
 
 from __future__ import annotations
@@ -45,6 +51,129 @@ def serve(engine: Engine, prompts: list[list[int]], adapters: list[str | None], 
     return tokens / seconds
 
 
+def floors(config: LlamaConfig, rank: int, adapters: int) -> tuple[float, float]:
+    """(prefill floor, decode floor): LoRA FLOPs / base FLOPs per token, and `adapters` distinct adapters' LoRA
+    weight bytes / the base weight bytes a decode step reads (every linear and the lm_head)."""
+    spec = config.to_spec("bench")
+    shapes = [spec.projection_shape(p) for p in PROJECTIONS]
+    base = config.num_layers * sum(i * o for i, o in shapes) + config.hidden_size * config.vocab_size
+    lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
+    return lora / base, adapters * lora / base
+
+
+def heatmap(args: argparse.Namespace) -> None:
+    """Every (input, output) cell: base, lora_1, lora_8 rotated per repeat; slowdown vs floor."""
+    dtype = getattr(torch, args.dtype)
+    inputs = [int(n) for n in args.inputs.split(",")]
+    outputs = [int(n) for n in args.outputs.split(",")]
+    config = LlamaConfig.bench()
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_random_checkpoint(config, root / "model", dtype=dtype)
+        spec = config.to_spec("bench")
+        for i in range(8):
+            write_synthetic_adapter(root / f"a{i}", spec, r=16, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
+        model = load_model(root / "model", dtype=dtype, device=args.device)
+        manager = AdapterManager(
+            spec, AdapterManagerConfig(max_slots=8, max_rank=16, dtype=dtype, device=args.device, prefetch_workers=0)
+        )
+        for i in range(8):
+            manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
+        engine = Engine(
+            model,
+            manager,
+            EngineConfig(
+                max_batch=args.requests,
+                max_seq_len=max(inputs) + max(outputs) + 1,
+                scheduler=SchedulerConfig(token_budget=max(2048, max(inputs))),
+            ),
+        )
+        gen = torch.Generator().manual_seed(0)
+        serve(engine, [[1, 2, 3]] * 2, ["a0", None], 4)  # warm-up
+        adapters = {
+            "base": [None] * args.requests,
+            "lora_1": ["a0"] * args.requests,
+            "lora_8": [f"a{i % 8}" for i in range(args.requests)],
+        }
+        total, done = len(inputs) * len(outputs), 0
+        for length in inputs:
+            prompts = [
+                torch.randint(0, config.vocab_size, (length,), generator=gen).tolist() for _ in range(args.requests)
+            ]
+            # one output token: (almost) only prefill; median of the repeats like every other figure
+            prefill_tok_s = statistics.median(serve(engine, prompts, adapters["base"], 1) for _ in range(args.repeats))
+            prefill_s = len(prompts) * (length + 1) / prefill_tok_s
+            for output in outputs:
+                runs: dict[str, list[float]] = {name: [] for name in adapters}
+                for repeat in range(args.repeats):
+                    names = list(adapters)
+                    for name in names[repeat % 3 :] + names[: repeat % 3]:
+                        runs[name].append(serve(engine, prompts, adapters[name], output))
+                med = {name: statistics.median(v) for name, v in runs.items()}
+                base_s = len(prompts) * (length + output) / med["base"]
+                prefill_share = min(1.0, prefill_s / base_s)
+                cell = {"input": length, "output": output, "base_tok_s": round(med["base"], 1)}
+                for name, k in (("lora_1", 1), ("lora_8", 8)):
+                    prefill_floor, decode_floor = floors(config, 16, k)
+                    floor = prefill_share * prefill_floor + (1 - prefill_share) * decode_floor
+                    slowdown = med["base"] / med[name] - 1  # extra time per token, as a fraction of base
+                    cell[name] = {
+                        "slowdown_pct": round(100 * slowdown, 2),
+                        "floor_pct": round(100 * floor, 2),
+                        "x_floor": round(slowdown / floor, 2),
+                    }
+                cell["prefill_share"] = round(prefill_share, 3)
+                cells.append(cell)
+                done += 1
+                print(
+                    f"[{done}/{total}] input {length:5d} output {output:4d} base {med['base']:8.1f} tok/s | "
+                    + " | ".join(
+                        f"{n} {cell[n]['slowdown_pct']:+6.1f} % (floor {cell[n]['floor_pct']:.1f} %, "
+                        f"{cell[n]['x_floor']:.2f}x; target <= 1.25x)"
+                        for n in ("lora_1", "lora_8")
+                    ),
+                    flush=True,
+                )
+        manager.close()
+    result = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "repeats": args.repeats}
+    result["cells"] = cells
+    out = args.out if args.out != Path("out/bench_slowdown.json") else Path("out/bench_slowdown_heatmap.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    _plot(cells, inputs, outputs, out.with_suffix(".png"))
+
+
+def _plot(cells: list[dict], inputs: list[int], outputs: list[int], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install -e .[bench]): no PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, name in zip(axes, ("lora_1", "lora_8"), strict=True):
+        grid = [[next(c for c in cells if c["input"] == i and c["output"] == o)[name] for i in inputs] for o in outputs]
+        values = [[cell["slowdown_pct"] for cell in row] for row in grid]
+        image = ax.imshow(values, cmap="RdYlGn_r", aspect="auto")
+        for y, row in enumerate(grid):
+            for x, cell in enumerate(row):
+                label = f"{cell['slowdown_pct']:.1f}%\nfloor {cell['floor_pct']:.1f}%\n{cell['x_floor']:.2f}x"
+                ax.text(x, y, label, ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(inputs)), [str(i) for i in inputs])
+        ax.set_yticks(range(len(outputs)), [str(o) for o in outputs])
+        ax.set_xlabel("input tokens")
+        ax.set_ylabel("output tokens")
+        ax.set_title(f"{name}: slowdown vs base (floor, x floor)")
+        fig.colorbar(image, ax=ax, label="slowdown %")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", default="128,512,2048", help="prompt lengths, comma separated")
@@ -54,7 +183,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--out", type=Path, default=Path("out/bench_slowdown.json"))
+    parser.add_argument("--heatmap", action="store_true", help="the input x output grid, with floors and a PNG")
+    parser.add_argument("--outputs", default="32,128,512", help="--heatmap: output lengths, comma separated")
     args = parser.parse_args()
+    if args.heatmap:
+        if args.inputs == parser.get_default("inputs"):
+            args.inputs = "128,256,512,1024,2048"
+        heatmap(args)
+        return
     dtype = getattr(torch, args.dtype)
     inputs = [int(n) for n in args.inputs.split(",")]
     config = LlamaConfig.bench()

@@ -152,6 +152,7 @@ class Engine:
             raise ValueError(f"logit_bias / stop_ids token ids must lie in [0, {vocab}), got {sorted(outside)}")
         if adapter_id is not None:
             self.manager.registry.get(adapter_id)
+        self.manager.note_request(adapter_id)
         generator = None
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -223,8 +224,10 @@ class Engine:
                 lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
                 self._units_of,
             )
+            if plan.admitted:  # one pass over the queue, not one list scan per admitted request
+                taken = {id(r) for r in plan.admitted}
+                self._waiting = deque(r for r in self._waiting if id(r) not in taken)
             for request in plan.admitted:
-                self._waiting.remove(request)
                 request.cache_row = self._free_rows.pop()
                 self._running.append(request)
             self._step += 1
@@ -377,9 +380,9 @@ class Engine:
     def _drop_cancelled(self) -> None:
         with self._lock:
             cancelled = [r for r in (*self._waiting, *self._running) if r.cancelled.is_set()]
-            for request in cancelled:
-                if request in self._waiting:
-                    self._waiting.remove(request)
+            if cancelled:
+                dropped = {id(r) for r in cancelled}
+                self._waiting = deque(r for r in self._waiting if id(r) not in dropped)
         for request in cancelled:
             self._finish(request, "cancelled")
 
@@ -393,10 +396,9 @@ class Engine:
 
     def _prefetch(self) -> None:
         # Running requests' adapters go first: needed sooner than any waiting one's, so never a prefetch victim.
+        # Called with an empty queue too: the prefetcher also keeps the most popular adapters warm.
         with self._lock:
-            queued = [r.adapter_id for r in self._waiting]
-            if queued:
-                queued = [r.adapter_id for r in self._running] + queued
+            queued = [r.adapter_id for r in self._running] + [r.adapter_id for r in self._waiting]
         if queued:
             self.manager.prefetch(queued)
 

@@ -9,6 +9,9 @@ Policy, in order, each step:
    or resident in a slot (arrival order); then requests for cold adapters (arrival order), and a cold adapter is
    brought in only when it does not push the step's distinct adapters past the slots available, so while warm work
    waits, a cold adapter never evicts a warm one (no thrash: an adapter's queue drains before it is evicted).
+
+Work per step is linear in the queue: one pass classifies it (residency asked once per distinct adapter), one pass
+admits; membership uses id sets, never list scans.
 """
 
 from __future__ import annotations
@@ -72,22 +75,30 @@ def plan_step(
         count = min(len(request.prompt) - request.prefilled, budget) if request.in_prefill else 1
         chunks.append(ScheduledChunk(request, count))
         budget -= count
-    overdue = [r for r in waiting if step - r.arrival_step > config.max_wait_steps]
-    late = {id(r) for r in overdue}
-    warm = [
-        r
-        for r in waiting
-        if id(r) not in late and (r.adapter_id is None or r.adapter_id in adapters or is_resident(r.adapter_id))
-    ]
-    early = late | {id(r) for r in warm}
-    cold = [r for r in waiting if id(r) not in early]
+    resident: dict[str, bool] = {}  # adapter id -> is_resident, asked once per distinct adapter
+    overdue: list[Request] = []
+    warm: list[Request] = []
+    cold: list[Request] = []
+    for r in waiting:
+        adapter_id = r.adapter_id
+        if step - r.arrival_step > config.max_wait_steps:
+            overdue.append(r)
+        elif adapter_id is None or adapter_id in adapters:
+            warm.append(r)
+        else:
+            if adapter_id not in resident:
+                resident[adapter_id] = is_resident(adapter_id)
+            (warm if resident[adapter_id] else cold).append(r)
+    unit_cost: dict[str, int] = {}
     admitted: list[Request] = []
     for group, blocking in ((overdue, True), (warm, False), (cold, False)):
         for request in group:
             if budget == 0 or free_rows == 0:
                 return StepPlan(tuple(chunks), tuple(admitted))
             needs_slot = request.adapter_id is not None and request.adapter_id not in adapters
-            units = units_of(request.adapter_id) if needs_slot else 0
+            if needs_slot and request.adapter_id not in unit_cost:
+                unit_cost[request.adapter_id] = units_of(request.adapter_id)
+            units = unit_cost[request.adapter_id] if needs_slot else 0
             if needs_slot and used + units > units_available:
                 if blocking:
                     return StepPlan(tuple(chunks), tuple(admitted))

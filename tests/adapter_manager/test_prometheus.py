@@ -84,8 +84,27 @@ def test_labels_stay_low_cardinality(manager):
     families = scrape(manager)
     assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 1
     label_names = {name for f in families.values() for s in f.samples for name in s.labels}
-    assert label_names <= {"tier", "move", "le"}
-    assert not any("org/" in str(s.labels) for f in families.values() for s in f.samples)
+    assert label_names <= {"tier", "move", "le", "adapter"}
+    assert not any("org/" in str(s.labels) for f in families.values() for s in f.samples)  # no requests noted yet
+
+
+def test_per_adapter_requests_are_the_top_k_and_the_rest_summed(manager):
+    counts = {f"org/x{i}": 1 + i % 7 for i in range(40)} | {"org/a": 50, "org/b": 30}
+    for adapter_id, count in counts.items():
+        for _ in range(count):
+            manager.note_request(adapter_id)
+    manager.note_request(None)  # the base model is not an adapter
+    assert manager.metrics().to_dict()["requests"] == counts  # the JSON snapshot has every adapter
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(AdapterManagerCollector(manager, top_adapters=3))
+    text = prometheus_client.generate_latest(registry).decode()
+    family = {f.name: f for f in text_string_to_metric_families(text)}["adapter_manager_adapter_requests"]
+    got = {s.labels["adapter"]: s.value for s in family.samples}
+    assert got == {"org/a": 50, "org/b": 30, "org/x13": 7, "other": sum(counts.values()) - 87}
+    manager.unregister("org/a")
+    assert "org/a" not in manager.metrics().requests
+    with pytest.raises(ValueError, match="top_adapters must be >= 0, got -1"):
+        AdapterManagerCollector(manager, top_adapters=-1)
 
 
 def test_an_idle_manager_scrapes_cleanly(tiny_spec):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from runtime.engine.request import Request
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig, plan_step
@@ -52,3 +54,59 @@ def test_overdue_requests_go_first_and_block_later_arrivals():
 def test_no_free_rows_admits_nobody():
     plan = plan_step(SchedulerConfig(), 0, [], [req(0, None)], 0, 2, lambda a: True)
     assert admitted(plan) == [] and plan.chunks == ()
+
+
+def _units(adapter: str) -> int:
+    return (1, 2, 4, 8)[int(adapter[1:]) % 4]  # rank mix: 1, 2, 4 or 8 pool units
+
+
+@pytest.mark.timeout(60)
+def test_ten_thousand_waiting_with_hundreds_of_slots_keeps_no_thrash():
+    """10,000 waiting requests over 1000 adapters, a pool of 512 units: every request for a resident or running
+    adapter is admitted first, in arrival order; cold ones then fill the spare units in arrival order, never pushing
+    the step's adapters past the pool (so no resident adapter has to be evicted for them)."""
+    resident = {f"a{i}" for i in range(100)}
+    running = [req(20_000 + i, f"a{i}") for i in range(50)]
+    for r in running:
+        r.prefilled, r.output = 4, [1]
+    waiting = [req(i, f"a{i % 1000}", arrival=10) for i in range(10_000)]
+    plan = plan_step(
+        SchedulerConfig(token_budget=10**7), 10, running, waiting, 10_000, 512, resident.__contains__, _units
+    )
+    ids = admitted(plan)
+    assert len(ids) == len(set(ids))
+    warm = [r.request_id for r in waiting if r.adapter_id in resident]
+    assert ids[: len(warm)] == warm  # all 1000 warm requests, first, in arrival order
+    used = sum(_units(a) for a in resident)
+    expected, taken = [], set(resident)
+    for r in waiting:  # the cold ones, greedy in arrival order within the units left
+        if r.adapter_id in taken:
+            if r.adapter_id not in resident:
+                expected.append(r.request_id)
+            continue
+        if used + _units(r.adapter_id) <= 512:
+            taken.add(r.adapter_id)
+            used += _units(r.adapter_id)
+            expected.append(r.request_id)
+    assert ids[len(warm) :] == expected
+    assert sum(_units(a) for a in {r.adapter_id for r in plan.admitted} | resident) <= 512
+    assert len(plan.chunks) == len(running) + len(ids)
+
+
+@pytest.mark.timeout(60)
+def test_ten_thousand_waiting_bounded_unfairness():
+    """An overdue request whose adapter cannot get room blocks every later arrival, among 10,000 waiting."""
+    config = SchedulerConfig(token_budget=10**7, max_wait_steps=64)
+    running = [req(20_000 + i, f"a{i}") for i in range(200)]  # 200 adapters in flight: 500 units
+    for r in running:
+        r.prefilled, r.output = 4, [1]
+    held = sum(_units(r.adapter_id) for r in running)
+    overdue = [req(i, f"a{i % 200}", arrival=0) for i in range(4_999)] + [req(4_999, "a203", arrival=0)]  # 8 units
+    later = [req(5_000 + i, f"a{i % 200}", arrival=90) for i in range(5_000)]
+    waiting = overdue + later
+    plan = plan_step(config, 100, running, waiting, 10_000, held + 4, lambda a: True, _units)
+    assert admitted(plan) == list(range(4_999))  # overdue ones that fit, then the blocked one stops everyone
+    plan = plan_step(config, 100, running, waiting, 10_000, held + 8, lambda a: True, _units)
+    assert admitted(plan) == list(range(10_000))  # room for it: overdue first, then the rest in order
+    plan = plan_step(config, 100, running, waiting, 300, held + 8, lambda a: True, _units)
+    assert admitted(plan) == list(range(300))  # rows bind: the oldest go first

@@ -301,8 +301,11 @@ def test_prometheus_text_and_swap_snapshot(server, client, admin):
     assert snapshot["exposed_wait"]["count"] > 0 and "team/ad0" in snapshot["residency"]
     served = families["adapter_manager_http_requests"].samples
     assert any(s.labels["route"] == "/v1/completions" and s.labels["status"] == "200" for s in served)
-    for family in families.values():  # low cardinality: no adapter ids as labels
-        assert all("team/ad0" not in json.dumps(s.labels) for s in family.samples)
+    requests = {s.labels["adapter"]: s.value for s in families["adapter_manager_adapter_requests"].samples}
+    assert requests["team/ad0"] >= 1 and "other" in requests  # the one per-adapter series: top K + "other"
+    for name, family in families.items():  # low cardinality: no other adapter ids as labels
+        if name != "adapter_manager_adapter_requests":
+            assert all("team/ad0" not in json.dumps(s.labels) for s in family.samples)
 
 
 def test_load_2000_requests_over_200_adapters_with_churn(files):
