@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from .config import LlamaConfig, eos_ids
 from .llama import Llama
+from .packed import pack_by_default
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -104,8 +105,16 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Llama:
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    pack_weights: bool | None = None,
+) -> Llama:
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
+
+    ``pack_weights`` (None: on unless ``ADAPTER_MANAGER_PACK_WEIGHTS=0``) then reorders the projections' weights
+    into oneDNN's layout where it applies (CPU; :meth:`Llama.pack_weights`), replacing the plain ones.
 
     Every parameter is written exactly once (fused q/k/v and gate/up row slices included); tensors are read one at a
     time from the memory-mapped files, so at no point does a second copy of the weights exist. The end-of-sequence
@@ -151,7 +160,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: t
         raise CheckpointError(
             f"{folder}: tensors missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if pack_weights if pack_weights is not None else pack_by_default():
+        model.pack_weights()
+    return model
 
 
 def load_checkpoint(

@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .batch import SeqSpan
+
+
+class AttentionPlan(NamedTuple):
+    """How an eager step's attention runs, made once per step and shared by every layer (:func:`plan_attention`).
+
+    Decode tokens (one token of a sequence) attend in ONE batched call over their rows' keys up to the longest
+    context, masked per row; each prefill chunk (≥ 2 tokens) in one call of its own. Worked example: spans
+    ``((0, 0, 3, 3), (2, 3, 1, 6), (5, 4, 1, 4))`` -> decode_index [3, 4], rows [2, 5], mask over 6 keys
+    ``[[1 1 1 1 1 1], [1 1 1 1 0 0]]``, prefill ``((0, 0, 3, 3),)``.
+    """
+
+    decode_index: torch.Tensor | None
+    """Shape: [B] int64, the decode tokens' places in the flat batch; None when every token is a decode token, in
+    order (no gather), or when there is none (rows is then None)."""
+    rows: torch.Tensor | None
+    """Shape: [B] int64, the decode tokens' cache rows; None: no decode token in the step."""
+    mask: torch.Tensor | None
+    """Shape: [B, 1, 1, P] bool, keys j < the row's context length (P = the longest)."""
+    prefill: tuple[SeqSpan, ...]
+    """The spans of ≥ 2 tokens, one attention call each."""
+
+
+def plan_attention(spans: Sequence[SeqSpan], device: torch.device | str) -> AttentionPlan:
+    """Split a step's spans into the batched decode call and the prefill calls (host ints in, small tensors out)."""
+    decode = [span for span in spans if span.count == 1]
+    prefill = tuple(span for span in spans if span.count > 1)
+    if not decode:
+        return AttentionPlan(None, None, None, prefill)
+    index = None
+    if prefill or any(span.offset != i for i, span in enumerate(decode)):
+        index = torch.tensor([span.offset for span in decode], dtype=torch.long).to(device)
+    ends = torch.tensor([span.end_pos for span in decode], dtype=torch.long)
+    mask = torch.arange(int(ends.max()))[None, :] < ends[:, None]  # [B, P]
+    rows = torch.tensor([span.cache_row for span in decode], dtype=torch.long)
+    return AttentionPlan(index, rows.to(device), mask[:, None, None, :].to(device), prefill)
 
 
 class KVCache(nn.Module):
@@ -47,7 +85,8 @@ class KVCache(nn.Module):
         self.v.index_put_((rows, positions), v)
 
     def attend_spans(self, q: torch.Tensor, spans: tuple[SeqSpan, ...]) -> torch.Tensor:
-        """Eager causal attention, one SDPA call per sequence of the step over its cached prefix.
+        """Eager causal attention, one SDPA call per sequence of the step over its cached prefix (the reference that
+        :meth:`attend` batches).
 
         Semantics::
 
@@ -68,6 +107,41 @@ class KVCache(nn.Module):
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # [H, n, D]
             outputs.append(out.transpose(0, 1))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def attend(self, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """Eager causal attention as :meth:`attend_spans` computes it, with every decode token in one batched call.
+
+        Semantics: as :meth:`attend_spans`. Shape: q [T, H, D]; returns [T, H, D].
+        """
+        if plan.rows is not None and plan.decode_index is None:
+            return self._attend_decode(q, plan)  # a pure decode step
+        out = torch.empty_like(q)
+        if plan.rows is not None:
+            out[plan.decode_index] = self._attend_decode(q[plan.decode_index], plan)
+        for row, offset, count, end in plan.prefill:
+            out[offset : offset + count] = self._attend_chunk(q[offset : offset + count], row, count, end)
+        return out
+
+    def _attend_decode(self, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """Shape: q [B, H, D], one token per row; returns [B, H, D]."""
+        length = plan.mask.shape[-1]
+        ks = self.k[plan.rows, :length].transpose(1, 2)  # [B, KV, P, D]
+        vs = self.v[plan.rows, :length].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=plan.mask, enable_gqa=True)
+        return out[:, :, 0, :]  # [B, H, D]
+
+    def _attend_chunk(self, q: torch.Tensor, row: int, count: int, end: int) -> torch.Tensor:
+        """One sequence's ``count`` tokens ending at position ``end``. Shape: q [n, H, D]; returns [n, H, D]."""
+        qs = q.transpose(0, 1)  # [H, n, D]
+        ks = self.k[row, :end].transpose(0, 1)  # [KV, end, D]
+        vs = self.v[row, :end].transpose(0, 1)
+        if count == end:  # no cached prefix: plain causal (the kernel skips the masked blocks)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            query_pos = torch.arange(end - count, end, device=q.device)  # [n]
+            mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]  # [n, end]
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1)
 
     def attend_static(self, q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Static-shape causal attention: every token reads its whole cache row, masked to positions ≤ its own.

@@ -20,7 +20,7 @@ from kernels import LoRAKernelMeta
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
-from .kv_cache import KVCache
+from .kv_cache import AttentionPlan, KVCache, plan_attention
 from .lora_linear import LoRALinear, Stacks
 from .rope import apply_rope, rope_table
 
@@ -54,9 +54,17 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: torch.Tensor, meta: LoRAKernelMeta | None
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: torch.Tensor,
+        meta: LoRAKernelMeta | None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        """Shape: x [T, H]; rope [T, 2, D/2]; returns [T, H]. Writes the step's keys/values into the cache."""
+        """Shape: x [T, H]; rope [T, 2, D/2]; returns [T, H]. Writes the step's keys/values into the cache.
+
+        ``plan`` (eager steps): the step's batched attention plan; None with spans runs one call per sequence.
+        """
         assert self.kv_cache is not None, "setup_caches() first"
         q, k, v = self.wqkv(x, meta)
         tokens = x.shape[0]
@@ -66,6 +74,8 @@ class Attention(nn.Module):
         self.kv_cache.update(batch.cache_rows, batch.positions, k, v)
         if batch.spans is None:
             out = self.kv_cache.attend_static(q, batch.cache_rows, batch.positions)
+        elif plan is not None:
+            out = self.kv_cache.attend(q, plan)  # [T, heads, D]
         else:
             out = self.kv_cache.attend_spans(q, batch.spans)  # [T, heads, D]
         return self.wo(out.reshape(tokens, -1), meta)[0]
@@ -97,9 +107,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: torch.Tensor, meta: LoRAKernelMeta | None
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: torch.Tensor,
+        meta: LoRAKernelMeta | None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), batch, rope, meta)
+        h = x + self.attention(self.attention_norm(x), batch, rope, meta, plan)
         return h + self.feed_forward(self.ffn_norm(h), meta)
 
 
@@ -117,7 +132,8 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.output = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
+        self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
 
@@ -148,6 +164,27 @@ class Llama(nn.Module):
                 max_batch, max_seq_len, config.num_kv_heads, config.head_dim, self.dtype, self.device
             )
         self.rope_table = rope_table(config, max_seq_len, self.device)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the projections' base weights are held in oneDNN's reordered layout (see :meth:`pack_weights`)."""
+        return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
+
+    def pack_weights(self) -> bool:
+        """Reorder every projection's (and an untied lm_head's) base weight into oneDNN's layout, in place of the
+        plain one, where oneDNN takes it (CPU, fp32 / supported bf16); returns whether any was packed. A no-op on
+        CUDA and XLA. Call after loading; :meth:`unpack_weights` undoes it."""
+        packed = False
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                packed |= module.pack()
+        return packed
+
+    def unpack_weights(self) -> None:
+        """Plain weights again (same values)."""
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.unpack()
 
     def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
         """Route every module's LoRA through the slot pool's rows (by reference: later slot loads are seen).
@@ -188,6 +225,8 @@ class Llama(nn.Module):
         Raises KeyError for a name this model has no place for.
         """
         parts = name.split(".")
+        if self.packed:
+            raise ValueError(f"{name}: the model's weights are packed; unpack_weights() before loading into it")
         if name == "model.embed_tokens.weight":
             return self.tok_embeddings.weight, None
         if name == "model.norm.weight":
@@ -235,10 +274,12 @@ class Llama(nn.Module):
             )
         rope = self.rope_table[batch.positions]  # [T, 2, D/2]
         h = self.tok_embeddings(batch.tokens)  # [T, H]
+        plan = None if batch.spans is None or not self.batched_attention else plan_attention(batch.spans, self.device)
         for layer in self.layers:
-            h = layer(h, batch, rope, lora_meta)
+            h = layer(h, batch, rope, lora_meta, plan)
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
         h = self.norm(h)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return h @ weight.t()  # [N, vocab]
+        if self.output is None:
+            return h @ self.tok_embeddings.weight.t()  # [N, vocab]
+        return self.output(h)[0]  # [N, vocab]

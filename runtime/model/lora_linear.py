@@ -9,6 +9,8 @@ from torch import nn
 
 from kernels import LoRAKernelMeta, expand, shrink, shrink_parts
 
+from .packed import can_pack, pack_weight, packed_linear, unpack_weight
+
 
 class Stacks(Protocol):
     """One module's LoRA rows (``adapter_manager.slot_pool.SlotStacks``)."""
@@ -76,6 +78,10 @@ class LoRALinear(nn.Module):
     A_q|A_k|A_v, and A_gate|A_up, side by side), attach records one ``[N, P, in]`` view of them and an eager forward
     runs one :func:`kernels.shrink_parts` for those parts instead of one shrink each. ``fuse_shrink = False`` forces
     the per-part path (benchmarks compare the two); traced backends always take it.
+
+    Packed weight: :meth:`pack` replaces the plain ``weight`` by oneDNN's reordered copy (CPU only; one copy in
+    memory: ``weight`` becomes None) and every base matmul runs through oneDNN's linear; :meth:`unpack` undoes it.
+    ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused.
     """
 
     def __init__(
@@ -93,7 +99,47 @@ class LoRALinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self._lora: list[Stacks | None] = [None] * len(out_features)
         self._fused: tuple[_FusedParts, ...] = ()
+        self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
         self.fuse_shrink = True
+
+    @property
+    def packed(self) -> bool:
+        """Whether the base weight is held in oneDNN's reordered layout (``weight`` is then None)."""
+        return self._packed is not None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self._packed.dtype if self._packed is not None else self.weight.dtype
+
+    def pack(self) -> bool:
+        """Replace the plain weight by its oneDNN-reordered copy where oneDNN takes it (CPU, fp32 / supported bf16);
+        returns whether the layer is packed. Pack last: ``to()`` does not move or cast a packed weight."""
+        if self._packed is None and self.weight is not None and can_pack(self.weight):
+            self._packed = pack_weight(self.weight)
+            self.weight = None  # the plain copy goes: one copy of the weight in memory
+        return self._packed is not None
+
+    def unpack(self) -> None:
+        """Back to a plain ``weight`` Parameter (same values)."""
+        if self._packed is not None:
+            self.weight = nn.Parameter(unpack_weight(self._packed), requires_grad=False)
+            self._packed = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001 - nn.Module's signature
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._packed is not None:
+            destination[prefix + "weight"] = unpack_weight(self._packed)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        if self._packed is not None:
+            raise RuntimeError(f"{prefix or 'layer'}: the weight is packed; unpack() before loading a state dict")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def base(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Semantics: ``x @ W.T (+ add)``, whichever layout W is held in. Shape: x [T, in]; returns [T, sum(out)]."""
+        if self._packed is not None:
+            return packed_linear(x, self._packed, add)
+        return x @ self.weight.t() if add is None else add.addmm_(x, self.weight.t())
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
@@ -104,8 +150,8 @@ class LoRALinear(nn.Module):
             raise ValueError(f"a_rows must have shape [N, {self.in_features}], got {tuple(a_rows.shape)}")
         if bt_rows.shape != (a_rows.shape[0], out):
             raise ValueError(f"bt_rows must have shape [{a_rows.shape[0]}, {out}], got {tuple(bt_rows.shape)}")
-        if a_rows.dtype != self.weight.dtype or bt_rows.dtype != self.weight.dtype:
-            raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight.dtype}")
+        if a_rows.dtype != self.weight_dtype or bt_rows.dtype != self.weight_dtype:
+            raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
         self._lora[part] = stacks
         self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
 
@@ -142,10 +188,10 @@ class LoRALinear(nn.Module):
         on traced backends).
         """
         if meta is None or meta.no_adapter or not self.has_lora:
-            y = x @ self.weight.t()  # [T, sum(out)]
+            y = self.base(x)  # [T, sum(out)]
             return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         if meta.backend.traced:
-            y = x @ self.weight.t()
+            y = self.base(x)
             parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
             for index, stacks in enumerate(self._lora):
                 if stacks is not None:
@@ -162,8 +208,12 @@ class LoRALinear(nn.Module):
             else:
                 part_h = h[index] if index in h else shrink(x, stacks.a, meta)
                 expand(parts[index], part_h, stacks.bt, meta, accumulate=False)
-        y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
-        return parts
+        if self._packed is None:
+            y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
+            return parts
+        y = self.base(x, add=y)  # the same, fused into oneDNN's linear (a new tensor)
+        return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"
+        extra = f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"
+        return extra + (", packed" if self._packed is not None else "")

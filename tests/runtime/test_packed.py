@@ -1,0 +1,116 @@
+"""Packed base weights (oneDNN's reordered layout on CPU) and batched decode attention: same model, same answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapter_manager import AdapterManager, AdapterManagerConfig
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model import packed as packing
+from runtime.model.batch import SeqSpan
+from runtime.model.checkpoint import load_model
+from runtime.model.kv_cache import KVCache, plan_attention
+from runtime.model.lora_linear import LoRALinear
+from tests.conftest import TINY_NAME
+from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, FP32_TOL, ROWS, max_diff, oracle_logits
+from tests.runtime._steps import greedy, prefill_logits
+
+needs_onednn = pytest.mark.skipif(
+    not packing.can_pack(torch.zeros(2, 2)), reason="oneDNN linear is not available in this torch build"
+)
+
+
+@needs_onednn
+def test_packed_model_equals_plain_and_hf(written) -> None:
+    plain = load_model(written[None][0], pack_weights=False)
+    packed = load_model(written[None][0], pack_weights=True)
+    assert not plain.packed and packed.packed
+    linears = [m for m in packed.modules() if isinstance(m, LoRALinear)]
+    assert len(linears) == 4 * len(packed.layers) + 1  # every projection and the untied lm_head
+    assert all(m.packed and m.weight is None for m in linears)  # one copy: the plain weight is gone
+    assert {k: v.shape for k, v in packed.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in packed.state_dict().items())
+    prompts = [p for p, _ in ROWS]
+    for model in (plain, packed):
+        model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
+    both = zip(prefill_logits(packed, prompts), prefill_logits(plain, prompts), prompts, strict=True)
+    for ours, theirs, prompt in both:
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        assert max_diff(ours, oracle_logits(written, None, prompt)) <= FP32_TOL
+    (packed_ids, packed_logits), (plain_ids, plain_logits) = greedy(packed, prompts, 4), greedy(plain, prompts, 4)
+    assert packed_ids == plain_ids
+    for ours, theirs in zip(packed_logits, plain_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_unpack_restores_the_plain_weights_and_loading_needs_it(written) -> None:
+    plain = load_model(written[None][0], pack_weights=False)
+    model = load_model(written[None][0], pack_weights=True)
+    with pytest.raises(ValueError, match="packed"):
+        model.hf_target("model.layers.0.self_attn.q_proj.weight")
+    with pytest.raises(RuntimeError, match="unpack"):
+        model.load_state_dict(plain.state_dict())
+    model.unpack_weights()
+    assert not model.packed
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
+    model.load_state_dict(plain.state_dict())
+
+
+def test_nothing_is_packed_where_onednn_does_not_apply(written, monkeypatch) -> None:
+    assert not packing.can_pack(torch.zeros(2, 2, dtype=torch.float16))
+    assert not packing.can_pack(torch.zeros(2, 2, device="meta"))
+    monkeypatch.setenv(packing.PACK_ENV, "0")
+    assert not load_model(written[None][0]).packed
+
+
+def _filled_cache(rows: int, positions: int) -> KVCache:
+    cache = KVCache(rows, positions, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    return cache
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        # (row, offset, count, end): decode tokens with ragged contexts, out of row order
+        ((3, 0, 1, 7), (0, 1, 1, 1), (5, 2, 1, 19), (1, 3, 1, 12)),
+        # prefill chunks (fresh and with a cached prefix) between decode tokens
+        ((2, 0, 1, 9), (0, 1, 5, 5), (4, 6, 1, 3), (1, 7, 3, 14), (5, 10, 1, 20)),
+        # prefill only, one decode only
+        ((0, 0, 4, 4), (1, 4, 2, 11)),
+        ((3, 0, 1, 16),),
+    ],
+    ids=["decode-ragged", "mixed", "prefill-only", "one-decode"],
+)
+def test_batched_attention_equals_per_sequence_reference(spans) -> None:
+    cache = _filled_cache(rows=6, positions=20)
+    spans = tuple(SeqSpan(*span) for span in spans)
+    tokens = sum(span.count for span in spans)
+    q = torch.randn(tokens, 4, 8, generator=torch.Generator().manual_seed(1))  # 4 query heads over 2 KV heads
+    plan = plan_attention(spans, "cpu")
+    assert (plan.rows is not None) == any(span.count == 1 for span in spans)
+    torch.testing.assert_close(cache.attend(q, plan), cache.attend_spans(q, spans), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
+def test_engine_serves_adapters_on_a_packed_model_matching_peft(written, expected, pack_weights: bool) -> None:
+    model = load_model(written[None][0], pack_weights=pack_weights)
+    assert model.packed == (pack_weights and packing.can_pack(torch.zeros(2, 2)))
+    manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
+    for name in ADAPTERS:
+        manager.register(str(written[name][0]), adapter_id=name)
+    config = EngineConfig(max_batch=4, max_seq_len=64, scheduler=SchedulerConfig(token_budget=12), eos_ids=())
+    engine = Engine(model, manager, config)
+    requests = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]
+    handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in requests]
+    engine.run_until_idle(max_steps=500)
+    for handle, (prompt, name) in zip(handles, requests, strict=True):
+        assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
+    manager.close()
