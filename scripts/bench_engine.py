@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""The eager engine against the machine's roofline: decode step and prefill on the bench model, base and LoRA.
+
+Measured side by side in one run (medians), on the CPU by default:
+- references: the decode step's weight matmuls alone (M = sequences, every base weight of the step once, lm_head
+  included) done the fastest way this machine allows (min over ``x @ W.T``, ``W @ x.T`` and oneDNN's packed linear);
+  one read pass over the same bytes (the memory floor); the machine's GEMM throughput (M = 1024 on the largest
+  projection, the fastest form) for prefill;
+- the model's decode step (``--seqs`` sequences, one token each, ``--context`` tokens of context) and prefill
+  (``--prefill`` tokens split over the sequences) for base, LoRA attached with no adapter in the step, 1 adapter,
+  8 distinct rank-16 adapters — with packed weights + batched attention (the default) and, for comparison, plain
+  weights + one attention call per sequence (``--no-plain`` skips it);
+- a profile of one packed decode step per config: matmul, attention, other ops, outside any op;
+- the real engine's decode step (scheduler, lease, forward, sampling) and ``sample()`` alone over the step's rows.
+
+Floors: decode LoRA = the active adapters' weight bytes ÷ the base's (shared/DESIGN.md, Floors); prefill LoRA = LoRA
+FLOPs ÷ base FLOPs. Targets (reported, never asserted): decode ≤ 60 ms and ≤ 1.25× the matmul reference; prefill
+≥ 70 % of GEMM throughput; LoRA ≤ 1.25× its floor (8 adapters, 1 adapter), no adapter ≤ 1 %; engine overhead
+≤ 10 % of the step. Writes out/bench_engine.json.
+
+  PYTHONPATH=. .venv/bin/python scripts/bench_engine.py [--seqs 8] [--context 144] [--prefill 1024] [--repeats 15]
+      [--no-plain] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+from kernels import KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams, sample
+from runtime.model import packed as packing
+from runtime.model.batch import ForwardBatch, SequenceChunk
+from runtime.model.checkpoint import load_model, write_random_checkpoint
+from runtime.model.config import LlamaConfig
+from runtime.model.llama import Llama
+from runtime.model.lora_linear import LoRALinear
+
+CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
+RANK = 16
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def cpu_features() -> dict[str, object]:
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
+        "amx": "amx_tile" in flags,
+        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    }
+
+
+def base_linears(model: Llama) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def references(plain: Llama, seqs: int, repeats: int) -> dict[str, float]:
+    """The decode step's weight matmuls alone, three ways; a read pass over the weights; GEMM throughput."""
+    weights = [m.weight.detach() for m in base_linears(plain)]
+    packs = [packing.pack_weight(w) for w in weights] if packing.can_pack(weights[0]) else []
+    inputs = {w.shape[1]: torch.randn(seqs, w.shape[1], dtype=w.dtype) for w in weights}
+    chains = {
+        "x_wt": lambda: [inputs[w.shape[1]] @ w.t() for w in weights],
+        "w_xt": lambda: [w @ inputs[w.shape[1]].t() for w in weights],
+    }
+    if packs:
+        chains["onednn"] = lambda: [packing.packed_linear(inputs[p.shape[1]], p) for p in packs]
+    out = {f"matmul_chain_{name}_ms": median_ms(fn, repeats) for name, fn in chains.items()}
+    out["matmul_ref_ms"] = min(out.values())
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    flat = torch.cat([w.reshape(-1) for w in weights])  # one contiguous copy, freed below
+    out["read_pass_ms"] = median_ms(lambda: flat.sum(), repeats)
+    out["read_gb_s"] = nbytes / out["read_pass_ms"] / 1e6
+    largest = max(range(len(weights) - 1), key=lambda i: weights[i].numel())  # a layer's projection, not lm_head
+    big = weights[largest]
+    x = torch.randn(1024, big.shape[1], dtype=big.dtype)
+    forms = {"x_wt": lambda: x @ big.t()}
+    if packs:
+        forms["onednn"] = lambda: packing.packed_linear(x, packs[largest])
+    gemm = {name: median_ms(fn, max(3, repeats // 3)) for name, fn in forms.items()}
+    out["gemm_gflop_s"] = 2 * 1024 * big.numel() / min(gemm.values()) / 1e6
+    out.update({f"gemm_{name}_ms": ms for name, ms in gemm.items()})
+    out["base_weight_bytes"] = nbytes
+    return out
+
+
+def adapter_bytes(config: LlamaConfig, adapters: int, element: int) -> int:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = (hidden + q) + 2 * (hidden + kv) + (q + hidden) + 2 * (hidden + inter) + (inter + hidden)
+    return adapters * RANK * per_layer * config.num_layers * element
+
+
+def lora_flop_fraction(config: LlamaConfig) -> float:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    return sum(RANK * (i + o) for i, o in shapes) / sum(i * o for i, o in shapes)
+
+
+class Setup:
+    """One model (packed or plain), its KV cache of ``seqs`` rows prefilled to ``context``, and the LoRA meta."""
+
+    def __init__(self, model: Llama, manager: AdapterManager, seqs: int, context: int, max_tokens: int) -> None:
+        self.model, self.manager, self.seqs, self.context, self.max_tokens = model, manager, seqs, context, max_tokens
+        model.setup_caches(seqs, context + max_tokens + 2)
+        model.attach_lora(manager.stacks)  # "base" runs with no metadata: exactly the base model's path
+        self.metas: dict[LoRAForm, LoRAKernelMeta] = {}
+        self.leases = [manager.acquire(self.adapters(cfg)) for cfg in ("lora_1", "lora_8")]  # pinned for the run
+        gen = torch.Generator().manual_seed(0)
+        self.prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=gen) for _ in range(seqs)]
+        chunks = [SequenceChunk(row, 0, tuple(p.tolist())) for row, p in enumerate(self.prompts)]
+        self.forward(chunks, None, None)
+
+    def meta_for(self, form: LoRAForm) -> LoRAKernelMeta:
+        """LoRA metadata whose torch backend takes ``form`` (AUTO: the fast paths, else the measured choice)."""
+        if form not in self.metas:
+            pool = self.manager.pool
+            backend = select_backend(self.model.device, KernelConfig(torch_form=form))
+            self.metas[form] = LoRAKernelMeta.make(
+                backend, pool.num_slots, pool.max_rank, self.max_tokens, self.model.device, granule=pool.granule
+            )
+        return self.metas[form]
+
+    def adapters(self, config: str) -> list[str | None]:
+        return {
+            "base": [None] * self.seqs,
+            "lora_none": [None] * self.seqs,
+            "lora_1": ["a0"] * self.seqs,
+            "lora_8": [f"a{i % 8}" for i in range(self.seqs)],
+        }[config]
+
+    def forward(self, chunks: list[SequenceChunk], meta: LoRAKernelMeta | None, slot_rows) -> torch.Tensor:  # noqa: ANN001
+        batch = ForwardBatch.from_chunks(chunks, device=self.model.device)
+        if meta is not None:
+            assert batch.slot_indices is not None
+            meta.prepare(batch.slot_indices, slot_rows)
+        with torch.inference_mode():
+            return self.model(batch, meta)
+
+    def step_fn(self, config: str, prefill: int | None, form: LoRAForm = LoRAForm.AUTO) -> Callable[[], torch.Tensor]:
+        """A closure running one decode step (prefill=None) or one prefill of ``prefill`` tokens for ``config``."""
+        adapters = self.adapters(config)
+        slots, slot_rows = [-1] * self.seqs, {}
+        if config != "base":
+            lease = self.leases[0] if config == "lora_1" else self.leases[1]
+            slots = [-1 if a is None else lease.slots[a] for a in adapters]
+            slot_rows = lease.slot_rows
+        meta = None if config == "base" else self.meta_for(form)
+        if prefill is None:
+            chunks = [SequenceChunk(row, self.context, (1,), slot) for row, slot in enumerate(slots)]
+        else:
+            per = prefill // self.seqs
+            chunks = [
+                SequenceChunk(row, 0, tuple(self.prompts[row][:per].tolist()) or (1,), slot)
+                for row, slot in enumerate(slots)
+            ]
+        chunks.sort(key=lambda c: c.slot)  # as the engine orders a step
+        return lambda: self.forward(chunks, meta, slot_rows)
+
+    def close(self) -> None:
+        for lease in self.leases:
+            self.manager.release(lease)
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each closure, run round-robin (rotated each round) so contention and drift hit all alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    keys = list(fns)
+    for round_ in range(repeats):
+        for key in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
+            start = time.perf_counter()
+            fns[key]()
+            times[key].append(time.perf_counter() - start)
+    return {key: 1e3 * statistics.median(ts) for key, ts in times.items()}
+
+
+def profile_step(fn: Callable[[], object]) -> dict[str, float]:
+    """One profiled call: self time per category (ms) and the time outside any op."""
+    fn()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    wall = 1e3 * (time.perf_counter() - start)
+    cats = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
+    for event in prof.key_averages():
+        name, ms = event.key, event.self_cpu_time_total / 1e3
+        if "scaled_dot_product" in name or "flash_attention" in name:
+            cats["attention"] += ms
+        elif any(k in name for k in ("mm", "linear_pointwise", "matmul", "linear")):
+            cats["matmul"] += ms
+        else:
+            cats["other_ops"] += ms
+    cats["outside_ops"] = max(wall - sum(cats.values()), 0.0)
+    cats["profiled_wall"] = wall
+    return {k: round(v, 2) for k, v in cats.items()}
+
+
+def engine_step_ms(model: Llama, manager: AdapterManager, adapters: list[str | None], context: int, steps: int):
+    """The real engine's decode step (scheduling, lease, forward, sampling), median over ``steps`` decode steps."""
+    engine = Engine(model, manager, EngineConfig(max_batch=len(adapters), max_seq_len=context + steps + 8))
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    for adapter in adapters:
+        engine.submit(torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist(), adapter, params)
+    while any(r.in_prefill for r in engine._running) or engine._waiting:  # noqa: SLF001 - bench: reach decode
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_work:
+        engine.step()
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--context", type=int, default=144, help="tokens already cached per sequence at decode")
+    parser.add_argument("--prefill", type=int, default=1024, help="prefill tokens, split evenly over --seqs")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain-weights / per-sequence comparison")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_engine.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = LlamaConfig.bench()
+    results: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_features()}
+    print(f"cpu: {results['cpu']}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_random_checkpoint(config, root / "model")
+        spec = config.to_spec("bench")
+        for i in range(8):
+            write_synthetic_adapter(root / f"a{i}", spec, r=RANK, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
+        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=8, max_rank=RANK, prefetch_workers=0))
+        for i in range(8):
+            manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
+        start = time.perf_counter()
+        models = {"packed": load_model(root / "model", pack_weights=True)}
+        results["load_packed_s"] = round(time.perf_counter() - start, 2)
+        plain = load_model(root / "model", pack_weights=False)
+        if not args.no_plain:
+            plain.batched_attention = False  # the engine as it was: plain weights, one attention call per sequence
+            models["plain"] = plain
+        ref = references(plain, args.seqs, args.repeats)
+        results["references"] = {k: round(v, 3) for k, v in ref.items()}
+        print(f"references: {results['references']}", flush=True)
+        if args.no_plain:
+            del plain
+        max_tokens = max(args.prefill, args.seqs)
+        setups = {name: Setup(m, manager, args.seqs, args.context, max_tokens) for name, m in models.items()}
+        decode_fns = {f"{n}/{c}": setup.step_fn(c, None) for n, setup in setups.items() for c in CONFIGS}
+        packed_setup = setups["packed"]
+        for form in (LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED):
+            decode_fns[f"packed/lora_8/{form.value}"] = packed_setup.step_fn("lora_8", None, form)
+        decode_all = interleaved_ms(decode_fns, args.repeats)
+        print(f"decode: {json.dumps({k: round(v, 1) for k, v in decode_all.items()})}", flush=True)
+        prefill_fns = {f"{n}/{c}": setup.step_fn(c, args.prefill) for n, setup in setups.items() for c in CONFIGS}
+        prefill_all = interleaved_ms(prefill_fns, max(3, args.repeats // 3))
+        print(f"prefill: {json.dumps({k: round(v, 1) for k, v in prefill_all.items()})}", flush=True)
+        profiles = {cfg: profile_step(packed_setup.step_fn(cfg, None)) for cfg in CONFIGS}
+        decode_ms = {n: {c: decode_all[f"{n}/{c}"] for c in CONFIGS} for n in setups}
+        prefill_ms = {n: {c: prefill_all[f"{n}/{c}"] for c in CONFIGS} for n in setups}
+        forms = {k.rsplit("/", 1)[1]: v for k, v in decode_all.items() if k.count("/") == 2}
+        forms["auto"] = decode_ms["packed"]["lora_8"]
+        packed_setup.step_fn("lora_8", None)()
+        results["lora_8_decode_auto_form"] = packed_setup.meta_for(LoRAForm.AUTO).form.value  # type: ignore[union-attr]
+        for setup in setups.values():
+            setup.close()
+        logits = torch.randn(args.seqs, config.vocab_size)
+        greedy, top_p = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=0)
+        gen = torch.Generator().manual_seed(0)
+        sampling = {
+            "greedy_ms": median_ms(lambda: [sample(row, greedy, None) for row in logits], args.repeats),
+            "top_p_ms": median_ms(lambda: [sample(row, top_p, gen) for row in logits], args.repeats),
+        }
+        engine = {
+            cfg: engine_step_ms(models["packed"], manager, setups["packed"].adapters(cfg), args.context, 12)
+            for cfg in ("lora_none", "lora_8")
+        }
+        manager.close()
+
+    base_bytes = ref["base_weight_bytes"]
+    floors = {
+        "lora_none": 0.0,
+        "lora_1": adapter_bytes(config, 1, 4) / base_bytes,
+        "lora_8": adapter_bytes(config, 8, 4) / base_bytes,
+    }
+    prefill_tokens = (args.prefill // args.seqs) * args.seqs
+    hidden, heads = config.hidden_size, (config.num_heads + config.num_kv_heads) * config.head_dim
+    proj_params = config.num_layers * (2 * hidden * heads + 3 * hidden * config.intermediate_size)
+    prefill_flops = 2 * prefill_tokens * proj_params + 2 * args.seqs * hidden * config.vocab_size  # lm_head: last rows
+    packed_decode, packed_prefill = decode_ms["packed"], prefill_ms["packed"]
+    summary = {
+        "decode_base_ms": packed_decode["base"],
+        "decode_vs_matmul_ref": packed_decode["base"] / ref["matmul_ref_ms"],
+        "decode_vs_read_floor": packed_decode["base"] / ref["read_pass_ms"],
+        "prefill_gemm_fraction": prefill_flops / packed_prefill["base"] / 1e6 / ref["gemm_gflop_s"],
+        "lora_decode_cost": {c: packed_decode[c] / packed_decode["base"] - 1 for c in CONFIGS[1:]},
+        "lora_decode_floor": floors,
+        "lora_prefill_cost": {c: packed_prefill[c] / packed_prefill["base"] - 1 for c in CONFIGS[1:]},
+        "lora_prefill_floor": {
+            "lora_none": 0.0,
+            "lora_1": lora_flop_fraction(config),
+            "lora_8": lora_flop_fraction(config),
+        },
+        "engine_step_ms": engine,
+        "engine_overhead": {c: engine[c] / packed_decode[c] - 1 for c in engine},
+        "sampling": sampling,
+    }
+    results.update(
+        lora_8_decode_forms=forms,
+        decode_ms=decode_ms,
+        prefill_ms=prefill_ms,
+        profile=profiles,
+        summary=summary,
+    )
+
+    print(f"\nreferences (same run): {json.dumps(results['references'])}")
+    print(f"\ndecode step, {args.seqs} sequences at context {args.context} (ms, medians of round-robin runs)")
+    for name, row in decode_ms.items():
+        print(f"  {name:7s} " + "  ".join(f"{c} {v:7.1f}" for c, v in row.items()))
+    print(f"  matmul reference {ref['matmul_ref_ms']:.1f} ms (fastest chain), read floor {ref['read_pass_ms']:.1f} ms")
+    s = summary
+    print(
+        f"  base {s['decode_base_ms']:.1f} ms (target <= 60) = {s['decode_vs_matmul_ref']:.2f}x the matmul reference "
+        f"(target <= 1.25x), {s['decode_vs_read_floor']:.2f}x one read pass of the weights"
+    )
+    for c in CONFIGS[1:]:
+        cost, floor = s["lora_decode_cost"][c], floors[c]
+        bound = 0.01 if c == "lora_none" else 1.25 * floor
+        print(f"  {c:9s} cost {100 * cost:+6.1f} %  floor {100 * floor:5.1f} %  target <= {100 * bound:5.1f} %")
+    print(f"  lora_8 decode by eager LoRA form (ms): {forms}; auto took {results['lora_8_decode_auto_form']}")
+    print(f"\nprefill {prefill_tokens} tokens over {args.seqs} sequences (ms)")
+    for name, row in prefill_ms.items():
+        print(f"  {name:7s} " + "  ".join(f"{c} {v:7.1f}" for c, v in row.items()))
+    print(
+        f"  base reaches {100 * s['prefill_gemm_fraction']:.0f} % of the measured GEMM throughput "
+        f"({ref['gemm_gflop_s']:.0f} GFLOP/s; target >= 70 %)"
+    )
+    for c in CONFIGS[1:]:
+        cost, floor = s["lora_prefill_cost"][c], s["lora_prefill_floor"][c]
+        bound = max(1.25 * floor, 0.01)
+        print(f"  {c:9s} cost {100 * cost:+6.1f} %  floor {100 * floor:5.1f} %  target <= {100 * bound:5.1f} %")
+    print("\nprofile of one packed decode step (self ms by category)")
+    for cfg, cats in profiles.items():
+        print(f"  {cfg:9s} " + "  ".join(f"{k} {v:6.1f}" for k, v in cats.items()))
+    print(
+        f"\nengine decode step (ms): {engine}; overhead over the forward: "
+        + ", ".join(f"{c} {100 * v:+.1f} %" for c, v in s["engine_overhead"].items())
+        + " (target <= 10 %)"
+    )
+    print(f"sample() over {args.seqs} rows: greedy {sampling['greedy_ms']:.2f} ms, top-p {sampling['top_p_ms']:.2f} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=float))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
