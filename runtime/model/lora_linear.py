@@ -81,7 +81,8 @@ class LoRALinear(nn.Module):
 
     Packed weight: :meth:`pack` replaces the plain ``weight`` by oneDNN's reordered copy (CPU only; one copy in
     memory: ``weight`` becomes None) and every base matmul runs through oneDNN's linear; :meth:`unpack` undoes it.
-    ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused.
+    ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused; pickling and
+    ``deepcopy`` carry the weight plain and pack it again.
     """
 
     def __init__(
@@ -129,6 +130,20 @@ class LoRALinear(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._packed is not None:
             destination[prefix + "weight"] = unpack_weight(self._packed)
+
+    def __getstate__(self) -> dict:
+        """Pickle / deepcopy (a oneDNN tensor has no storage to copy): a packed weight travels plain, repacked on
+        arrival."""
+        state = dict(super().__getstate__())
+        if self._packed is not None:
+            state["_packed"], state["_packed_plain"] = None, unpack_weight(self._packed)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        plain = state.pop("_packed_plain", None)
+        super().__setstate__(state)
+        if plain is not None:
+            self._packed = pack_weight(plain)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         if self._packed is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -59,6 +62,20 @@ def test_unpack_restores_the_plain_weights_and_loading_needs_it(written) -> None
     for (name, ours), theirs in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
     model.load_state_dict(plain.state_dict())
+
+
+@needs_onednn
+def test_a_packed_model_pickles_and_deep_copies(written) -> None:
+    model = load_model(written[None][0], pack_weights=True)
+    prompts = [p for p, _ in ROWS]
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    for other in [model, *copies]:
+        other.setup_caches(max_batch=len(ROWS), max_seq_len=32)
+    expected = prefill_logits(model, prompts)
+    for other in copies:
+        assert other.packed and all(m.weight is None for m in other.modules() if isinstance(m, LoRALinear))
+        for ours, theirs in zip(prefill_logits(other, prompts), expected, strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def test_nothing_is_packed_where_onednn_does_not_apply(written, monkeypatch) -> None:
