@@ -5,7 +5,8 @@ Measured side by side in one run (medians), on the CPU by default:
 - references: the decode step's weight matmuls alone (M = sequences, every base weight of the step once, lm_head
   included) done the fastest way this machine allows (min over ``x @ W.T``, ``W @ x.T`` and oneDNN's packed linear);
   one read pass over the same bytes (the memory floor); the machine's GEMM throughput (M = 1024 on the largest
-  projection, the fastest form) for prefill;
+  projection, the fastest form) for prefill — all run round-robin with the model's steps, so contention on a
+  shared machine hits references and steps alike;
 - the model's decode step (``--seqs`` sequences, one token each, ``--context`` tokens of context) and prefill
   (``--prefill`` tokens split over the sequences) for base, LoRA attached with no adapter in the step, 1 adapter,
   8 distinct rank-16 adapters — with packed weights + batched attention (the default) and, for comparison, plain
@@ -82,34 +83,41 @@ def base_linears(model: Llama) -> list[LoRALinear]:
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
-def references(plain: Llama, seqs: int, repeats: int) -> dict[str, float]:
-    """The decode step's weight matmuls alone, three ways; a read pass over the weights; GEMM throughput."""
-    weights = [m.weight.detach() for m in base_linears(plain)]
-    packs = [packing.pack_weight(w) for w in weights] if packing.can_pack(weights[0]) else []
-    inputs = {w.shape[1]: torch.randn(seqs, w.shape[1], dtype=w.dtype) for w in weights}
-    chains = {
-        "x_wt": lambda: [inputs[w.shape[1]] @ w.t() for w in weights],
-        "w_xt": lambda: [w @ inputs[w.shape[1]].t() for w in weights],
-    }
-    if packs:
-        chains["onednn"] = lambda: [packing.packed_linear(inputs[p.shape[1]], p) for p in packs]
-    out = {f"matmul_chain_{name}_ms": median_ms(fn, repeats) for name, fn in chains.items()}
-    out["matmul_ref_ms"] = min(out.values())
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    flat = torch.cat([w.reshape(-1) for w in weights])  # one contiguous copy, freed below
-    out["read_pass_ms"] = median_ms(lambda: flat.sum(), repeats)
-    out["read_gb_s"] = nbytes / out["read_pass_ms"] / 1e6
-    largest = max(range(len(weights) - 1), key=lambda i: weights[i].numel())  # a layer's projection, not lm_head
-    big = weights[largest]
-    x = torch.randn(1024, big.shape[1], dtype=big.dtype)
-    forms = {"x_wt": lambda: x @ big.t()}
-    if packs:
-        forms["onednn"] = lambda: packing.packed_linear(x, packs[largest])
-    gemm = {name: median_ms(fn, max(3, repeats // 3)) for name, fn in forms.items()}
-    out["gemm_gflop_s"] = 2 * 1024 * big.numel() / min(gemm.values()) / 1e6
-    out.update({f"gemm_{name}_ms": ms for name, ms in gemm.items()})
-    out["base_weight_bytes"] = nbytes
-    return out
+class References:
+    """The references, as closures run in the same round-robin as the model's steps (so contention hits both)."""
+
+    def __init__(self, plain: Llama, seqs: int) -> None:
+        weights = [m.weight.detach() for m in base_linears(plain)]
+        packs = [packing.pack_weight(w) for w in weights] if packing.can_pack(weights[0]) else []
+        inputs = {w.shape[1]: torch.randn(seqs, w.shape[1], dtype=w.dtype) for w in weights}
+        self.decode: dict[str, Callable[[], object]] = {
+            "ref/x_wt": lambda: [inputs[w.shape[1]] @ w.t() for w in weights],
+            "ref/w_xt": lambda: [w @ inputs[w.shape[1]].t() for w in weights],
+        }
+        if packs:
+            self.decode["ref/onednn"] = lambda: [packing.packed_linear(inputs[p.shape[1]], p) for p in packs]
+        self.nbytes = sum(w.numel() * w.element_size() for w in weights)
+        flat = torch.cat([w.reshape(-1) for w in weights])  # one contiguous copy of the weights' bytes
+        self.decode["ref/read"] = lambda: flat.sum()
+        largest = max(range(len(weights) - 1), key=lambda i: weights[i].numel())  # a layer's projection
+        big = weights[largest]
+        self.gemm_flops = 2 * 1024 * big.numel()
+        x = torch.randn(1024, big.shape[1], dtype=big.dtype)
+        self.prefill: dict[str, Callable[[], object]] = {"ref/gemm_x_wt": lambda: x @ big.t()}
+        if packs:
+            self.prefill["ref/gemm_onednn"] = lambda: packing.packed_linear(x, packs[largest])
+
+    def summary(self, decode: dict[str, float], prefill: dict[str, float]) -> dict[str, float]:
+        chains = {k.removeprefix("ref/"): v for k, v in decode.items() if k.startswith("ref/") and k != "ref/read"}
+        gemm = {k.removeprefix("ref/"): v for k, v in prefill.items() if k.startswith("ref/")}
+        out = {f"matmul_chain_{name}_ms": ms for name, ms in chains.items()}
+        out["matmul_ref_ms"] = min(chains.values())
+        out["read_pass_ms"] = decode["ref/read"]
+        out["read_gb_s"] = self.nbytes / decode["ref/read"] / 1e6
+        out.update({f"{name}_ms": ms for name, ms in gemm.items()})
+        out["gemm_gflop_s"] = self.gemm_flops / min(gemm.values()) / 1e6
+        out["base_weight_bytes"] = self.nbytes
+        return out
 
 
 def adapter_bytes(config: LlamaConfig, adapters: int, element: int) -> int:
@@ -277,9 +285,7 @@ def main() -> None:
         if not args.no_plain:
             plain.batched_attention = False  # the engine as it was: plain weights, one attention call per sequence
             models["plain"] = plain
-        ref = references(plain, args.seqs, args.repeats)
-        results["references"] = {k: round(v, 3) for k, v in ref.items()}
-        print(f"references: {results['references']}", flush=True)
+        refs = References(plain, args.seqs)
         if args.no_plain:
             del plain
         max_tokens = max(args.prefill, args.seqs)
@@ -288,15 +294,18 @@ def main() -> None:
         packed_setup = setups["packed"]
         for form in (LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED):
             decode_fns[f"packed/lora_8/{form.value}"] = packed_setup.step_fn("lora_8", None, form)
-        decode_all = interleaved_ms(decode_fns, args.repeats)
+        decode_all = interleaved_ms({**decode_fns, **refs.decode}, args.repeats)
         print(f"decode: {json.dumps({k: round(v, 1) for k, v in decode_all.items()})}", flush=True)
         prefill_fns = {f"{n}/{c}": setup.step_fn(c, args.prefill) for n, setup in setups.items() for c in CONFIGS}
-        prefill_all = interleaved_ms(prefill_fns, max(3, args.repeats // 3))
+        prefill_all = interleaved_ms({**prefill_fns, **refs.prefill}, max(3, args.repeats // 3))
+        ref = refs.summary(decode_all, prefill_all)
+        results["references"] = {k: round(v, 3) for k, v in ref.items()}
+        del refs
         print(f"prefill: {json.dumps({k: round(v, 1) for k, v in prefill_all.items()})}", flush=True)
         profiles = {cfg: profile_step(packed_setup.step_fn(cfg, None)) for cfg in CONFIGS}
         decode_ms = {n: {c: decode_all[f"{n}/{c}"] for c in CONFIGS} for n in setups}
         prefill_ms = {n: {c: prefill_all[f"{n}/{c}"] for c in CONFIGS} for n in setups}
-        forms = {k.rsplit("/", 1)[1]: v for k, v in decode_all.items() if k.count("/") == 2}
+        forms = {k.rsplit("/", 1)[1]: v for k, v in decode_all.items() if k.startswith("packed/lora_8/")}
         forms["auto"] = decode_ms["packed"]["lora_8"]
         packed_setup.step_fn("lora_8", None)()
         results["lora_8_decode_auto_form"] = packed_setup.meta_for(LoRAForm.AUTO).form.value  # type: ignore[union-attr]

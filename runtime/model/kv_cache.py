@@ -16,20 +16,27 @@ class AttentionPlan(NamedTuple):
     """How an eager step's attention runs, made once per step and shared by every layer (:func:`plan_attention`).
 
     Decode tokens (one token of a sequence) attend in ONE batched call over their rows' keys up to the longest
-    context, masked per row; each prefill chunk (≥ 2 tokens) in one call of its own. Worked example: spans
-    ``((0, 0, 3, 3), (2, 3, 1, 6), (5, 4, 1, 4))`` -> decode_index [3, 4], rows [2, 5], mask over 6 keys
-    ``[[1 1 1 1 1 1], [1 1 1 1 0 0]]``, prefill ``((0, 0, 3, 3),)``.
+    context, masked per row; each prefill chunk (≥ 2 tokens) in one call of its own. When the decode rows are one
+    contiguous range of the cache (as a full batch's are), the decode tokens are taken in row order and the keys and
+    values are read as a view of that range, not gathered. Worked example: spans
+    ``((0, 0, 3, 3), (2, 3, 1, 6), (5, 4, 1, 4))`` -> decode_index [3, 4], rows [2, 5], row_start None, mask over 6
+    keys ``[[1 1 1 1 1 1], [1 1 1 1 0 0]]``, prefill ``((0, 0, 3, 3),)``; spans ``((1, 0, 1, 5), (0, 1, 1, 3))`` ->
+    decode_index [1, 0], rows [0, 1], row_start 0, mask ``[[1 1 1 0 0], [1 1 1 1 1]]``, prefill ().
     """
 
     decode_index: torch.Tensor | None
-    """Shape: [B] int64, the decode tokens' places in the flat batch; None when every token is a decode token, in
-    order (no gather), or when there is none (rows is then None)."""
+    """Shape: [B] int64, the decode tokens' places in the flat batch, in the order attention takes them; None when
+    every token is a decode token and that order is the batch's (no gather), or when there is none (rows is then
+    None)."""
     rows: torch.Tensor | None
     """Shape: [B] int64, the decode tokens' cache rows; None: no decode token in the step."""
     mask: torch.Tensor | None
     """Shape: [B, 1, 1, P] bool, keys j < the row's context length (P = the longest)."""
     prefill: tuple[SeqSpan, ...]
     """The spans of ≥ 2 tokens, one attention call each."""
+    row_start: int | None = None
+    """When the decode rows are exactly ``row_start .. row_start + B - 1`` (then in that order): keys and values are
+    read as a view of those cache rows; None: gathered by ``rows``."""
 
 
 def plan_attention(spans: Sequence[SeqSpan], device: torch.device | str) -> AttentionPlan:
@@ -38,13 +45,18 @@ def plan_attention(spans: Sequence[SeqSpan], device: torch.device | str) -> Atte
     prefill = tuple(span for span in spans if span.count > 1)
     if not decode:
         return AttentionPlan(None, None, None, prefill)
+    row_start = min(span.cache_row for span in decode)
+    if max(span.cache_row for span in decode) - row_start == len(decode) - 1:  # rows distinct: a contiguous range
+        decode.sort(key=lambda span: span.cache_row)
+    else:
+        row_start = None
     index = None
     if prefill or any(span.offset != i for i, span in enumerate(decode)):
         index = torch.tensor([span.offset for span in decode], dtype=torch.long).to(device)
     ends = torch.tensor([span.end_pos for span in decode], dtype=torch.long)
     mask = torch.arange(int(ends.max()))[None, :] < ends[:, None]  # [B, P]
     rows = torch.tensor([span.cache_row for span in decode], dtype=torch.long)
-    return AttentionPlan(index, rows.to(device), mask[:, None, None, :].to(device), prefill)
+    return AttentionPlan(index, rows.to(device), mask[:, None, None, :].to(device), prefill, row_start)
 
 
 class KVCache(nn.Module):
@@ -125,8 +137,12 @@ class KVCache(nn.Module):
     def _attend_decode(self, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """Shape: q [B, H, D], one token per row; returns [B, H, D]."""
         length = plan.mask.shape[-1]
-        ks = self.k[plan.rows, :length].transpose(1, 2)  # [B, KV, P, D]
-        vs = self.v[plan.rows, :length].transpose(1, 2)
+        if plan.row_start is not None:  # a view of the rows, no copy
+            rows = slice(plan.row_start, plan.row_start + q.shape[0])
+            ks, vs = self.k[rows, :length].transpose(1, 2), self.v[rows, :length].transpose(1, 2)  # [B, KV, P, D]
+        else:
+            ks = self.k[plan.rows, :length].transpose(1, 2)  # [B, KV, P, D]
+            vs = self.v[plan.rows, :length].transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=plan.mask, enable_gqa=True)
         return out[:, :, 0, :]  # [B, H, D]
 
