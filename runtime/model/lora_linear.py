@@ -150,11 +150,11 @@ class LoRALinear(nn.Module):
             raise RuntimeError(f"{prefix or 'layer'}: the weight is packed; unpack() before loading a state dict")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def base(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """Semantics: ``x @ W.T (+ add)``, whichever layout W is held in. Shape: x [T, in]; returns [T, sum(out)]."""
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """Semantics: ``x @ W.T``, whichever layout W is held in. Shape: x [T, in]; returns a new [T, sum(out)]."""
         if self._packed is not None:
-            return packed_linear(x, self._packed, add)
-        return x @ self.weight.t() if add is None else add.addmm_(x, self.weight.t())
+            return packed_linear(x, self._packed)
+        return x @ self.weight.t()
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
@@ -194,10 +194,11 @@ class LoRALinear(nn.Module):
                 y_p = expand(y_p, shrink(x, A_p, meta), Bt_p, meta)  # y_p[t] += x[t] @ A_p[rows of slot[t]].T @ ...
             return [y_p for each part]
 
-        On eager backends the LoRA terms are written first (``expand(accumulate=False)``) and the base matmul is added
-        on top by one ``addmm_``, so the output is never read back by a separate pass, and the parts of a fused run
-        share one ``shrink_parts`` call (its ``h[p]`` is part p's shrink); traced backends add the LoRA term to the
-        base matmul's result, one shrink per part.
+        On eager backends with a plain weight the LoRA terms are written first (``expand(accumulate=False)``) and the
+        base matmul is added on top by one ``addmm_``, so the output is never read back by a separate pass; with a
+        packed weight oneDNN's linear writes the base output and each expand accumulates onto its part in place. The
+        parts of a fused run share one ``shrink_parts`` call (its ``h[p]`` is part p's shrink); traced backends add
+        the LoRA term to the base matmul's result, one shrink per part.
 
         Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends; new tensors
         on traced backends).
@@ -212,22 +213,22 @@ class LoRALinear(nn.Module):
                 if stacks is not None:
                     parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
             return parts
-        y = x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
+        packed = self._packed is not None
+        y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         h: dict[int, torch.Tensor] = {}  # part -> its shrink output [T, R]
         for run in self._fused if self.fuse_shrink else ():
             h.update(zip(run.parts, shrink_parts(x, run.a_parts, meta), strict=True))  # [P, T, R]
         for index, stacks in enumerate(self._lora):
             if stacks is None:
-                parts[index].zero_()
+                if not packed:
+                    parts[index].zero_()
             else:
                 part_h = h[index] if index in h else shrink(x, stacks.a, meta)
-                expand(parts[index], part_h, stacks.bt, meta, accumulate=False)
-        if self._packed is None:
+                expand(parts[index], part_h, stacks.bt, meta, accumulate=packed)  # packed: onto the base output
+        if not packed:
             y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
-            return parts
-        y = self.base(x, add=y)  # the same, fused into oneDNN's linear (a new tensor)
-        return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+        return parts
 
     def extra_repr(self) -> str:
         extra = f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"

@@ -35,14 +35,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: ``x @ W.T`` (+ ``add``, fused into the same pass) for a packed W.
-
-    Shape: x [T, in]; packed [out, in]; add [T, out] or None; returns a new [T, out].
-    """
-    if add is None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, add, packed, None, "add")
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Semantics: ``x @ W.T`` for a packed W. Shape: x [T, in]; packed [out, in]; returns a new [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
