@@ -12,7 +12,7 @@ Measured side by side in one run (medians), on the CPU by default:
   8 distinct rank-16 adapters — with packed weights + batched attention (the default) and, for comparison, plain
   weights + one attention call per sequence (``--no-plain`` skips it);
 - a profile of one packed decode step per config: matmul, attention, other ops, outside any op;
-- the real engine's decode step (scheduler, lease, forward, sampling) and ``sample()`` alone over the step's rows.
+- the real engine's decode step (scheduler, lease, forward, sampling) and ``sample_step()`` alone over the step's rows.
 
 Floors: decode LoRA = the active adapters' weight bytes ÷ the base's (shared/DESIGN.md, Floors); prefill LoRA = LoRA
 FLOPs ÷ base FLOPs. Targets (reported, never asserted): decode ≤ 60 ms and ≤ 1.25× the matmul reference; prefill
@@ -38,7 +38,7 @@ import torch
 from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, write_synthetic_adapter
 from kernels import KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
 from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.sampling import SamplingParams, sample
+from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
 from runtime.model import packed as packing
 from runtime.model.batch import ForwardBatch, SequenceChunk
 from runtime.model.checkpoint import load_model, write_random_checkpoint
@@ -312,12 +312,11 @@ def main() -> None:
         for setup in setups.values():
             setup.close()
         logits = torch.randn(args.seqs, config.vocab_size)
-        greedy, top_p = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=0)
-        gen = torch.Generator().manual_seed(0)
-        sampling = {
-            "greedy_ms": median_ms(lambda: [sample(row, greedy, None) for row in logits], args.repeats),
-            "top_p_ms": median_ms(lambda: [sample(row, top_p, gen) for row in logits], args.repeats),
-        }
+        sampling = {}
+        for name, params in (("greedy", SamplingParams()), ("top_p", SamplingParams(temperature=0.8, top_p=0.9))):
+            rows = [SampleRow(i, params, (1, 2, 3), (3,), frozenset(), 0.5) for i in range(args.seqs)]
+            plan = SamplingBatch.make(rows, (), config.vocab_size, "cpu")
+            sampling[f"{name}_ms"] = median_ms(lambda plan=plan: sample_step(logits, plan), args.repeats)
         engine = {
             cfg: engine_step_ms(models["packed"], manager, setups["packed"].adapters(cfg), args.context, 12)
             for cfg in ("lora_none", "lora_8")
@@ -394,7 +393,7 @@ def main() -> None:
         + ", ".join(f"{c} {100 * v:+.1f} %" for c, v in s["engine_overhead"].items())
         + " (target <= 10 %)"
     )
-    print(f"sample() over {args.seqs} rows: greedy {sampling['greedy_ms']:.2f} ms, top-p {sampling['top_p_ms']:.2f} ms")
+    print(f"sample_step() over {args.seqs} rows (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in sampling.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=float))
     print(f"wrote {args.out}")
