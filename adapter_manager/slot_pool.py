@@ -144,7 +144,7 @@ class SlotPool:
             self.rows = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [N, width]
         self._stacks = {key: self._module_stacks(key) for key in spec.module_keys()}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._xla_lock = threading.Lock()
+        self._xla_lock = threading.RLock()  # re-entrant: the engine holds it around a whole step
         if self.device.type == "xla":
             with self._xla_lock:  # compile each block size's load graph now, into unit 0 (free, zero)
                 # a first copy into the freshly transferred rows traces a graph of its own: do it once more below

@@ -325,12 +325,14 @@ class Engine:
             tokens = sum(len(s.tokens) for s in sequences)
             bucket = next(b for b in self._buckets if b >= tokens)
             padding = StaticPadding(bucket, self.config.max_batch, self._padding_row)
-        batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
         traced = self._sync is not None
-        pad_logits = max(batch.num_tokens, self.config.max_batch) if traced else None
-        device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
-        batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
-        logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
+        # traced: the batch's host -> device transfers must not interleave with a slot load in a prefetch thread
+        with self._device_lock:
+            batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
+            pad_logits = max(batch.num_tokens, self.config.max_batch) if traced else None
+            device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
+            batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
+            logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
         result = sample_step(logits, sampling)
         drawn = iter(zip(result.tokens, result.logprobs, strict=True))
         scored = iter(result.prompt_logprobs)
