@@ -176,7 +176,7 @@ def _plot(cells: list[dict], inputs: list[int], outputs: list[int], path: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--inputs", default="128,512,2048", help="prompt lengths, comma separated")
+    parser.add_argument("--inputs", default=None, help="prompt lengths (default 128,512,2048; --heatmap: 128..2048)")
     parser.add_argument("--output", type=int, default=128, help="generated tokens per request")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
@@ -187,10 +187,10 @@ def main() -> None:
     parser.add_argument("--outputs", default="32,128,512", help="--heatmap: output lengths, comma separated")
     args = parser.parse_args()
     if args.heatmap:
-        if args.inputs == parser.get_default("inputs"):
-            args.inputs = "128,256,512,1024,2048"
+        args.inputs = args.inputs or "128,256,512,1024,2048"
         heatmap(args)
         return
+    args.inputs = args.inputs or "128,512,2048"
     dtype = getattr(torch, args.dtype)
     inputs = [int(n) for n in args.inputs.split(",")]
     config = LlamaConfig.bench()
