@@ -17,7 +17,7 @@ exposed wait p99 (prefetch / no prefetch), hits and moves per tier, evictions pe
 Targets: >= 95 % of all-resident throughput at N = 1000, alpha = 1, a 1 GiB pool (S-LoRA: 94.5 %); exposed-wait p99
 with prefetch <= 0.1x without. Writes out/bench_many.json.
 
-  .venv/bin/python scripts/bench_many.py --quick          # N = 1000, alpha = 1, 160 requests (<= 3 min on 2 cores)
+  .venv/bin/python scripts/bench_many.py --quick          # N = 1000, alpha = 1, 160 requests, registered from local dirs
   .venv/bin/python scripts/bench_many.py                  # the grid: N in {8, 100, 1000} x alpha in {0.5, 1, 1.5}
   PJRT_DEVICE=CPU .venv-xla/bin/python scripts/bench_many.py --device xla   # compiles after warm-up (target 0)
 """
@@ -310,13 +310,17 @@ def main() -> None:
     parser.add_argument("--output-len", default="4,48", help="generated tokens: uniform in [lo, hi)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:i] or xla")
     parser.add_argument(
-        "--register", default="hub", choices=["hub", "local"], help="first manager of each N: hub ids or local dirs"
+        "--register",
+        default=None,
+        choices=["hub", "local"],
+        help="first manager of each N: hub ids or local dirs (default hub; --quick: local)",
     )
     parser.add_argument("--cache", type=Path, default=Path("out/bench_many"), help="population + HF cache (reused)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.quick:
         args.adapters, args.alphas, args.requests = "1000", "1.0", 160
+    args.register = args.register or ("local" if args.quick else "hub")  # 1000 hub registrations take ~110 s here
     if args.device == "xla":
         import torch_xla
 
