@@ -17,7 +17,7 @@ exposed wait p99 (prefetch / no prefetch), hits and moves per tier, evictions pe
 Targets: >= 95 % of all-resident throughput at N = 1000, alpha = 1, a 1 GiB pool (S-LoRA: 94.5 %); exposed-wait p99
 with prefetch <= 0.1x without. Writes out/bench_many.json.
 
-  .venv/bin/python scripts/bench_many.py --quick          # N = 1000, alpha = 1, 160 requests, registered from local dirs
+  .venv/bin/python scripts/bench_many.py --quick          # N = 1000, alpha = 1, 160 requests, local dirs
   .venv/bin/python scripts/bench_many.py                  # the grid: N in {8, 100, 1000} x alpha in {0.5, 1, 1.5}
   PJRT_DEVICE=CPU .venv-xla/bin/python scripts/bench_many.py --device xla   # compiles after warm-up (target 0)
 """
