@@ -188,6 +188,11 @@ def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expec
     for i, text in outcomes:
         assert text is None or text == expected[i]
     assert sum(text is not None for _, text in outcomes) >= 30  # retried on the survivor
-    after = _replicas(http, timeout=120)
+    deadline = time.monotonic() + 120  # the victim's last report stays fresh for up to 2 s after its death
+    while True:
+        after = _replicas(http, timeout=120)
+        if {r["pid"] for r in after}.isdisjoint({victim["pid"]}) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(after) == 2 and victim["pid"] not in {r["pid"] for r in after}  # Serve started a new one
     assert [_send(client, _request(i)) for i in range(80, 100)] == [expected[i] for i in range(80, 100)]
