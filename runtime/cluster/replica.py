@@ -2,9 +2,12 @@
 model multiplexing mapped onto the replica's slot pool.
 
 Serve's multiplexed loader is the pool's door: loading adapter X registers it (lazily, from the directory's ref)
-and operator-pins it into a slot; Serve's LRU unload unpins it (the slot stays filled, and evictable). Serve keeps
-at most `max_num_models_per_replica` = the pool's max-rank capacity loaded, so every adapter it believes the replica
-holds is pinned in the pool at once; the pool and host tier stay the only cache."""
+and operator-pins it into a slot. Each request for X holds X pinned as well until its response ends, so Serve's LRU
+unload (which does not wait for in-flight requests) drops only its own hold: X is unpinned (its slot stays filled,
+and evictable) once the last request for it is answered. Without the request holds, a request queued for X after
+Serve unloaded it could find every slot pinned for other adapters and wait for ever. Serve keeps at most
+`max_num_models_per_replica` = the pool's max-rank capacity loaded, so a load waits (`PIN_WAIT_S`) only for the
+requests of adapters Serve just unloaded; the pool and host tier stay the only cache."""
 
 from __future__ import annotations
 
@@ -14,13 +17,19 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from adapter_manager import AdapterConflictError, AdapterNotFoundError, AdapterNotPinnedError, SlotsExhaustedError
+from adapter_manager import (
+    AdapterConflictError,
+    AdapterManager,
+    AdapterNotFoundError,
+    AdapterNotPinnedError,
+    SlotsExhaustedError,
+)
 
 from ..server.http_errors import error_body, to_api_error
 from ..server.launch import build_serving
@@ -54,8 +63,40 @@ class Heat:
         self._values.pop(adapter_id, None)
 
 
+class Holds:
+    """Counted operator pins: the adapter is pinned in the pool from its first hold to its last drop. Serve's loaded
+    model is one hold, each in-flight request another."""
+
+    def __init__(self, manager: AdapterManager, pin: Callable[[str], Awaitable[None]]) -> None:
+        self._manager, self._pin = manager, pin
+        self._counts: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def hold(self, adapter_id: str) -> None:
+        """Take a hold, pinning the adapter if it is the first (raises the pin's error, holding nothing)."""
+        async with self._locks.setdefault(adapter_id, asyncio.Lock()):
+            if adapter_id not in self._counts:
+                await self._pin(adapter_id)
+            self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
+
+    def drop(self, adapter_id: str) -> None:
+        """Give a hold back; the last one unpins (the adapter stays resident, and evictable)."""
+        count = self._counts.get(adapter_id, 0) - 1
+        if count > 0:
+            self._counts[adapter_id] = count
+            return
+        self._counts.pop(adapter_id, None)
+        try:
+            self._manager.unpin(adapter_id)
+        except (AdapterNotPinnedError, AdapterNotFoundError):
+            pass  # unregistered meanwhile: nothing is held
+
+    def count(self, adapter_id: str) -> int:
+        return self._counts.get(adapter_id, 0)
+
+
 class Resident:
-    """What Serve's multiplexer caches for one adapter: a pin in the replica's pool, dropped once on unload."""
+    """What Serve's multiplexer caches for one adapter: one hold on its pin, dropped once on unload."""
 
     def __init__(self, replica: EngineReplica, adapter_id: str) -> None:
         self._replica, self.adapter_id, self._held = replica, adapter_id, True
@@ -67,10 +108,7 @@ class Resident:
         self._held = False
         if self._replica.loaded.get(self.adapter_id) is self:
             del self._replica.loaded[self.adapter_id]
-        try:
-            self._replica.manager.unpin(self.adapter_id)
-        except (AdapterNotPinnedError, AdapterNotFoundError):
-            pass  # unregistered meanwhile: nothing is held
+        self._replica.holds.drop(self.adapter_id)
 
 
 class EngineReplica:
@@ -86,14 +124,15 @@ class EngineReplica:
         self.loaded: dict[str, Resident] = {}  # Serve's multiplexed models on this replica, by adapter id
         self.synced: dict[str, int] = {}  # adapter id -> directory version it is registered at here
         self.heat = Heat()
+        self.holds = Holds(self.manager, self._pin)
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
         self.gauges = ReplicaGauges()
 
     async def load(self, adapter_id: str) -> Resident:
-        """The multiplexed loader: register from the directory if needed, then pin into the pool."""
+        """The multiplexed loader: register from the directory if needed, then hold it pinned in the pool."""
         await self._register(adapter_id)
-        await self._pin(adapter_id)
+        await self.holds.hold(adapter_id)
         return Resident(self, adapter_id)
 
     async def _register(self, adapter_id: str) -> None:
@@ -133,13 +172,20 @@ class EngineReplica:
                 if adapter_id not in self.manager.registry:  # deleted and registered again since Serve loaded it
                     await self._register(adapter_id)
                     await self._pin(adapter_id)
+                await self.holds.hold(adapter_id)  # pinned until the response ends, whatever Serve unloads
             except Exception as err:  # noqa: BLE001 - answered like the single server answers it
                 api = to_api_error(err, "model")
                 body = json.dumps(error_body(api.status, api.message, api.param, api.code)).encode()
                 yield ResponseStart(api.status, ((b"content-type", b"application/json"),))
                 yield body
                 return
-        elif request.adapter_id and request.adapter_id not in self.manager.registry:
+            try:
+                async for part in call_app(self.serving.app, request):
+                    yield part
+            finally:
+                self.holds.drop(adapter_id)
+            return
+        if request.adapter_id and request.adapter_id not in self.manager.registry:
             try:  # no model id (Serve's default routing): register only; the pool's own LRU decides residency
                 await self._register(request.adapter_id)
             except Exception:  # noqa: BLE001 - the app answers an unknown adapter with its own 404

@@ -210,27 +210,29 @@ class Engine:
         self._finished_in_step = 0
         self._drop_cancelled()
         with self._lock:
-            wanted = {r.adapter_id for r in self._running} | {r.adapter_id for r in self._waiting}
-            states = self.manager.allocator.states()
-            # operator pins of adapters no request here wants; a wanted one's units are counted when it is admitted
-            held = sum(s.units for s in states if s.manual and s.adapter_id not in wanted)
+            pinned = {s.adapter_id: s.units for s in self.manager.allocator.states() if s.manual}
             plan = plan_step(
                 self.config.scheduler,
                 self._step,
                 self._running,
                 list(self._waiting),
                 len(self._free_rows),
-                self.manager.num_units - held,
+                self.manager.num_units,
                 lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
                 self._units_of,
+                pinned,
             )
-            if plan.admitted:  # one pass over the queue, not one list scan per admitted request
-                taken = {id(r) for r in plan.admitted}
+            if plan.admitted or plan.unplaceable:  # one pass over the queue, not one list scan per request
+                taken = {id(r) for r in (*plan.admitted, *plan.unplaceable)}
                 self._waiting = deque(r for r in self._waiting if id(r) not in taken)
             for request in plan.admitted:
                 request.cache_row = self._free_rows.pop()
                 self._running.append(request)
             self._step += 1
+        for request in plan.unplaceable:  # operator pins leave no room for its adapter: waiting cannot help
+            units, held = self._units_of(request.adapter_id), sum(pinned.values())
+            free = self.manager.num_units - held
+            self._finish(request, "error", SlotsExhaustedError((request.adapter_id,), units, free, 0, held + free))
         chunks = list(plan.chunks)
         lease = self._acquire(chunks, plan.admitted)
         try:

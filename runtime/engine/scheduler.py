@@ -9,6 +9,10 @@ Policy, in order, each step:
    or resident in a slot (arrival order); then requests for cold adapters (arrival order), and a cold adapter is
    brought in only when it does not push the step's distinct adapters past the slots available, so while warm work
    waits, a cold adapter never evicts a warm one (no thrash: an adapter's queue drains before it is evicted).
+3. Operator pins stay in the pool whatever runs, so their units are always counted as taken and a request for a
+   pinned adapter needs no more. A request whose adapter cannot fit beside the pins alone is unplaceable: it never
+   blocks anyone, and the plan names it so the engine can fail it (waiting would not help: no finishing request
+   frees a pinned range).
 
 Work per step is linear in the queue: one pass classifies it (residency asked once per distinct adapter), one pass
 admits; membership uses id sets, never list scans.
@@ -16,7 +20,7 @@ admits; membership uses id sets, never list scans.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .request import Request
@@ -50,6 +54,7 @@ class StepPlan:
 
     chunks: tuple[ScheduledChunk, ...]
     admitted: tuple[Request, ...]
+    unplaceable: tuple[Request, ...] = ()  # their adapter does not fit beside the operator pins
 
 
 def plan_step(
@@ -61,14 +66,17 @@ def plan_step(
     units_available: int,
     is_resident: Callable[[str], bool],
     units_of: Callable[[str], int] = lambda adapter_id: 1,
+    pinned: Mapping[str, int] | None = None,
 ) -> StepPlan:
-    """Choose the next step's work. `units_available`: pool units the step's adapters may take (the whole pool less
-    operator pins held by adapters not in this step); `is_resident(adapter_id)`: whether the adapter is in the pool
-    now; `units_of(adapter_id)`: the units it takes (its rank's share of the row pool)."""
+    """Choose the next step's work. `units_available`: the pool's units; `is_resident(adapter_id)`: whether the
+    adapter is in the pool now; `units_of(adapter_id)`: the units it takes (its rank's share of the row pool);
+    `pinned`: the operator-pinned adapters and their units, resident whatever the step runs."""
+    pinned = pinned or {}
+    pinned_units = sum(pinned.values())
     budget = config.token_budget
     chunks: list[ScheduledChunk] = []
-    adapters = {r.adapter_id for r in running if r.adapter_id is not None}
-    used = sum(units_of(a) for a in adapters)
+    adapters = {r.adapter_id for r in running if r.adapter_id is not None} | set(pinned)
+    used = pinned_units + sum(units_of(a) for a in adapters if a not in pinned)
     for request in sorted(running, key=lambda r: r.in_prefill):
         if budget == 0:
             break
@@ -91,17 +99,21 @@ def plan_step(
             (warm if resident[adapter_id] else cold).append(r)
     unit_cost: dict[str, int] = {}
     admitted: list[Request] = []
+    unplaceable: list[Request] = []
     for group, blocking in ((overdue, True), (warm, False), (cold, False)):
         for request in group:
             if budget == 0 or free_rows == 0:
-                return StepPlan(tuple(chunks), tuple(admitted))
+                return StepPlan(tuple(chunks), tuple(admitted), tuple(unplaceable))
             needs_slot = request.adapter_id is not None and request.adapter_id not in adapters
             if needs_slot and request.adapter_id not in unit_cost:
                 unit_cost[request.adapter_id] = units_of(request.adapter_id)
             units = unit_cost[request.adapter_id] if needs_slot else 0
+            if needs_slot and pinned_units + units > units_available:
+                unplaceable.append(request)
+                continue
             if needs_slot and used + units > units_available:
                 if blocking:
-                    return StepPlan(tuple(chunks), tuple(admitted))
+                    return StepPlan(tuple(chunks), tuple(admitted), tuple(unplaceable))
                 continue
             if needs_slot:
                 adapters.add(request.adapter_id)
@@ -111,4 +123,4 @@ def plan_step(
             admitted.append(request)
             budget -= count
             free_rows -= 1
-    return StepPlan(tuple(chunks), tuple(admitted))
+    return StepPlan(tuple(chunks), tuple(admitted), tuple(unplaceable))

@@ -110,3 +110,23 @@ def test_ten_thousand_waiting_bounded_unfairness():
     assert admitted(plan) == list(range(10_000))  # room for it: overdue first, then the rest in order
     plan = plan_step(config, 100, running, waiting, 300, held + 8, lambda a: True, _units)
     assert admitted(plan) == list(range(300))  # rows bind: the oldest go first
+
+
+def test_operator_pins_always_take_their_units():
+    """Pins stay in the pool whatever the step runs: a request for a pinned adapter needs no more units, one for
+    any other adapter must fit beside all the pins, and one that never can is returned as unplaceable instead of
+    blocking the queue behind it (it used to be admitted, fail to acquire and be requeued every step)."""
+    config = SchedulerConfig(max_wait_steps=0)
+    overdue = req(0, "c", arrival=0)
+    waiting = [overdue, req(1, "a", arrival=5), req(2, "b", arrival=5)]
+    plan = plan_step(config, 10, [], waiting, 8, 2, lambda a: a in "ab", pinned={"a": 1, "b": 1})
+    assert admitted(plan) == [1, 2]
+    assert [r.request_id for r in plan.unplaceable] == [0]
+    # one unit free beside the pins: the overdue request fits once the running adapter's unit is free, and until
+    # then it still holds back those behind it (bounded unfairness is kept)
+    running = [req(3, "d")]
+    running[0].prefilled, running[0].output = 4, [7]
+    plan = plan_step(config, 10, running, waiting, 8, 3, lambda a: a in "abd", pinned={"a": 1, "b": 1})
+    assert admitted(plan) == [] and plan.unplaceable == ()
+    plan = plan_step(config, 10, [], waiting, 8, 3, lambda a: a in "ab", pinned={"a": 1, "b": 1})
+    assert admitted(plan) == [0, 1, 2]
