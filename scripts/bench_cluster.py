@@ -8,8 +8,10 @@ by `--clients` concurrent clients through Serve's HTTP proxy. For each routing m
 Ray: (a) `adapter` — the model id as Serve's multiplexed model id, routed by AdapterRouter (cold adapters to free or
 coldest capacity, hot adapters spill); (b) `serve-mux` — the same model ids through Serve's own multiplexed router
 (power of two choices); (c) `default` — no model id: Serve's default routing, each replica's pool LRU on its own.
-Slot swaps = host -> slot loads summed over replicas (the floor: the distinct adapters of the trace, each loaded
-once somewhere), per 1000 requests; throughput = requests / wall time. Prints a table, writes out/bench_cluster.json.
+Slot swaps = host -> slot loads summed over replicas, per 1000 requests, beside two floors: the distinct adapters of
+the trace (each loaded once somewhere: reachable only if everything fits), and Belady's offline optimum for one pool
+of replicas x slots adapters on the same trace (no routing of that many slots over any number of replicas can load
+fewer). Throughput = requests / wall time. Prints a table, writes out/bench_cluster.json.
 Usage: .venv/bin/python scripts/bench_cluster.py [--requests 1000] [--adapters 200] [--replicas 2] [--slots 8]
 """
 
@@ -20,6 +22,7 @@ import json
 import socket
 import tempfile
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +47,39 @@ def _zipf_trace(adapters: int, requests: int, alpha: float, seed: int = 0) -> li
     weights = 1.0 / np.arange(1, adapters + 1) ** alpha
     rng = np.random.default_rng(seed)
     return rng.choice(adapters, size=requests, p=weights / weights.sum()).tolist()
+
+
+def belady_loads(trace: list[int], capacity: int) -> int:
+    """Loads of the offline-optimal cache (evict the adapter needed furthest in the future) of `capacity` entries."""
+    next_use = [len(trace)] * len(trace)
+    seen: dict[int, int] = {}
+    for i in range(len(trace) - 1, -1, -1):
+        next_use[i] = seen.get(trace[i], len(trace))
+        seen[trace[i]] = i
+    cache: dict[int, int] = {}  # adapter -> its next use
+    loads = 0
+    for i, adapter in enumerate(trace):
+        if adapter not in cache:
+            loads += 1
+            if len(cache) >= capacity:
+                del cache[max(cache, key=cache.__getitem__)]
+        cache[adapter] = next_use[i]
+    return loads
+
+
+def lru_loads(trace: list[int], capacity: int) -> int:
+    """Loads of one LRU cache of `capacity` entries: what a single pool of all the slots would do online."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    loads = 0
+    for adapter in trace:
+        if adapter in cache:
+            cache.move_to_end(adapter)
+            continue
+        loads += 1
+        if len(cache) >= capacity:
+            cache.popitem(last=False)
+        cache[adapter] = None
+    return loads
 
 
 def _free_port() -> int:
@@ -100,7 +136,17 @@ def _run_mode(name: str, args, root: Path, hub: LocalHub, ids: list[str], trace:
         "per_replica_loads": {
             r["replica"]: r["metrics"]["moves"].get("host_to_slot", {}).get("count", 0) for r in reports
         },
+        "prefetch": _summed(r["metrics"].get("prefetch", {}) for r in reports),
+        "evictions": _summed(r["metrics"].get("evictions", {}) for r in reports),
     }
+
+
+def _summed(counts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for key, n in c.items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 def main() -> None:
@@ -141,15 +187,21 @@ def main() -> None:
 
                 serve.shutdown()
     floor = 1000 * distinct / args.requests
+    optimum = 1000 * belady_loads(trace, args.replicas * args.slots) / args.requests
+    one_lru = 1000 * lru_loads(trace, args.replicas * args.slots) / args.requests
     print(
         f"\n{args.requests} requests, {args.adapters} adapters Zipf({args.alpha}), {distinct} distinct; "
         f"{args.replicas} replicas x {args.slots} slots, {args.clients} clients, {args.model} model"
     )
-    print(f"{'routing':10} {'swaps/1000':>10} {'floor':>7} {'ratio':>6} {'slot hit':>8} {'req/s':>7} {'failed':>6}")
+    print(
+        f"floors: {floor:.1f} swaps/1000 (distinct adapters), {optimum:.1f} (Belady, one pool of "
+        f"{args.replicas * args.slots} slots); one LRU pool of as many slots: {one_lru:.1f}"
+    )
+    print(f"{'routing':10} {'swaps/1000':>10} {'x Belady':>8} {'slot hit':>8} {'req/s':>7} {'failed':>6}")
     for r in results:
         hit = r["slot_hit_rate"] or 0.0
         print(
-            f"{r['mode']:10} {r['swaps_per_1000']:10.1f} {floor:7.1f} {r['swaps_per_1000'] / floor:6.2f} "
+            f"{r['mode']:10} {r['swaps_per_1000']:10.1f} {r['swaps_per_1000'] / optimum:8.2f} "
             f"{hit:8.1%} {r['throughput_rps']:7.2f} {r['failed']:6d}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +209,8 @@ def main() -> None:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "distinct_adapters": distinct,
         "floor_swaps_per_1000": floor,
+        "belady_swaps_per_1000": optimum,
+        "one_lru_pool_swaps_per_1000": one_lru,
         "results": results,
     }
     args.out.write_text(json.dumps(payload, indent=2))

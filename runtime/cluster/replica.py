@@ -18,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -117,7 +118,10 @@ class EngineReplica:
 
     def __init__(self, config: ClusterConfig, directory: DeploymentHandle) -> None:
         self.config = config
-        self.serving = build_serving(config.folder, config.manager, config.engine, config.server, config.dtype)
+        manager = config.manager
+        if config.multiplexed:  # Serve's multiplexer decides what this replica holds; a popularity guess of the
+            manager = replace(manager, prefetch_popular=0)  # replica's own would load what Serve sent elsewhere
+        self.serving = build_serving(config.folder, manager, config.engine, config.server, config.dtype)
         self.manager = self.serving.manager
         self.serving.engine.start()
         self.directory = directory
