@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import ray
@@ -16,6 +17,8 @@ from .replica import replica_class
 from .router import AdapterRouter
 
 log = logging.getLogger(__name__)
+
+_SINGLE_MACHINE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def build_app(config: ClusterConfig) -> serve.Application:
@@ -64,6 +67,7 @@ def start_cluster(config: ClusterConfig, options: RayOptions = RayOptions()) -> 
     """Start (or connect to) Ray, start Serve's HTTP proxy and deploy the application; returns the base URL."""
     if not ray.is_initialized():
         if options.address is None:
+            _keep_local_ray_on_loopback()
             kwargs = {"_metrics_export_port": options.metrics_export_port} if options.metrics_export_port else {}
             ray.init(
                 num_cpus=options.num_cpus,
@@ -77,6 +81,20 @@ def start_cluster(config: ClusterConfig, options: RayOptions = RayOptions()) -> 
     serve.start(http_options={"host": options.host, "port": options.port})
     serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix)
     return f"http://{options.host}:{options.port}{config.route_prefix.rstrip('/')}"
+
+
+def _keep_local_ray_on_loopback() -> None:
+    """A Ray started here is one node on this machine: make it bind and talk on 127.0.0.1 only.
+
+    On Linux Ray replaces a loopback node address with the machine's outward one and binds its servers on every
+    interface. `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is Ray's own switch for a single-machine Ray (its default on
+    macOS and Windows): node address 127.0.0.1, every server bound to it. The processes Ray starts read it from the
+    environment; this process read it when it imported ray, so its copy is set too (the one private name used here;
+    tests/runtime/cluster checks every Ray socket is on loopback, so a Ray that renames it fails there)."""
+    from ray._private import ray_constants
+
+    os.environ[_SINGLE_MACHINE_SWITCH] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def stop_cluster(config: ClusterConfig, shutdown_ray: bool = True) -> None:

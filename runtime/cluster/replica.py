@@ -92,8 +92,9 @@ class Holds:
         except (AdapterNotPinnedError, AdapterNotFoundError):
             pass  # unregistered meanwhile: nothing is held
 
-    def count(self, adapter_id: str) -> int:
-        return self._counts.get(adapter_id, 0)
+    def counts(self) -> dict[str, int]:
+        """Holds per pinned adapter."""
+        return dict(self._counts)
 
 
 class Resident:
@@ -214,6 +215,7 @@ class EngineReplica:
             "pid": os.getpid(),
             "capacity": self.config.models_per_replica,
             "loaded": sorted(self.loaded),
+            "holds": self.holds.counts(),  # Serve's loaded model and each in-flight request hold one
             "free": max(self.config.models_per_replica - len(self.loaded), 0),
             "victim_heat": victim,
             "heat": heat,

@@ -4,6 +4,7 @@ equal the single-machine server's for the same prompt and seed; a replica killed
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -133,9 +134,15 @@ def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expe
     with ThreadPoolExecutor(8) as pool:
         answers = dict(zip(range(80), pool.map(lambda i: _send(client, _request(i)), range(80)), strict=True))
     assert answers == {i: expected[i] for i in range(80)}
-    reports = _replicas(http)
+    deadline = time.monotonic() + 30
+    while True:  # reports taken once every response ended: only Serve's loaded models hold pins
+        reports = _replicas(http)
+        if all(r["holds"] == dict.fromkeys(r["loaded"], 1) for r in reports) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert len(reports) == 2
-    for report in reports:  # Serve's loaded models are exactly the pool's operator pins, within the pool
+    for report in reports:  # Serve's loaded models are then exactly the pool's operator pins, within the pool
+        assert report["holds"] == dict.fromkeys(report["loaded"], 1)
         assert len(report["loaded"]) <= report["capacity"] == 4
         assert sorted(a for a, s in report["slots"].items() if s["pinned"]) == report["loaded"]
     served = set().union(*(r["heat"] for r in reports))
@@ -147,6 +154,36 @@ def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expe
     assert set(swaps["replicas"]) == {r["replica"] for r in reports}
     assert 0 < swaps["moves"]["host_to_slot"]["p50_s"] <= swaps["moves"]["host_to_slot"]["max_s"]
     assert cli.main(["metrics", "--url", url]) == 0  # the CLI reads the cluster like a single server
+
+
+def test_the_local_ray_talks_on_loopback_only(cluster):
+    """Every connection of the local Ray (GCS, raylet, agents, Serve's proxy and replicas: this process's
+    descendants) and this driver is between loopback addresses, and every socket they listen on is bound to
+    loopback, except one Ray does not let us configure: each Serve replica's inter-deployment gRPC server, bound to
+    [::] in ray/serve/_private/replica.py (Ray 2.60), which nothing here talks to (handles use Ray's own calls)."""
+    psutil = pytest.importorskip("psutil")
+    url, http = cluster
+    assert http.get("/v1/models").status_code == 200  # some traffic through the proxy, the ingress and a replica
+    me = psutil.Process()
+    pids = {me.pid, *(child.pid for child in me.children(recursive=True))}
+    try:
+        sockets = [c for c in psutil.net_connections("inet") if c.pid in pids]
+    except psutil.AccessDenied:
+        pytest.skip("this user may not list other processes' sockets")
+
+    def loopback(address) -> bool:
+        return ipaddress.ip_address(address.ip.removeprefix("::ffff:")).is_loopback
+
+    listening = [c for c in sockets if c.status == psutil.CONN_LISTEN]
+    assert len({c.pid for c in listening}) >= 4  # at least GCS, raylet, the proxy and a replica
+    outward = [
+        (psutil.Process(c.pid).name(), c.laddr)
+        for c in listening
+        if not loopback(c.laddr) and not (c.laddr.ip == "::" and psutil.Process(c.pid).name().startswith("ray::Serve"))
+    ]
+    assert outward == []
+    connected = [c for c in sockets if c.raddr]
+    assert connected and all(loopback(c.laddr) and loopback(c.raddr) for c in connected)
 
 
 def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
