@@ -136,6 +136,8 @@ def _run_mode(name: str, args, root: Path, hub: LocalHub, ids: list[str], trace:
         "per_replica_loads": {
             r["replica"]: r["metrics"]["moves"].get("host_to_slot", {}).get("count", 0) for r in reports
         },
+        "per_replica_requests": {r["replica"]: sum(r["metrics"].get("requests", {}).values()) for r in reports},
+        "loader": _summed(r.get("loader", {}) for r in reports),
         "prefetch": _summed(r["metrics"].get("prefetch", {}) for r in reports),
         "evictions": _summed(r["metrics"].get("evictions", {}) for r in reports),
     }

@@ -128,19 +128,31 @@ class EngineReplica:
         self.directory = directory
         self.loaded: dict[str, Resident] = {}  # Serve's multiplexed models on this replica, by adapter id
         self.synced: dict[str, int] = {}  # adapter id -> directory version it is registered at here
+        self._registering: dict[str, asyncio.Lock] = {}
         self.heat = Heat()
         self.holds = Holds(self.manager, self._pin)
+        self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0}  # Serve's loads here and their time in each part
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
         self.gauges = ReplicaGauges()
 
     async def load(self, adapter_id: str) -> Resident:
         """The multiplexed loader: register from the directory if needed, then hold it pinned in the pool."""
-        await self._register(adapter_id)
+        start = time.perf_counter()
+        if adapter_id not in self.manager.registry:  # `handle` registers before queueing for Serve's load lock
+            await self._register(adapter_id)
+        registered = time.perf_counter()
         await self.holds.hold(adapter_id)
+        self.loader["loads"] += 1
+        self.loader["register_s"] += registered - start
+        self.loader["pin_s"] += time.perf_counter() - registered
         return Resident(self, adapter_id)
 
     async def _register(self, adapter_id: str) -> None:
+        async with self._registering.setdefault(adapter_id, asyncio.Lock()):  # one registration per adapter at once
+            await self._sync(adapter_id)
+
+    async def _sync(self, adapter_id: str) -> None:
         entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)
         if entry is None:
             raise AdapterNotFoundError(adapter_id, "is not registered in the cluster")
@@ -173,6 +185,8 @@ class EngineReplica:
         if adapter_id:
             self.heat.hit(adapter_id)
             try:
+                if adapter_id not in self.loaded:  # register (hub round trips) here, concurrently with other
+                    await self._register(adapter_id)  # requests, not inside Serve's serialized load
                 await self.multiplexed(adapter_id)
                 if adapter_id not in self.manager.registry:  # deleted and registered again since Serve loaded it
                     await self._register(adapter_id)
@@ -209,15 +223,15 @@ class EngineReplica:
         metrics = manager.metrics().to_dict()
         metrics.pop("residency", None)
         heat = {a: round(self.heat.value(a, now), 3) for a in self.loaded}
-        victim = min(heat.values(), default=0.0) if len(self.loaded) >= self.config.models_per_replica else 0.0
         return {
             "replica": self.name,
             "pid": os.getpid(),
             "capacity": self.config.models_per_replica,
             "loaded": sorted(self.loaded),
+            "loader": dict(self.loader),
             "holds": self.holds.counts(),  # Serve's loaded model and each in-flight request hold one
             "free": max(self.config.models_per_replica - len(self.loaded), 0),
-            "victim_heat": victim,
+            "heats": sorted(heat.values()),  # coldest first: what the next loads here would unload
             "heat": heat,
             "units": manager.num_units,
             "free_units": manager.num_units - used,
@@ -239,7 +253,7 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
         self.gauges.update(snapshot)
-        stats = {k: snapshot[k] for k in ("capacity", "free", "victim_heat", "free_units", "in_flight")}
+        stats = {k: snapshot[k] for k in ("capacity", "free", "heats", "free_units", "in_flight")}
         return {**stats, "in_slot": sorted(snapshot["slots"])}
 
     async def _reconcile(self, versions: dict[str, int]) -> None:

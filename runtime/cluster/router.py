@@ -10,8 +10,8 @@ replica while others idle (ray#65691). This router ranks candidates instead:
   holders + the best other replica  once they all run that many more: the hot adapter may load on a second one;
   no holder (cold)                  a replica whose pool still has it in a slot (Serve unloaded it, the pool kept
                                     it: loading it again is a pin, not a copy), else the replica with free
-                                    capacity, else the one whose least recently used adapter (the one Serve's LRU
-                                    would unload) is the coldest; then the shortest queue.
+                                    capacity, else the one whose coldest adapter (about the one Serve's LRU would
+                                    unload) is the coldest; then the shortest queue.
 
 Capacity and heat come from each replica's `record_routing_stats`; between reports the router counts the cold
 adapters it has just sent, so a burst of cold adapters spreads instead of piling onto one replica. Requests
@@ -53,15 +53,19 @@ class AdapterRouter(MultiplexMixin, RequestRouter):
         return [holders, others]
 
     def _cost(self, replica: RunningReplica, now: float) -> tuple[int, float, int]:
-        """(no free capacity, heat of the adapter its LRU would unload, queue length): lower is a better home."""
+        """(no free capacity, heat of the adapter a new load would unload, queue length): lower is a better home.
+        Cold adapters sent since the replica's last report count as loaded: the k-th of them past its capacity
+        unloads its k-th coldest adapter, so a burst of cold adapters spreads over the replicas' cold ends."""
         stats = replica.routing_stats or {}
         placed = self._placed.get(replica.replica_id, {})
         for model in [m for m, at in placed.items() if now - at > _PLACEMENT_MEMORY_S]:
             del placed[model]
         loaded = set(replica.multiplexed_model_ids) | set(placed)
         capacity = stats.get("capacity")
-        full = capacity is not None and len(loaded) >= capacity
-        return (int(full), float(stats.get("victim_heat", 0.0)) if full else 0.0, self._queue(replica))
+        if capacity is None or len(loaded) < capacity:
+            return (0, 0.0, self._queue(replica))
+        heats = stats.get("heats") or [0.0]  # its loaded adapters' heat, coldest first
+        return (1, float(heats[min(len(loaded) - capacity, len(heats) - 1)]), self._queue(replica))
 
     def _was_placed(self, replica: RunningReplica, model: str, now: float) -> bool:
         at = self._placed.get(replica.replica_id, {}).get(model)

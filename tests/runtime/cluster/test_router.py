@@ -32,8 +32,8 @@ class _Replica:
     routing_stats: dict
 
 
-def _replica(name: str, loaded: list[str], in_slot: list[str] | None = None, victim_heat: float = 0.0) -> _Replica:
-    stats = {"capacity": 2, "victim_heat": victim_heat, "in_slot": in_slot or loaded}
+def _replica(name: str, loaded: list[str], in_slot: list[str] | None = None, heats: tuple = (0.0, 0.0)) -> _Replica:
+    stats = {"capacity": 2, "heats": sorted(heats), "in_slot": in_slot or loaded}
     return _Replica(ReplicaID(name, DEPLOYMENT), set(loaded), stats)
 
 
@@ -61,15 +61,25 @@ def test_holders_first_and_a_hot_adapter_spills_only_on_imbalance(router):
 
 
 def test_a_cold_adapter_goes_to_free_capacity_then_to_the_coldest_victim(router):
-    full_hot = _replica("a", ["h1", "h2"], victim_heat=9.0)
+    full_hot = _replica("a", ["h1", "h2"], heats=(9.0, 12.0))
     free = _replica("b", ["y"])
     assert _choose(router, [full_hot, free], "cold")[0] == ["b"]
-    full_cold = _replica("c", ["c1", "c2"], victim_heat=0.5)
+    full_cold = _replica("c", ["c1", "c2"], heats=(0.5, 20.0))
     assert _choose(router, [full_hot, full_cold], "cold2")[0] == ["c"]  # never evict a's hot adapter
     assert _choose(router, [full_hot, full_cold], "cold2")[0] == ["c"]  # just placed: c counts as its holder
 
 
 def test_a_replica_whose_pool_still_holds_the_adapter_comes_first(router):
-    kept = _replica("a", ["h1", "h2"], in_slot=["h1", "h2", "old"], victim_heat=9.0)
+    kept = _replica("a", ["h1", "h2"], in_slot=["h1", "h2", "old"], heats=(9.0, 9.0))
     free = _replica("b", [])
     assert _choose(router, [free, kept], "old")[0] == ["a"]
+
+
+def test_a_burst_of_cold_adapters_spreads_over_the_coldest_ends(router):
+    """Between reports each cold adapter sent to a full replica counts as unloading its next coldest adapter: the
+    second cold one goes where the next victim is colder, not again to the replica with the coldest first one."""
+    a = _replica("a", ["a1", "a2"], heats=(0.5, 20.0))
+    b = _replica("b", ["b1", "b2"], heats=(1.0, 2.0))
+    assert _choose(router, [a, b], "cold1")[0] == ["a"]  # a's coldest (0.5) is the coldest victim
+    assert _choose(router, [a, b], "cold2")[0] == ["b"]  # a's next one is 20.0, b's coldest 1.0
+    assert _choose(router, [a, b], "cold3")[0] == ["b"]  # b's next one is 2.0 < 20.0
