@@ -29,6 +29,8 @@ class ClusterConfig:
     custom_router: bool = True  # False: model ids with Serve's own multiplexed routing (power of two choices)
     spill_queue: int = 4  # a resident adapter spreads once its holders run this many more requests than another
     stats_period_s: float = 1.0  # how often replicas report free capacity and adapter heat to the router
+    spare_slots: int = 1  # pool slots kept out of Serve's model count: an adapter Serve unloads while requests for
+    # it still run keeps its slot until they end, and the next load takes the spare slot instead of waiting
     app_name: str = "adapter-manager"
     route_prefix: str = "/"
 
@@ -49,6 +51,10 @@ class ClusterConfig:
                 f"max_ongoing_requests ({self.max_ongoing_requests}) exceeds the replica server's max_pending "
                 f"({self.server.max_pending})"
             )
+        if not 0 <= self.spare_slots < self.manager.max_slots:
+            raise ValueError(
+                f"spare_slots ({self.spare_slots}) must be >= 0 and below max_slots ({self.manager.max_slots})"
+            )
         if self.replica_cpus <= 0 or self.stats_period_s <= 0:
             raise ValueError(
                 f"replica_cpus ({self.replica_cpus}) and stats_period_s ({self.stats_period_s}) must be > 0"
@@ -56,6 +62,7 @@ class ClusterConfig:
 
     @property
     def models_per_replica(self) -> int:
-        """Serve's `max_num_models_per_replica`: the adapters the pool holds at max rank, so every one Serve keeps
-        loaded can be pinned at once."""
-        return int(self.manager.max_slots)
+        """Serve's `max_num_models_per_replica`: the adapters the pool holds at max rank less the spare slots, so
+        every one Serve keeps loaded can be pinned at once, beside the ones still answering after Serve unloaded
+        them."""
+        return int(self.manager.max_slots) - self.spare_slots

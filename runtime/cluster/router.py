@@ -20,6 +20,7 @@ moves to the next rank only when a replica refuses (its `max_ongoing_requests` i
 
 from __future__ import annotations
 
+import math
 import time
 
 from ray.serve.request_router import MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -52,10 +53,11 @@ class AdapterRouter(MultiplexMixin, RequestRouter):
             return [holders + others[:1], others[1:]]
         return [holders, others]
 
-    def _cost(self, replica: RunningReplica, now: float) -> tuple[int, float, int]:
-        """(no free capacity, heat of the adapter a new load would unload, queue length): lower is a better home.
-        Cold adapters sent since the replica's last report count as loaded: the k-th of them past its capacity
-        unloads its k-th coldest adapter, so a burst of cold adapters spreads over the replicas' cold ends."""
+    def _cost(self, replica: RunningReplica, now: float) -> tuple[int, int, int, int]:
+        """(no free capacity, heat of the adapter a new load would unload, cold adapters just sent there, queue
+        length): lower is a better home. Cold adapters sent since the replica's last report count as loaded: the
+        k-th of them past its capacity unloads its k-th coldest adapter. Heat is compared in whole requests, so
+        among victims about as cold (adapters asked for about once) the loads spread over the replicas."""
         stats = replica.routing_stats or {}
         placed = self._placed.get(replica.replica_id, {})
         for model in [m for m, at in placed.items() if now - at > _PLACEMENT_MEMORY_S]:
@@ -63,9 +65,10 @@ class AdapterRouter(MultiplexMixin, RequestRouter):
         loaded = set(replica.multiplexed_model_ids) | set(placed)
         capacity = stats.get("capacity")
         if capacity is None or len(loaded) < capacity:
-            return (0, 0.0, self._queue(replica))
+            return (0, 0, len(placed), self._queue(replica))
         heats = stats.get("heats") or [0.0]  # its loaded adapters' heat, coldest first
-        return (1, float(heats[min(len(loaded) - capacity, len(heats) - 1)]), self._queue(replica))
+        victim = heats[min(len(loaded) - capacity, len(heats) - 1)]
+        return (1, math.floor(victim), len(placed), self._queue(replica))
 
     def _was_placed(self, replica: RunningReplica, model: str, now: float) -> bool:
         at = self._placed.get(replica.replica_id, {}).get(model)
