@@ -103,6 +103,7 @@ def _run_mode(name: str, args, root: Path, hub: LocalHub, ids: list[str], trace:
         custom_router=custom,
         app_name=f"bench-{name}",
         spare_slots=args.spare_slots,
+        spill_queue=args.spill_queue,
     )
     url = start_cluster(config, RayOptions(num_cpus=args.num_cpus, port=port))
     with httpx.Client(base_url=url, timeout=300) as http:
@@ -160,6 +161,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8, help="max-rank adapters per replica's pool")
     parser.add_argument("--spare-slots", type=int, default=1, help="slots per replica kept out of Serve's count")
+    parser.add_argument(
+        "--spill-queue", type=int, default=ClusterConfig.spill_queue, help="AdapterRouter's spread rule"
+    )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--model", choices=("tiny", "bench"), default="tiny")

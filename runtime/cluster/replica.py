@@ -6,8 +6,9 @@ and operator-pins it into a slot. Each request for X holds X pinned as well unti
 unload (which does not wait for in-flight requests) drops only its own hold: X is unpinned (its slot stays filled,
 and evictable) once the last request for it is answered. Without the request holds, a request queued for X after
 Serve unloaded it could find every slot pinned for other adapters and wait for ever. Serve keeps at most
-`max_num_models_per_replica` = the pool's max-rank capacity loaded, so a load waits (`PIN_WAIT_S`) only for the
-requests of adapters Serve just unloaded; the pool and host tier stay the only cache."""
+`max_num_models_per_replica` = the pool's max-rank capacity less `spare_slots` loaded, so a load finds room unless
+more adapters than the spare slots still answer after Serve unloaded them; then it waits (`PIN_WAIT_S`) for their
+requests to end. The pool and host tier stay the only cache."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -66,35 +68,47 @@ class Heat:
 
 class Holds:
     """Counted operator pins: the adapter is pinned in the pool from its first hold to its last drop. Serve's loaded
-    model is one hold, each in-flight request another."""
+    model is one hold, each in-flight request another. `hold` runs on the replica's event loop; `drop` may run on
+    any thread (Serve calls a model's synchronous `__del__` in an executor), hence the lock around the counts."""
 
     def __init__(self, manager: AdapterManager, pin: Callable[[str], Awaitable[None]]) -> None:
         self._manager, self._pin = manager, pin
         self._counts: dict[str, int] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._lock = threading.Lock()
+        self._pinning: dict[str, asyncio.Lock] = {}  # one first hold (one pin) per adapter at a time
 
     async def hold(self, adapter_id: str) -> None:
         """Take a hold, pinning the adapter if it is the first (raises the pin's error, holding nothing)."""
-        async with self._locks.setdefault(adapter_id, asyncio.Lock()):
-            if adapter_id not in self._counts:
-                await self._pin(adapter_id)
+        async with self._pinning.setdefault(adapter_id, asyncio.Lock()):
+            if self._add(adapter_id, first=False):
+                return
+            await self._pin(adapter_id)  # no hold exists meanwhile, so no drop can unpin it
+            self._add(adapter_id, first=True)
+
+    def _add(self, adapter_id: str, first: bool) -> bool:
+        with self._lock:
+            if not first and adapter_id not in self._counts:
+                return False
             self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
+            return True
 
     def drop(self, adapter_id: str) -> None:
         """Give a hold back; the last one unpins (the adapter stays resident, and evictable)."""
-        count = self._counts.get(adapter_id, 0) - 1
-        if count > 0:
-            self._counts[adapter_id] = count
-            return
-        self._counts.pop(adapter_id, None)
-        try:
-            self._manager.unpin(adapter_id)
-        except (AdapterNotPinnedError, AdapterNotFoundError):
-            pass  # unregistered meanwhile: nothing is held
+        with self._lock:
+            count = self._counts.get(adapter_id, 0) - 1
+            if count > 0:
+                self._counts[adapter_id] = count
+                return
+            self._counts.pop(adapter_id, None)
+            try:  # under the lock: a new first hold pins only after this unpin
+                self._manager.unpin(adapter_id)
+            except (AdapterNotPinnedError, AdapterNotFoundError):
+                pass  # unregistered meanwhile: nothing is held
 
     def counts(self) -> dict[str, int]:
         """Holds per pinned adapter."""
-        return dict(self._counts)
+        with self._lock:
+            return dict(self._counts)
 
 
 class Resident:
@@ -240,6 +254,7 @@ class EngineReplica:
             },
             "registered": len(manager.registry),
             "in_flight": self.serving.app.state.server.generator.pending,
+            "max_batch": self.config.engine.max_batch,
             "metrics": metrics,
         }
 
@@ -253,7 +268,7 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
         self.gauges.update(snapshot)
-        stats = {k: snapshot[k] for k in ("capacity", "free", "heats", "free_units", "in_flight")}
+        stats = {k: snapshot[k] for k in ("capacity", "free", "heats", "free_units", "in_flight", "max_batch")}
         return {**stats, "in_slot": sorted(snapshot["slots"])}
 
     async def _reconcile(self, versions: dict[str, int]) -> None:

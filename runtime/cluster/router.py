@@ -5,9 +5,11 @@ among the replicas with the fewest models, i.e. any replica once all are full, s
 replica's hot one (ray#35911), and a holder is kept as long as its queue has room, so a hot adapter stays on one
 replica while others idle (ray#65691). This router ranks candidates instead:
 
-  holders of the adapter            while the least busy runs fewer than `spill_queue` requests more than the best
-                                    other replica;
-  holders + the best other replica  once they all run that many more: the hot adapter may load on a second one;
+  holders of the adapter            unless every holder is saturated (more requests than its engine batches at
+                                    once, so new ones wait there) and runs `spill_queue` more than the best other
+                                    replica;
+  holders + the best other replica  then: the hot adapter may load on a second one (a spread costs a load, so
+                                    it happens only when waiting is the alternative);
   no holder (cold)                  a replica whose pool still has it in a slot (Serve unloaded it, the pool kept
                                     it: loading it again is a pin, not a copy), else the replica with free
                                     capacity, else the one whose coldest adapter (about the one Serve's LRU would
@@ -49,9 +51,14 @@ class AdapterRouter(MultiplexMixin, RequestRouter):
             if others:
                 self._placed.setdefault(others[0].replica_id, {})[model] = now
             return [others[:1], others[1:]]
-        if others and min(self._queue(r) for r in holders) >= self._queue(others[0]) + self.spill_queue:
-            return [holders + others[:1], others[1:]]
+        if others and all(self._saturated(r) for r in holders):
+            if min(self._queue(r) for r in holders) >= self._queue(others[0]) + self.spill_queue:
+                return [holders + others[:1], others[1:]]
         return [holders, others]
+
+    def _saturated(self, replica: RunningReplica) -> bool:
+        """More requests than its engine runs in one batch: new ones would wait there."""
+        return self._queue(replica) >= (replica.routing_stats or {}).get("max_batch", 0)
 
     def _cost(self, replica: RunningReplica, now: float) -> tuple[int, int, int, int]:
         """(no free capacity, heat of the adapter a new load would unload, cold adapters just sent there, queue

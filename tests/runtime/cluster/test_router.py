@@ -32,8 +32,10 @@ class _Replica:
     routing_stats: dict
 
 
-def _replica(name: str, loaded: list[str], in_slot: list[str] | None = None, heats: tuple = (0.0, 0.0)) -> _Replica:
-    stats = {"capacity": 2, "heats": sorted(heats), "in_slot": in_slot or loaded}
+def _replica(
+    name: str, loaded: list[str], in_slot: list[str] | None = None, heats: tuple = (0.0, 0.0), max_batch: int = 4
+) -> _Replica:
+    stats = {"capacity": 2, "heats": sorted(heats), "in_slot": in_slot or loaded, "max_batch": max_batch}
     return _Replica(ReplicaID(name, DEPLOYMENT), set(loaded), stats)
 
 
@@ -52,12 +54,16 @@ def router() -> AdapterRouter:
     return router
 
 
-def test_holders_first_and_a_hot_adapter_spills_only_on_imbalance(router):
+def test_holders_first_and_a_hot_adapter_spills_only_when_its_holder_is_saturated(router):
     a, b = _replica("a", ["hot", "x"]), _replica("b", ["y"])
     assert _choose(router, [a, b], "hot") == [["a"], ["b"]]
     router.replica_queue_len_cache.update(a.replica_id, 5)
     router.replica_queue_len_cache.update(b.replica_id, 1)
-    assert _choose(router, [a, b], "hot") == [["a", "b"], []]  # 5 >= 1 + 3: b may take it too
+    assert _choose(router, [a, b], "hot") == [["a", "b"], []]  # 5 >= batch 4 and 5 >= 1 + 3: b may take it too
+    wide = _replica("a", ["hot", "x"], max_batch=8)  # the same queue fits in one of a's batches: no spread
+    assert _choose(router, [wide, b], "hot") == [["a"], ["b"]]
+    router.replica_queue_len_cache.update(b.replica_id, 6)
+    assert _choose(router, [a, b], "hot") == [["a"], ["b"]]  # b is as busy: no spread
 
 
 def test_a_cold_adapter_goes_to_free_capacity_then_to_the_coldest_victim(router):
