@@ -143,7 +143,7 @@ def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expe
     assert len(reports) == 2
     for report in reports:  # Serve's loaded models are then exactly the pool's operator pins, within the pool
         assert report["holds"] == dict.fromkeys(report["loaded"], 1)
-        assert len(report["loaded"]) <= report["capacity"] == 4
+        assert len(report["loaded"]) <= report["capacity"] == 3  # 4 slots less the spare one
         assert sorted(a for a, s in report["slots"].items() if s["pinned"]) == report["loaded"]
     served = set().union(*(r["heat"] for r in reports))
     assert served and served <= set(ADAPTERS)
