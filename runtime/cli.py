@@ -230,17 +230,32 @@ def _hub(args: argparse.Namespace) -> int:
     return OK
 
 
+def _manager_config(args: argparse.Namespace, **overrides):
+    """The adapter pool options `serve` and `cluster serve` share, with `overrides` on top."""
+    from adapter_manager import AdapterManagerConfig
+
+    options = dict(
+        max_slots=args.max_slots, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes, device=args.device
+    )
+    return AdapterManagerConfig(**(options | overrides))
+
+
+def _server_config(args: argparse.Namespace, name: str, **overrides):
+    """The server options `serve` and `cluster serve` share, with `overrides` on top."""
+    from .server.state import ServerConfig
+
+    local_roots = tuple(args.local_root) if args.local_root else None
+    return ServerConfig(model_name=name, admin_token=args.admin_token, local_roots=local_roots, **overrides)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import torch
-
-    from adapter_manager import AdapterManagerConfig
 
     from .engine.engine import EngineConfig
     from .model.checkpoint import CheckpointError, CheckpointSource, write_random_checkpoint
     from .model.config import LlamaConfig
     from .server.app import serve
     from .server.launch import build_serving
-    from .server.state import ServerConfig
 
     try:
         with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
@@ -253,25 +268,16 @@ def _serve(args: argparse.Namespace) -> int:
                 name = args.model_name or args.model
             serving = build_serving(
                 folder,
-                AdapterManagerConfig(
+                _manager_config(
+                    args,
                     max_slots="auto" if args.pool_bytes else args.max_slots,
                     slot_memory_bytes=args.pool_bytes,
-                    max_rank=args.max_rank,
-                    host_cache_bytes=args.host_cache_bytes,
-                    device=args.device,
                     dtype=getattr(torch, args.dtype),
                     state_dir=args.state_dir,
                     disk_cache_bytes=args.disk_cache_bytes,
                 ),
                 EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
-                ServerConfig(
-                    model_name=name,
-                    host=args.host,
-                    port=args.port,
-                    admin_token=args.admin_token,
-                    max_pending=args.max_pending,
-                    local_roots=tuple(args.local_root) if args.local_root else None,
-                ),
+                _server_config(args, name, host=args.host, port=args.port, max_pending=args.max_pending),
                 dtype=getattr(torch, args.dtype),
             )
             _print_restored(serving.manager)
@@ -317,27 +323,15 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
     import signal
     import threading
 
-    from adapter_manager import AdapterManagerConfig
-
     from .cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
     from .engine.engine import EngineConfig
-    from .server.state import ServerConfig
 
     try:
         config = ClusterConfig(
             folder,
-            AdapterManagerConfig(
-                max_slots=args.max_slots,
-                max_rank=args.max_rank,
-                host_cache_bytes=args.host_cache_bytes,
-                device=args.device,
-            ),
+            _manager_config(args),
             EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
-            ServerConfig(
-                model_name=name,
-                admin_token=args.admin_token,
-                local_roots=tuple(args.local_root) if args.local_root else None,
-            ),
+            _server_config(args, name),
             replicas=args.replicas,
             replica_cpus=args.replica_cpus,
             multiplexed=not args.no_multiplex,

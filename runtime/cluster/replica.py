@@ -32,6 +32,7 @@ from adapter_manager import (
     AdapterNotFoundError,
     AdapterNotPinnedError,
     SlotsExhaustedError,
+    background_executor,
 )
 
 from ..server.http_errors import error_body, to_api_error
@@ -145,6 +146,7 @@ class EngineReplica:
         self._registering: dict[str, asyncio.Lock] = {}
         self.heat = Heat()
         self.holds = Holds(self.manager, self._pin)
+        self._pinner = background_executor(1, "pin")  # pins (slot copies) never queue behind registrations
         self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0}  # Serve's loads here and their time in each part
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
@@ -186,7 +188,7 @@ class EngineReplica:
         deadline = time.monotonic() + PIN_WAIT_S
         while True:
             try:
-                await loop.run_in_executor(self.serving.app.state.server.registrations, self.manager.pin, adapter_id)
+                await loop.run_in_executor(self._pinner, self.manager.pin, adapter_id)
                 return
             except SlotsExhaustedError:  # the units are held by batches of adapters Serve already unloaded
                 if time.monotonic() > deadline:
@@ -292,6 +294,9 @@ class EngineReplica:
         if serving is not None:
             serving.engine.stop()
             serving.close()
+        pinner = getattr(self, "_pinner", None)
+        if pinner is not None:
+            pinner.shutdown(wait=False, cancel_futures=True)
 
 
 def replica_class(config: ClusterConfig) -> type:
