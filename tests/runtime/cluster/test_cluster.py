@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import signal
 import socket
 import time
@@ -107,13 +108,14 @@ def expected(files, hub):
 def cluster(files, hub):
     manager, engine, server = _configs(files, hub)
     config = ClusterConfig(files / "model", manager, engine, server, replicas=2, replica_cpus=0.5, stats_period_s=0.5)
-    url = start_cluster(config, RayOptions(num_cpus=2, port=_free_port()))
+    metrics_port = _free_port()
+    url = start_cluster(config, RayOptions(num_cpus=2, port=_free_port(), metrics_export_port=metrics_port))
     try:
         with httpx.Client(base_url=url, timeout=60) as http:
             for adapter in ADAPTERS:
                 answer = http.post("/v1/adapters", json={"ref": adapter})
                 assert answer.status_code == 201, answer.text
-            yield url, http
+            yield url, http, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         stop_cluster(config)
 
@@ -129,7 +131,7 @@ def _replicas(http, count: int = 2, timeout: float = 90.0) -> list[dict]:
 
 
 def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expected):
-    url, http = cluster
+    url, http, _ = cluster
     client = _client(url)
     with ThreadPoolExecutor(8) as pool:
         answers = dict(zip(range(80), pool.map(lambda i: _send(client, _request(i)), range(80)), strict=True))
@@ -156,13 +158,45 @@ def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expe
     assert cli.main(["metrics", "--url", url]) == 0  # the CLI reads the cluster like a single server
 
 
+def test_prometheus_export_has_every_replicas_pool_metrics_beside_serves_multiplexing(cluster):
+    """One scrape of Ray's metrics export carries each replica's swap latency and residency gauges and Serve's
+    `ray_serve_multiplexed_*` series, tagged by replica."""
+    url, http, metrics = cluster
+    client = _client(url)
+    for i in range(4):
+        _send(client, {"model": ADAPTERS[i], "seed": i, "stream": False, "chat": False})
+    replicas = {r["replica"] for r in _replicas(http)}
+    deadline = time.monotonic() + 60
+    while True:  # replicas set their gauges every report; Ray's agent exports what it has received
+        series = [line for line in httpx.get(metrics, timeout=10).text.splitlines() if line.startswith("ray_")]
+        ours = {name: _replicas_of(series, name) for name in ("adapter_manager_move_seconds", "adapter_manager_moves")}
+        ours["adapter_manager_multiplexed_adapters"] = _replicas_of(series, "adapter_manager_multiplexed_adapters")
+        serves = _replicas_of(series, "serve_multiplexed_model_load_latency_ms")
+        if all(found == replicas for found in (*ours.values(), serves)) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert ours == dict.fromkeys(ours, replicas) and serves == replicas
+    assert any('move="host_to_slot"' in line and 'quantile="p50"' in line for line in series)
+
+
+def _replicas_of(series: list[str], name: str) -> set[str]:
+    """The `replica` tags of Ray-exported series `ray_<name>` (a histogram's buckets included)."""
+    found = set()
+    for line in series:
+        if line.startswith(f"ray_{name}{{") or line.startswith(f"ray_{name}_bucket{{"):
+            match = re.search(r'replica="([^"]+)"', line)
+            if match:
+                found.add(match.group(1))
+    return found
+
+
 def test_the_local_ray_talks_on_loopback_only(cluster):
     """Every connection of the local Ray (GCS, raylet, agents, Serve's proxy and replicas: this process's
     descendants) and this driver is between loopback addresses, and every socket they listen on is bound to
     loopback, except one Ray does not let us configure: each Serve replica's inter-deployment gRPC server, bound to
     [::] in ray/serve/_private/replica.py (Ray 2.60), which nothing here talks to (handles use Ray's own calls)."""
     psutil = pytest.importorskip("psutil")
-    url, http = cluster
+    url, http, _ = cluster
     assert http.get("/v1/models").status_code == 200  # some traffic through the proxy, the ingress and a replica
     me = psutil.Process()
     pids = {me.pid, *(child.pid for child in me.children(recursive=True))}
@@ -187,7 +221,7 @@ def test_the_local_ray_talks_on_loopback_only(cluster):
 
 
 def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
-    url, http = cluster
+    url, http, _ = cluster
     client = _client(url)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="org/nobody", prompt="Hi", max_tokens=2)
@@ -207,7 +241,7 @@ def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
 
 
 def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expected):
-    url, http = cluster
+    url, http, _ = cluster
     client = _client(url)
     before = _replicas(http)
     victim = before[0]
