@@ -3,11 +3,18 @@
 Registration is validated once, by the replica that answers the admin request (the single-machine admin route, with
 its typed errors), then recorded here. Every other replica registers an adapter lazily, on its first request for it,
 from the same hub ref (huggingface_hub's cache makes that a disk read on a shared node). A deleted adapter leaves
-the directory at once (the ingress refuses it from then on); replicas unregister it at their next report."""
+the directory at once (the ingress refuses it from then on); replicas unregister it at their next report.
+
+The directory is one Serve replica and keeps its entries in memory. If its process dies, Serve starts a new, empty
+one with a new `epoch`; each engine replica sees the new epoch in the answer to its next report and gives back the
+entries it registered from (`restore`) before it reconciles, so a directory crash loses no registration that some
+replica has used or validated. Until every replica has reported (one `stats_period_s`), the ingress may answer 404
+for an adapter not yet given back."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +33,12 @@ class AdapterDirectory:
     """Plain state behind the directory deployment (one replica); every method is a short critical section."""
 
     def __init__(self, report_ttl_s: float = 30.0) -> None:
+        self.epoch = uuid.uuid4().hex  # a directory restarted by Serve has a new one
         self._entries: dict[str, DirectoryEntry] = {}
+        self._restored: set[str] = set()  # entries given back by replicas, not put since
+        self._removed: set[str] = set()  # removed since this directory started (never given back)
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._version = 0
+        self._version = time.time_ns()  # versions go on past a previous directory's, so none is reused
         self._ttl = report_ttl_s
 
     def put(self, adapter_id: str, ref: str, info: dict[str, Any]) -> DirectoryEntry:
@@ -39,10 +49,28 @@ class AdapterDirectory:
             self._version += 1
             entry = DirectoryEntry(adapter_id, ref, self._version, info)
         self._entries[adapter_id] = entry
+        self._restored.discard(adapter_id)
+        self._removed.discard(adapter_id)
         return entry
 
     def remove(self, adapter_id: str) -> bool:
+        self._removed.add(adapter_id)
+        self._restored.discard(adapter_id)
         return self._entries.pop(adapter_id, None) is not None
+
+    def restore(self, entries: list[DirectoryEntry]) -> dict[str, int]:
+        """A replica gives back the entries it registered from after this directory started empty. An entry removed
+        or put since is kept as it is; of two replicas' versions of one adapter the newer wins. Later versions are
+        numbered past every one given back. Answers like `report`."""
+        for entry in entries:
+            self._version = max(self._version, entry.version)
+            current = self._entries.get(entry.adapter_id)
+            if entry.adapter_id in self._removed:
+                continue
+            if current is None or (entry.adapter_id in self._restored and entry.version > current.version):
+                self._entries[entry.adapter_id] = entry
+                self._restored.add(entry.adapter_id)
+        return self.versions()
 
     def get(self, adapter_id: str) -> DirectoryEntry | None:
         return self._entries.get(adapter_id)
@@ -53,10 +81,11 @@ class AdapterDirectory:
     def versions(self) -> dict[str, int]:
         return {a: e.version for a, e in self._entries.items()}
 
-    def report(self, replica: str, snapshot: dict[str, Any]) -> dict[str, int]:
-        """A replica's periodic report; answers with the adapters it may keep (id -> version)."""
+    def report(self, replica: str, snapshot: dict[str, Any]) -> tuple[str, dict[str, int]]:
+        """A replica's periodic report; answers with this directory's epoch and the adapters the replica may keep
+        (id -> version)."""
         self._reports[replica] = (time.time(), snapshot)
-        return self.versions()
+        return self.epoch, self.versions()
 
     def reports(self) -> dict[str, dict[str, Any]]:
         """The live replicas' latest reports, each with its age; reports older than the TTL (dead replicas) go."""

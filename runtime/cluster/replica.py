@@ -142,7 +142,8 @@ class EngineReplica:
         self.serving.engine.start()
         self.directory = directory
         self.loaded: dict[str, Resident] = {}  # Serve's multiplexed models on this replica, by adapter id
-        self.synced: dict[str, int] = {}  # adapter id -> directory version it is registered at here
+        self.synced: dict[str, DirectoryEntry] = {}  # adapter id -> the directory entry it is registered from here
+        self._epoch: str | None = None  # the directory's, at the last report
         self._registering: dict[str, asyncio.Lock] = {}
         self.heat = Heat()
         self.holds = Holds(self.manager, self._pin)
@@ -172,7 +173,8 @@ class EngineReplica:
         entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)
         if entry is None:
             raise AdapterNotFoundError(adapter_id, "is not registered in the cluster")
-        if self.synced.get(adapter_id) == entry.version and adapter_id in self.manager.registry:
+        known = self.synced.get(adapter_id)
+        if known is not None and known.version == entry.version and adapter_id in self.manager.registry:
             return
         loop = asyncio.get_running_loop()
         registrations = self.serving.app.state.server.registrations
@@ -181,7 +183,7 @@ class EngineReplica:
         except AdapterConflictError:  # registered here from another source: the directory's entry wins
             await loop.run_in_executor(registrations, self.manager.unregister, adapter_id)
             await loop.run_in_executor(registrations, self.manager.register, entry.ref, adapter_id)
-        self.synced[adapter_id] = entry.version
+        self.synced[adapter_id] = entry
 
     async def _pin(self, adapter_id: str) -> None:
         loop = asyncio.get_running_loop()
@@ -265,7 +267,10 @@ class EngineReplica:
         and Prometheus."""
         snapshot = self.snapshot()
         try:
-            versions: dict[str, int] = await self.directory.report.remote(self.name, snapshot)
+            epoch, versions = await self.directory.report.remote(self.name, snapshot)
+            if epoch != self._epoch and self.synced:  # a new directory (Serve restarted it): give back what we know
+                versions = await self.directory.restore.remote(list(self.synced.values()))
+            self._epoch = epoch
             await self._reconcile(versions)
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
@@ -278,10 +283,12 @@ class EngineReplica:
         for adapter_id in [r.adapter_id for r in self.manager.registry.list()]:
             known = self.synced.get(adapter_id)
             if known is None:
-                if adapter_id in versions:  # registered here by the admin route: adopt the directory's version
-                    self.synced[adapter_id] = versions[adapter_id]
+                if adapter_id in versions:  # registered here by the admin route: adopt the directory's entry
+                    entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)
+                    if entry is not None and entry.version == versions[adapter_id]:
+                        self.synced[adapter_id] = entry
                 continue
-            if versions.get(adapter_id) != known:  # deleted, or registered again from elsewhere
+            if versions.get(adapter_id) != known.version:  # deleted, or registered again from elsewhere
                 self.synced.pop(adapter_id, None)
                 self.heat.forget(adapter_id)
                 try:

@@ -267,3 +267,30 @@ def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expec
         time.sleep(0.5)
     assert len(after) == 2 and victim["pid"] not in {r["pid"] for r in after}  # Serve started a new one
     assert [_send(client, _request(i)) for i in range(80, 100)] == [expected[i] for i in range(80, 100)]
+
+
+def test_a_killed_directory_is_restarted_and_loses_no_registration(cluster, expected):
+    """Serve starts a new, empty directory; the replicas give back the entries they registered from, so every
+    adapter stays listed and servable, with the same answers."""
+    psutil = pytest.importorskip("psutil")
+    url, http, _ = cluster
+    client = _client(url)
+    before = {m.id for m in client.models.list().data}
+
+    def directories() -> set[int]:
+        children = psutil.Process().children(recursive=True)
+        return {p.pid for p in children if p.name().endswith("AdapterDirectory") and p.is_running()}
+
+    (victim,) = directories()
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # a new directory, and every replica's entries given back to it
+        try:
+            now = {m.id for m in client.models.list().data}
+        except openai.APIError:
+            now = set()
+        if directories() - {victim} and now == before:
+            break
+        time.sleep(0.5)
+    assert now == before == {NAME, *ADAPTERS}
+    assert [_send(client, _request(i)) for i in range(40, 50)] == [expected[i] for i in range(40, 50)]

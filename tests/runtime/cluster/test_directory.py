@@ -1,0 +1,32 @@
+"""The adapter directory's restore after Serve restarted it empty: replicas give back what they registered from,
+without undoing a deletion or registration made since, the newer of two versions winning."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
+
+from runtime.cluster.directory import AdapterDirectory, DirectoryEntry  # noqa: E402
+
+
+def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():
+    old = AdapterDirectory()
+    a = old.put("a", "org/a", {"sha": "1"})
+    b1 = old.put("b", "org/b", {"sha": "1"})
+    b2 = old.put("b", "org/b", {"sha": "2"})  # registered again: a new version
+    c = old.put("c", "org/c", {"sha": "1"})
+    assert a.version < b1.version < b2.version < c.version
+
+    new = AdapterDirectory()  # Serve restarted the directory: empty, another epoch
+    assert new.epoch != old.epoch and new.report("r1", {}) == (new.epoch, {})
+    new.remove("c")  # deleted after the restart, before any replica gave it back
+    d = new.put("d", "org/d", {"sha": "1"})
+    assert d.version > c.version  # never a version a replica may hold from the old directory
+    stale_d = DirectoryEntry("d", "org/stale", c.version + 1)
+    assert new.restore([a, b1, c]) == {"a": a.version, "b": b1.version, "d": d.version}  # replica 1 knew old b
+    assert new.restore([b2, stale_d]) == {"a": a.version, "b": b2.version, "d": d.version}
+    assert new.get("b") == b2 and new.get("d").ref == "org/d"  # the newer b wins; d was put here, it stays
+    assert new.put("e", "org/e", {}).version > d.version
+    b3 = new.put("b", "org/b", {"sha": "3"})
+    assert new.restore([b2])["b"] == b3.version  # put since the restart: never replaced by a replica's copy
