@@ -195,6 +195,14 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="let the admin API register local adapter directories under DIR (repeatable; default: hub ids only)",
     )
+    serve.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the cluster's registrations durably in DIR (sqlite3, on the directory's node); replicas register "
+        "them again lazily from the HF cache",
+    )
     serve.add_argument("--no-multiplex", action="store_true", help="no model ids: Serve's default routing (baseline)")
 
 
@@ -335,6 +343,7 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
             replicas=args.replicas,
             replica_cpus=args.replica_cpus,
             multiplexed=not args.no_multiplex,
+            state_dir=args.state_dir,
         )
         if not config.folder.is_dir():
             raise ValueError(f"{config.folder} is not a checkpoint directory")

@@ -31,11 +31,14 @@ class ClusterConfig:
     stats_period_s: float = 1.0  # how often replicas report free capacity and adapter heat to the router
     spare_slots: int = 1  # pool slots kept out of Serve's model count: an adapter Serve unloads while requests for
     # it still run keeps its slot until they end, and the next load takes the spare slot instead of waiting
+    state_dir: Path | None = None  # the directory's registrations, durable (sqlite3) on the node it runs on
     app_name: str = "adapter-manager"
     route_prefix: str = "/"
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder)
+        if self.state_dir is not None:
+            self.state_dir = Path(self.state_dir).resolve()
         if not isinstance(self.manager.max_slots, int):
             raise ValueError(
                 f"the cluster needs an integer max_slots (Serve's models per replica follow it), "

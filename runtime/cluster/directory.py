@@ -5,18 +5,25 @@ its typed errors), then recorded here. Every other replica registers an adapter 
 from the same hub ref (huggingface_hub's cache makes that a disk read on a shared node). A deleted adapter leaves
 the directory at once (the ingress refuses it from then on); replicas unregister it at their next report.
 
-The directory is one Serve replica and keeps its entries in memory. If its process dies, Serve starts a new, empty
-one with a new `epoch`; each engine replica sees the new epoch in the answer to its next report and gives back the
-entries it registered from (`restore`) before it reconciles, so a directory crash loses no registration that some
-replica has used or validated. Until every replica has reported (one `stats_period_s`), the ingress may answer 404
-for an adapter not yet given back."""
+The directory is one Serve replica. With a `state_dir` every put and remove is written through to a sqlite3 state
+store (`adapter_manager.StateStore`, one committed transaction each) before it answers, and a directory that starts
+loads it: registrations survive a restart of the whole cluster. Loaded entries keep the ref, sha and id; the rest
+of the validating replica's answer (rank, bytes, ...) is not stored. Without one it keeps its entries in memory.
+Either way, if its process dies Serve starts a new one with a new `epoch`; each engine replica sees the new epoch in
+the answer to its next report and gives back the entries it registered from (`restore`) before it reconciles, so a
+directory crash loses no registration that some replica has used or validated. Versions survive in the store, so
+after a restart replicas find theirs unchanged and keep what they registered. Until every replica has reported
+(one `stats_period_s`), the ingress may answer 404 for an adapter not yet given back."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from adapter_manager import Registration, StateStore
 
 
 @dataclass(frozen=True)
@@ -32,28 +39,39 @@ class DirectoryEntry:
 class AdapterDirectory:
     """Plain state behind the directory deployment (one replica); every method is a short critical section."""
 
-    def __init__(self, report_ttl_s: float = 30.0) -> None:
+    def __init__(self, report_ttl_s: float = 30.0, state_dir: Path | None = None) -> None:
         self.epoch = uuid.uuid4().hex  # a directory restarted by Serve has a new one
         self._entries: dict[str, DirectoryEntry] = {}
         self._restored: set[str] = set()  # entries given back by replicas, not put since
         self._removed: set[str] = set()  # removed since this directory started (never given back)
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._version = time.time_ns()  # versions go on past a previous directory's, so none is reused
+        # A version is its registration's time in microseconds (kept unique): a new directory numbers past every
+        # version an old one gave out, and the state store keeps it exactly as the row's registered_at.
+        self._version = time.time_ns() // 1000
         self._ttl = report_ttl_s
+        self._store = StateStore(state_dir) if state_dir is not None else None
+        for row in self._store.load() if self._store is not None else ():
+            version = round(row.registered_at * 1e6)
+            self._version = max(self._version, version)
+            info = {"id": row.adapter_id, "sha": row.sha}
+            self._entries[row.adapter_id] = DirectoryEntry(row.adapter_id, row.ref, version, info)
 
     def put(self, adapter_id: str, ref: str, info: dict[str, Any]) -> DirectoryEntry:
         old = self._entries.get(adapter_id)
         if old is not None and old.ref == ref and old.info.get("sha") == info.get("sha"):
             entry = DirectoryEntry(adapter_id, ref, old.version, info)
         else:
-            self._version += 1
+            self._version = max(self._version + 1, time.time_ns() // 1000)
             entry = DirectoryEntry(adapter_id, ref, self._version, info)
+        self._write(entry)
         self._entries[adapter_id] = entry
         self._restored.discard(adapter_id)
         self._removed.discard(adapter_id)
         return entry
 
     def remove(self, adapter_id: str) -> bool:
+        if self._store is not None:
+            self._store.delete(adapter_id)
         self._removed.add(adapter_id)
         self._restored.discard(adapter_id)
         return self._entries.pop(adapter_id, None) is not None
@@ -68,9 +86,16 @@ class AdapterDirectory:
             if entry.adapter_id in self._removed:
                 continue
             if current is None or (entry.adapter_id in self._restored and entry.version > current.version):
+                self._write(entry)
                 self._entries[entry.adapter_id] = entry
                 self._restored.add(entry.adapter_id)
         return self.versions()
+
+    def _write(self, entry: DirectoryEntry) -> None:
+        if self._store is not None:
+            sha = str(entry.info.get("sha") or "")
+            row = Registration(entry.adapter_id, entry.ref, None, sha, False, registered_at=entry.version / 1e6)
+            self._store.put(row, keep_pin=False)
 
     def get(self, adapter_id: str) -> DirectoryEntry | None:
         return self._entries.get(adapter_id)

@@ -3,6 +3,8 @@ without undoing a deletion or registration made since, the newer of two versions
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
@@ -18,6 +20,7 @@ def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():
     c = old.put("c", "org/c", {"sha": "1"})
     assert a.version < b1.version < b2.version < c.version
 
+    time.sleep(0.01)  # versions are microsecond clock readings; a real restart takes seconds
     new = AdapterDirectory()  # Serve restarted the directory: empty, another epoch
     assert new.epoch != old.epoch and new.report("r1", {}) == (new.epoch, {})
     new.remove("c")  # deleted after the restart, before any replica gave it back
@@ -30,3 +33,24 @@ def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():
     assert new.put("e", "org/e", {}).version > d.version
     b3 = new.put("b", "org/b", {"sha": "3"})
     assert new.restore([b2])["b"] == b3.version  # put since the restart: never replaced by a replica's copy
+
+
+def test_with_a_state_dir_registrations_survive_a_new_directory(tmp_path):
+    """Every put and remove is committed to the state store; a directory started on it (the whole cluster
+    restarted) has the same adapters, refs, shas and versions (so replicas keep what they registered)."""
+    old = AdapterDirectory(state_dir=tmp_path)
+    a = old.put("org/a", "org/a@v1", {"id": "org/a", "sha": "aaa", "rank": 8})
+    old.put("org/b", "/adapters/b", {"id": "org/b", "sha": "local-bbb"})
+    old.remove("org/b")
+    c = old.put("team/c", "org/c", {"id": "team/c", "sha": "ccc"})
+    old.restore([DirectoryEntry("org/d", "org/d", c.version + 1, {"sha": "ddd"})])  # given back: kept too
+    new = AdapterDirectory(state_dir=tmp_path)
+    assert {e.adapter_id: (e.ref, e.info["sha"]) for e in new.entries()} == {
+        "org/a": ("org/a@v1", "aaa"),
+        "team/c": ("org/c", "ccc"),
+        "org/d": ("org/d", "ddd"),
+    }
+    assert new.versions() == {"org/a": a.version, "team/c": c.version, "org/d": c.version + 1}
+    assert new.put("org/e", "org/e", {}).version > c.version + 1
+    new.remove("org/a")
+    assert {e.adapter_id for e in AdapterDirectory(state_dir=tmp_path).entries()} == {"team/c", "org/d", "org/e"}
