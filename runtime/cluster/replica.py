@@ -148,7 +148,8 @@ class EngineReplica:
         self.heat = Heat()
         self.holds = Holds(self.manager, self._pin)
         self._pinner = background_executor(1, "pin")  # pins (slot copies) never queue behind registrations
-        self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0}  # Serve's loads here and their time in each part
+        # Serve's loads here, their time in each part, and how often a pin found no room (20 ms apart)
+        self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0, "pin_retries": 0}
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
         self.gauges = ReplicaGauges()
@@ -164,6 +165,15 @@ class EngineReplica:
         self.loader["register_s"] += registered - start
         self.loader["pin_s"] += time.perf_counter() - registered
         return Resident(self, adapter_id)
+
+    async def _warm(self, adapter_id: str) -> None:
+        """Everything a load needs but the slot copy, done here, concurrently with other requests: Serve runs a
+        replica's loads one at a time under a lock, so the hub round trips of registration and the disk -> host
+        preparation (30 ms p50, 170 ms p99 on the bench model, against 2 ms for host -> slot) stay out of it."""
+        await self._register(adapter_id)
+        if self.manager.allocator.slot_of(adapter_id) is None:  # in a slot already: the load is a pin
+            registrations = self.serving.app.state.server.registrations
+            await asyncio.get_running_loop().run_in_executor(registrations, self.manager.registry.prepared, adapter_id)
 
     async def _register(self, adapter_id: str) -> None:
         async with self._registering.setdefault(adapter_id, asyncio.Lock()):  # one registration per adapter at once
@@ -195,6 +205,7 @@ class EngineReplica:
             except SlotsExhaustedError:  # the units are held by batches of adapters Serve already unloaded
                 if time.monotonic() > deadline:
                     raise
+                self.loader["pin_retries"] += 1
                 await asyncio.sleep(0.02)
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -203,8 +214,8 @@ class EngineReplica:
         if adapter_id:
             self.heat.hit(adapter_id)
             try:
-                if adapter_id not in self.loaded:  # register (hub round trips) here, concurrently with other
-                    await self._register(adapter_id)  # requests, not inside Serve's serialized load
+                if adapter_id not in self.loaded:
+                    await self._warm(adapter_id)
                 await self.multiplexed(adapter_id)
                 if adapter_id not in self.manager.registry:  # deleted and registered again since Serve loaded it
                     await self._register(adapter_id)
