@@ -229,10 +229,11 @@ class Engine:
                 request.cache_row = self._free_rows.pop()
                 self._running.append(request)
             self._step += 1
+        unpinned = self.manager.num_units - sum(pinned.values())
         for request in plan.unplaceable:  # operator pins leave no room for its adapter: waiting cannot help
-            units, held = self._units_of(request.adapter_id), sum(pinned.values())
-            free = self.manager.num_units - held
-            self._finish(request, "error", SlotsExhaustedError((request.adapter_id,), units, free, 0, held + free))
+            needed = self._units_of(request.adapter_id)
+            error = SlotsExhaustedError((request.adapter_id,), needed, unpinned, 0, self.manager.num_units)
+            self._finish(request, "error", error)
         chunks = list(plan.chunks)
         lease = self._acquire(chunks, plan.admitted)
         try:
