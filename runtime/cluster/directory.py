@@ -3,7 +3,8 @@
 Registration is validated once, by the replica that answers the admin request (the single-machine admin route, with
 its typed errors), then recorded here. Every other replica registers an adapter lazily, on its first request for it,
 from the same hub ref (huggingface_hub's cache makes that a disk read on a shared node). A deleted adapter leaves
-the directory at once (the ingress refuses it from then on); replicas unregister it at their next report.
+the directory at once (the ingress refuses it from then on); replicas unregister it at their next report
+(`reconcile_plan`), including a replica that validated it and was deleted before it adopted the directory's entry.
 
 The directory is one Serve replica. With a `state_dir` every put and remove is written through to a sqlite3 state
 store (`adapter_manager.StateStore`, one committed transaction each) before it answers, and a directory that starts
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from adapter_manager import Registration, StateStore
+
+ORPHAN_S = 30.0  # a registration validated here that the directory never recorded (the put failed) is dropped after
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class AdapterDirectory:
         self.epoch = uuid.uuid4().hex  # a directory restarted by Serve has a new one
         self._entries: dict[str, DirectoryEntry] = {}
         self._restored: set[str] = set()  # entries given back by replicas, not put since
-        self._removed: set[str] = set()  # removed since this directory started (never given back)
+        self._removed: dict[str, float] = {}  # removed since this directory started (never given back) -> when
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
         # A version is its registration's time in microseconds (kept unique): a new directory numbers past every
         # version an old one gave out, and the state store keeps it exactly as the row's registered_at.
@@ -66,13 +70,13 @@ class AdapterDirectory:
         self._write(entry)
         self._entries[adapter_id] = entry
         self._restored.discard(adapter_id)
-        self._removed.discard(adapter_id)
+        self._removed.pop(adapter_id, None)
         return entry
 
     def remove(self, adapter_id: str) -> bool:
         if self._store is not None:
             self._store.delete(adapter_id)
-        self._removed.add(adapter_id)
+        self._removed[adapter_id] = time.monotonic()
         self._restored.discard(adapter_id)
         return self._entries.pop(adapter_id, None) is not None
 
@@ -106,11 +110,12 @@ class AdapterDirectory:
     def versions(self) -> dict[str, int]:
         return {a: e.version for a, e in self._entries.items()}
 
-    def report(self, replica: str, snapshot: dict[str, Any]) -> tuple[str, dict[str, int]]:
-        """A replica's periodic report; answers with this directory's epoch and the adapters the replica may keep
-        (id -> version)."""
+    def report(self, replica: str, snapshot: dict[str, Any]) -> tuple[str, dict[str, int], list[str]]:
+        """A replica's periodic report; answers with this directory's epoch, the adapters the replica may keep
+        (id -> version) and the ids removed in the last `ORPHAN_S` (and not put again; older ones are orphans)."""
         self._reports[replica] = (time.time(), snapshot)
-        return self.epoch, self.versions()
+        recent = time.monotonic() - ORPHAN_S
+        return self.epoch, self.versions(), sorted(a for a, at in self._removed.items() if at >= recent)
 
     def reports(self) -> dict[str, dict[str, Any]]:
         """The live replicas' latest reports, each with its age; reports older than the TTL (dead replicas) go."""
@@ -118,3 +123,29 @@ class AdapterDirectory:
         for replica in [r for r, (at, _) in self._reports.items() if now - at > self._ttl]:
             del self._reports[replica]
         return {r: {**snapshot, "age_s": round(now - at, 3)} for r, (at, snapshot) in self._reports.items()}
+
+
+def reconcile_plan(
+    local: Mapping[str, tuple[float, str]],
+    synced: Mapping[str, DirectoryEntry],
+    versions: Mapping[str, int],
+    removed: Collection[str],
+    now: float,
+) -> tuple[list[str], list[str]]:
+    """What a replica does with its registrations (`local`: id -> (registered_at, sha)) at a report: the ids to
+    adopt (registered here by the admin route, now in the directory: the caller checks the entry's sha) and the ids
+    to unregister. A registration from a directory entry goes when the entry's version changes or it is removed; one
+    validated here but never adopted goes when the directory says it was removed, or after `ORPHAN_S` if the
+    directory never had it."""
+    adopt: list[str] = []
+    drop: list[str] = []
+    for adapter_id, (registered_at, _sha) in local.items():
+        known = synced.get(adapter_id)
+        if known is not None:
+            if versions.get(adapter_id) != known.version:  # deleted, or registered again from elsewhere
+                drop.append(adapter_id)
+        elif adapter_id in versions:
+            adopt.append(adapter_id)
+        elif adapter_id in removed or now - registered_at > ORPHAN_S:
+            drop.append(adapter_id)
+    return adopt, drop

@@ -38,7 +38,7 @@ from adapter_manager import (
 from ..server.http_errors import error_body, to_api_error
 from ..server.launch import build_serving
 from .config import ClusterConfig
-from .directory import DirectoryEntry
+from .directory import DirectoryEntry, reconcile_plan
 from .forward import ForwardedRequest, ResponseStart, call_app
 from .replica_metrics import ReplicaGauges
 
@@ -268,6 +268,7 @@ class EngineReplica:
                 s.adapter_id: {"slot": s.slot, "rank": s.rank, "pinned": s.manual, "in_flight": s.pins} for s in states
             },
             "registered": len(manager.registry),
+            "unadopted": [r.adapter_id for r in manager.registry.list() if r.adapter_id not in self.synced],
             "in_flight": self.serving.app.state.server.generator.pending,
             "max_batch": self.config.engine.max_batch,
             "metrics": metrics,
@@ -278,34 +279,36 @@ class EngineReplica:
         and Prometheus."""
         snapshot = self.snapshot()
         try:
-            epoch, versions = await self.directory.report.remote(self.name, snapshot)
+            epoch, versions, removed = await self.directory.report.remote(self.name, snapshot)
             if epoch != self._epoch and self.synced:  # a new directory (Serve restarted it): give back what we know
                 versions = await self.directory.restore.remote(list(self.synced.values()))
             self._epoch = epoch
-            await self._reconcile(versions)
+            await self._reconcile(versions, removed)
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
         self.gauges.update(snapshot)
         stats = {k: snapshot[k] for k in ("capacity", "free", "heats", "free_units", "in_flight", "max_batch")}
         return {**stats, "in_slot": sorted(snapshot["slots"])}
 
-    async def _reconcile(self, versions: dict[str, int]) -> None:
+    async def _reconcile(self, versions: dict[str, int], removed: list[str]) -> None:
+        local = {r.adapter_id: (r.registered_at, r.sha) for r in self.manager.registry.list()}
+        adopt, drop = reconcile_plan(local, self.synced, versions, removed, time.time())
+        for adapter_id in adopt:  # registered here by the admin route: adopt the directory's entry if it is ours
+            entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)
+            if entry is None or entry.version != versions[adapter_id]:
+                continue  # changed meanwhile: the next report decides
+            if entry.info.get("sha", local[adapter_id][1]) == local[adapter_id][1]:
+                self.synced[adapter_id] = entry
+            else:  # a stale validation here of what was since registered elsewhere under the same id
+                drop.append(adapter_id)
         loop = asyncio.get_running_loop()
-        for adapter_id in [r.adapter_id for r in self.manager.registry.list()]:
-            known = self.synced.get(adapter_id)
-            if known is None:
-                if adapter_id in versions:  # registered here by the admin route: adopt the directory's entry
-                    entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)
-                    if entry is not None and entry.version == versions[adapter_id]:
-                        self.synced[adapter_id] = entry
-                continue
-            if versions.get(adapter_id) != known.version:  # deleted, or registered again from elsewhere
-                self.synced.pop(adapter_id, None)
-                self.heat.forget(adapter_id)
-                try:
-                    await loop.run_in_executor(None, self.manager.unregister, adapter_id)
-                except AdapterNotFoundError:
-                    pass
+        for adapter_id in drop:
+            self.synced.pop(adapter_id, None)
+            self.heat.forget(adapter_id)
+            try:
+                await loop.run_in_executor(None, self.manager.unregister, adapter_id)
+            except AdapterNotFoundError:
+                pass
 
     def __del__(self) -> None:
         serving = getattr(self, "serving", None)

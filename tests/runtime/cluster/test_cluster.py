@@ -234,10 +234,24 @@ def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
     assert http.delete("/v1/adapters/team/extra").json()["deleted"] is True
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="team/extra", prompt="Hi", max_tokens=2)
-    deadline = time.monotonic() + 10
-    while any("team/extra" in r["slots"] for r in _replicas(http)) and time.monotonic() < deadline:
+    # validated by one replica and deleted before that replica's next report (it never adopted the entry)
+    assert http.post("/v1/adapters", json={"ref": ADAPTERS[1], "id": "team/gone"}).status_code == 201
+    assert http.delete("/v1/adapters/team/gone").json()["deleted"] is True
+    deleted = time.time()
+    deadline = time.monotonic() + 15
+    while True:
+        reports = _replicas(http)
+        held = {
+            r["replica"]: [(a, r["slots"].get(a), r["holds"].get(a)) for a in ("team/extra",) if a in r["slots"]]
+            + [a for a in r["unadopted"] if a == "team/gone"]
+            for r in reports
+        }
+        # a report taken after the reconcile that followed the delete (each report precedes its own reconcile)
+        fresh = all(time.time() - r["age_s"] > deleted + 2 * 0.5 for r in reports)
+        if (fresh and not any(held.values())) or time.monotonic() > deadline:
+            break
         time.sleep(0.25)
-    assert not any("team/extra" in r["slots"] for r in _replicas(http))  # each replica unregistered it
+    assert fresh and not any(held.values()), held  # each replica unregistered both
 
 
 def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expected):

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
-from runtime.cluster.directory import AdapterDirectory, DirectoryEntry  # noqa: E402
+from runtime.cluster.directory import ORPHAN_S, AdapterDirectory, DirectoryEntry, reconcile_plan  # noqa: E402
 
 
 def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():
@@ -22,7 +22,7 @@ def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():
 
     time.sleep(0.01)  # versions are microsecond clock readings; a real restart takes seconds
     new = AdapterDirectory()  # Serve restarted the directory: empty, another epoch
-    assert new.epoch != old.epoch and new.report("r1", {}) == (new.epoch, {})
+    assert new.epoch != old.epoch and new.report("r1", {}) == (new.epoch, {}, [])
     new.remove("c")  # deleted after the restart, before any replica gave it back
     d = new.put("d", "org/d", {"sha": "1"})
     assert d.version > c.version  # never a version a replica may hold from the old directory
@@ -54,3 +54,38 @@ def test_with_a_state_dir_registrations_survive_a_new_directory(tmp_path):
     assert new.put("org/e", "org/e", {}).version > c.version + 1
     new.remove("org/a")
     assert {e.adapter_id for e in AdapterDirectory(state_dir=tmp_path).entries()} == {"team/c", "org/d", "org/e"}
+
+
+def test_a_report_names_recent_removals_until_the_id_is_registered_again():
+    directory = AdapterDirectory()
+    directory.put("a", "org/a", {"sha": "1"})
+    directory.put("b", "org/b", {"sha": "1"})
+    directory.remove("a")
+    epoch, versions, removed = directory.report("r1", {})
+    assert set(versions) == {"b"} and removed == ["a"]
+    directory.put("a", "org/a", {"sha": "2"})
+    assert directory.report("r1", {})[1:] == ({"a": directory.get("a").version, "b": directory.get("b").version}, [])
+
+
+def test_reconcile_plan_drops_what_the_directory_no_longer_backs():
+    """The flake this pins: a replica validates an adapter for the admin route (registered here, not yet adopted),
+    and it is deleted before the replica's next report; with the versions alone it was kept for ever."""
+    now = 1000.0
+    entry = DirectoryEntry("kept", "org/kept", 7, {"sha": "s"})
+    changed = DirectoryEntry("changed", "org/changed", 3)
+    deleted = DirectoryEntry("deleted", "org/deleted", 4)
+    local = {
+        "kept": (now - 100, "s"),
+        "changed": (now - 100, "s"),  # registered again elsewhere: a new version
+        "deleted": (now - 100, "s"),
+        "validated": (now - 1, "s"),  # by this replica's admin route, now in the directory: adopt
+        "validated-deleted": (now - 1, "s"),  # ... deleted before this report
+        "in-flight": (now - 1, "s"),  # validated, the ingress has not recorded it yet: keep
+        "orphan": (now - ORPHAN_S - 1, "s"),  # validated long ago and never recorded
+    }
+    synced = {"kept": entry, "changed": changed, "deleted": deleted}
+    versions = {"kept": 7, "changed": 5, "validated": 9}
+    adopt, drop = reconcile_plan(local, synced, versions, ["deleted", "validated-deleted"], now)
+    assert adopt == ["validated"]
+    assert sorted(drop) == ["changed", "deleted", "orphan", "validated-deleted"]
+    assert reconcile_plan({}, synced, versions, [], now) == ([], [])
