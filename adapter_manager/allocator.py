@@ -190,9 +190,11 @@ class SlotAllocator:
                 self._unpin(residency)
             self._cond.notify_all()
 
-    def pin(self, adapter_id: str) -> int:
-        """Operator pin: keep `adapter_id` resident (loading it if needed) until `unpin`. Returns its slot."""
-        return self._bring_in([adapter_id], manual=True)[0].slot
+    def pin(self, adapter_id: str, wait_s: float = 0.0) -> int:
+        """Operator pin: keep `adapter_id` resident (loading it if needed) until `unpin`. Returns its slot. With
+        `wait_s`, a pin that finds no room waits up to that long for a release, unpin or unregister to make some
+        (woken by each) before it raises `SlotsExhaustedError`."""
+        return self._bring_in([adapter_id], manual=True, wait_s=wait_s)[0].slot
 
     def unpin(self, adapter_id: str) -> None:
         """Undo `pin`; the adapter stays resident but becomes evictable once no batch holds it."""
@@ -282,15 +284,23 @@ class SlotAllocator:
             raise SlotLoadError(adapter_id, f"rank {rank!r} is outside 1..max_rank {self.pool.max_rank}")
         return rank
 
-    def _bring_in(self, distinct: list[str], manual: bool) -> list[_Residency]:
+    def _bring_in(self, distinct: list[str], manual: bool, wait_s: float = 0.0) -> list[_Residency]:
         ranks: dict[str, int] = {}
+        deadline = time.monotonic() + wait_s
         while True:  # ranks are read without the lock; retried until every missing adapter's rank is known
             with self._cond:
                 self._cond.wait_for(lambda: not any(self._loading(a) for a in distinct))
                 missing = [a for a in distinct if a not in self._by_adapter]
                 unknown = [a for a in missing if a not in ranks]
                 if not unknown:
-                    entries, reserved = self._place(distinct, missing, ranks, manual)
+                    try:
+                        entries, reserved = self._place(distinct, missing, ranks, manual)
+                    except SlotsExhaustedError:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise
+                        self._cond.wait(remaining)  # every release, unpin and forget notifies
+                        continue
                     break
             ranks.update((a, self._rank(a)) for a in unknown)
         try:

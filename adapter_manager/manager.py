@@ -178,10 +178,11 @@ class AdapterManager:
     def release(self, lease: SlotLease) -> None:
         self.allocator.release(lease)
 
-    def pin(self, adapter_id: str) -> int:
-        """Operator pin: keep the adapter in its slot until `unpin`. Returns the slot."""
+    def pin(self, adapter_id: str, wait_s: float = 0.0) -> int:
+        """Operator pin: keep the adapter in its slot until `unpin`. Returns the slot. `wait_s`: how long to wait
+        for room (batches finishing, unpins) before `SlotsExhaustedError`."""
         self.registry.get(adapter_id)
-        slot = self.allocator.pin(adapter_id)
+        slot = self.allocator.pin(adapter_id, wait_s)
         self.registry.set_pinned(adapter_id, True)
         return slot
 

@@ -148,8 +148,8 @@ class EngineReplica:
         self.heat = Heat()
         self.holds = Holds(self.manager, self._pin)
         self._pinner = background_executor(1, "pin")  # pins (slot copies) never queue behind registrations
-        # Serve's loads here, their time in each part, and how often a pin found no room (20 ms apart)
-        self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0, "pin_retries": 0}
+        # Serve's loads here and their time in each part (pin_s includes waits for room)
+        self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0}
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id if context is not None else f"pid-{os.getpid()}"
         self.gauges = ReplicaGauges()
@@ -196,17 +196,19 @@ class EngineReplica:
         self.synced[adapter_id] = entry
 
     async def _pin(self, adapter_id: str) -> None:
+        """Pin into the pool, waiting for room if the units are held by batches of adapters Serve already unloaded:
+        the allocator wakes the wait at each release, in waits of at most a second (the pin thread stays free to
+        stop with the replica)."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + PIN_WAIT_S
         while True:
+            wait_s = min(max(deadline - time.monotonic(), 0.0), 1.0)
             try:
-                await loop.run_in_executor(self._pinner, self.manager.pin, adapter_id)
+                await loop.run_in_executor(self._pinner, self.manager.pin, adapter_id, wait_s)
                 return
-            except SlotsExhaustedError:  # the units are held by batches of adapters Serve already unloaded
-                if time.monotonic() > deadline:
+            except SlotsExhaustedError:
+                if time.monotonic() >= deadline:
                     raise
-                self.loader["pin_retries"] += 1
-                await asyncio.sleep(0.02)
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """One HTTP request through the server's own app; with a multiplexed model id, its adapter is loaded first."""

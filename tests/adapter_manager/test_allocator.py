@@ -295,6 +295,39 @@ def test_operator_pin_keeps_an_adapter_resident(tiny_spec, catalog):
     assert allocator.lru_order() == ["c", "a"]
 
 
+def _pin_waiting_for(allocator: SlotAllocator, adapter_id: str, free) -> bool:
+    """Pin `adapter_id` (no room) on a thread, check it waits, call `free`; whether the pin then took the freed
+    range promptly (woken by `free`, not by its 30 s timeout)."""
+    pinned: list[int] = []
+    waiter = threading.Thread(target=lambda: pinned.append(allocator.pin(adapter_id, wait_s=30)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not pinned and waiter.is_alive()  # waiting, not failing
+    start = time.monotonic()
+    free()
+    waiter.join(timeout=30)
+    return bool(pinned) and time.monotonic() - start < 5 and allocator.slot_of(adapter_id) == pinned[0]
+
+
+def test_a_waiting_pin_takes_the_room_a_release_makes_and_times_out_cleanly(tiny_spec, catalog):
+    """`pin(wait_s=...)` (the cluster's loader): no room -> it waits for a release, an unpin or an unregister, and
+    takes the freed range as soon as one happens; with none it raises after wait_s, changing nothing."""
+    allocator = allocator_for(tiny_spec, catalog)
+    allocator.pin("a")
+    lease = allocator.acquire(["b"])  # both units held: a by the operator, b by a running batch
+    start = time.monotonic()
+    with pytest.raises(SlotsExhaustedError):
+        allocator.pin("c", wait_s=0.2)
+    assert time.monotonic() - start >= 0.2 and allocator.slot_of("c") is None
+    assert [(s.adapter_id, s.manual, s.pins) for s in allocator.states()] == [("a", True, 0), ("b", False, 1)]
+    assert _pin_waiting_for(allocator, "c", lambda: allocator.release(lease))
+    allocator.unpin("c")
+    allocator.pin("d")  # fill the room again (evicting c), then free it another way
+    lease = allocator.acquire(["d"])
+    assert _pin_waiting_for(allocator, "c", lambda: allocator.unpin("a"))
+    allocator.release(lease)
+
+
 def test_unregister_frees_unpinned_at_once_and_pinned_at_last_release(tiny_spec, catalog):
     allocator = allocator_for(tiny_spec, catalog)
     allocator.release(allocator.acquire(["a"]))
