@@ -203,6 +203,12 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
         help="keep the cluster's registrations durably in DIR (sqlite3, on the directory's node); replicas register "
         "them again lazily from the HF cache",
     )
+    serve.add_argument(
+        "--pinned-slots",
+        type=int,
+        default=0,
+        help="slots per replica kept for operator pins (a pinned adapter is held on every replica; default 0: none)",
+    )
     serve.add_argument("--no-multiplex", action="store_true", help="no model ids: Serve's default routing (baseline)")
 
 
@@ -343,6 +349,7 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
             replicas=args.replicas,
             replica_cpus=args.replica_cpus,
             multiplexed=not args.no_multiplex,
+            pinned_slots=args.pinned_slots,
             state_dir=args.state_dir,
         )
         if not config.folder.is_dir():

@@ -26,7 +26,7 @@ def build_app(config: ClusterConfig) -> serve.Application:
     `multiplexed=False`, Serve's default router and no model ids), one directory, one ingress."""
     directory = serve.deployment(
         AdapterDirectory, name="AdapterDirectory", num_replicas=1, ray_actor_options={"num_cpus": 0}
-    ).bind(state_dir=config.state_dir)
+    ).bind(state_dir=config.state_dir, max_pinned=config.pinned_slots)
     router = (
         RequestRouterConfig(
             request_router_class=AdapterRouter,

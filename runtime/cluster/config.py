@@ -31,6 +31,8 @@ class ClusterConfig:
     stats_period_s: float = 1.0  # how often replicas report free capacity and adapter heat to the router
     spare_slots: int = 1  # pool slots kept out of Serve's model count: an adapter Serve unloads while requests for
     # it still run keeps its slot until they end, and the next load takes the spare slot instead of waiting
+    pinned_slots: int = 0  # pool slots per replica kept for operator pins: a pinned adapter is held in a slot on
+    # every replica (out of Serve's model count) and its requests go to the shortest queue; 0 refuses pins
     state_dir: Path | None = None  # the directory's registrations, durable (sqlite3) on the node it runs on
     app_name: str = "adapter-manager"
     route_prefix: str = "/"
@@ -54,9 +56,10 @@ class ClusterConfig:
                 f"max_ongoing_requests ({self.max_ongoing_requests}) exceeds the replica server's max_pending "
                 f"({self.server.max_pending})"
             )
-        if not 0 <= self.spare_slots < self.manager.max_slots:
+        if self.spare_slots < 0 or self.pinned_slots < 0 or self.models_per_replica < 1:
             raise ValueError(
-                f"spare_slots ({self.spare_slots}) must be >= 0 and below max_slots ({self.manager.max_slots})"
+                f"spare_slots ({self.spare_slots}) and pinned_slots ({self.pinned_slots}) must be >= 0 and leave "
+                f"Serve at least one of max_slots ({self.manager.max_slots})"
             )
         if self.replica_cpus <= 0 or self.stats_period_s <= 0:
             raise ValueError(
@@ -65,7 +68,7 @@ class ClusterConfig:
 
     @property
     def models_per_replica(self) -> int:
-        """Serve's `max_num_models_per_replica`: the adapters the pool holds at max rank less the spare slots, so
-        every one Serve keeps loaded can be pinned at once, beside the ones still answering after Serve unloaded
-        them."""
-        return int(self.manager.max_slots) - self.spare_slots
+        """Serve's `max_num_models_per_replica`: the adapters the pool holds at max rank less the spare and the
+        pinned slots, so every one Serve keeps loaded can be pinned at once, beside the operator's pins and the ones
+        still answering after Serve unloaded them."""
+        return int(self.manager.max_slots) - self.spare_slots - self.pinned_slots

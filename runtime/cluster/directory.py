@@ -5,10 +5,12 @@ its typed errors), then recorded here. Every other replica registers an adapter 
 from the same hub ref (huggingface_hub's cache makes that a disk read on a shared node). A deleted adapter leaves
 the directory at once (the ingress refuses it from then on); replicas unregister it at their next report
 (`reconcile_plan`), including a replica that validated it and was deleted before it adopted the directory's entry.
+An operator pin is a flag on the entry (at most `max_pinned`, the cluster's pinned slots per replica): from its next
+report every replica holds the adapter in a slot of its own, outside Serve's model count.
 
 The directory is one Serve replica. With a `state_dir` every put and remove is written through to a sqlite3 state
 store (`adapter_manager.StateStore`, one committed transaction each) before it answers, and a directory that starts
-loads it: registrations survive a restart of the whole cluster. Loaded entries keep the ref, sha and id; the rest
+loads it: registrations survive a restart of the whole cluster. Loaded entries keep the ref, sha, id and pin; the rest
 of the validating replica's answer (rank, bytes, ...) is not stored. Without one it keeps its entries in memory.
 Either way, if its process dies Serve starts a new one with a new `epoch`; each engine replica sees the new epoch in
 the answer to its next report and gives back the entries it registered from (`restore`) before it reconciles, so a
@@ -18,6 +20,7 @@ after a restart replicas find theirs unchanged and keep what they registered. Un
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Collection, Mapping
@@ -38,12 +41,13 @@ class DirectoryEntry:
     ref: str  # hub id[@revision] or local directory, as registered
     version: int  # bumped on every (re-)registration, so replicas know to register it again
     info: dict[str, Any] = field(default_factory=dict)  # the admin API's answer (source, sha, rank, bytes, ...)
+    pinned: bool = False  # operator pin: held in a slot on every replica
 
 
 class AdapterDirectory:
     """Plain state behind the directory deployment (one replica); every method is a short critical section."""
 
-    def __init__(self, report_ttl_s: float = 30.0, state_dir: Path | None = None) -> None:
+    def __init__(self, report_ttl_s: float = 30.0, state_dir: Path | None = None, max_pinned: int = 0) -> None:
         self.epoch = uuid.uuid4().hex  # a directory restarted by Serve has a new one
         self._entries: dict[str, DirectoryEntry] = {}
         self._restored: set[str] = set()  # entries given back by replicas, not put since
@@ -53,25 +57,41 @@ class AdapterDirectory:
         # version an old one gave out, and the state store keeps it exactly as the row's registered_at.
         self._version = time.time_ns() // 1000
         self._ttl = report_ttl_s
+        self._max_pinned = max_pinned  # the cluster's pinned slots per replica
         self._store = StateStore(state_dir) if state_dir is not None else None
         for row in self._store.load() if self._store is not None else ():
             version = round(row.registered_at * 1e6)
             self._version = max(self._version, version)
             info = {"id": row.adapter_id, "sha": row.sha}
-            self._entries[row.adapter_id] = DirectoryEntry(row.adapter_id, row.ref, version, info)
+            self._entries[row.adapter_id] = DirectoryEntry(row.adapter_id, row.ref, version, info, row.pinned)
 
     def put(self, adapter_id: str, ref: str, info: dict[str, Any]) -> DirectoryEntry:
         old = self._entries.get(adapter_id)
+        pinned = old is not None and old.pinned  # registering again keeps an operator pin, as on one server
         if old is not None and old.ref == ref and old.info.get("sha") == info.get("sha"):
-            entry = DirectoryEntry(adapter_id, ref, old.version, info)
+            entry = DirectoryEntry(adapter_id, ref, old.version, info, pinned)
         else:
             self._version = max(self._version + 1, time.time_ns() // 1000)
-            entry = DirectoryEntry(adapter_id, ref, self._version, info)
+            entry = DirectoryEntry(adapter_id, ref, self._version, info, pinned)
         self._write(entry)
         self._entries[adapter_id] = entry
         self._restored.discard(adapter_id)
         self._removed.pop(adapter_id, None)
         return entry
+
+    def pin(self, adapter_id: str, pinned: bool) -> tuple[DirectoryEntry | None, bool]:
+        """Set an adapter's operator pin: (its entry, or None if unknown; whether it was refused because every
+        pinned slot is taken). Replicas apply it at their next report."""
+        entry = self._entries.get(adapter_id)
+        if entry is None:
+            return None, False
+        if pinned and not entry.pinned and sum(e.pinned for e in self._entries.values()) >= self._max_pinned:
+            return entry, True
+        entry = dataclasses.replace(entry, pinned=pinned)
+        self._entries[adapter_id] = entry
+        if self._store is not None:
+            self._store.set_pinned(adapter_id, pinned)
+        return entry, False
 
     def remove(self, adapter_id: str) -> bool:
         if self._store is not None:
@@ -98,7 +118,7 @@ class AdapterDirectory:
     def _write(self, entry: DirectoryEntry) -> None:
         if self._store is not None:
             sha = str(entry.info.get("sha") or "")
-            row = Registration(entry.adapter_id, entry.ref, None, sha, False, registered_at=entry.version / 1e6)
+            row = Registration(entry.adapter_id, entry.ref, None, sha, entry.pinned, registered_at=entry.version / 1e6)
             self._store.put(row, keep_pin=False)
 
     def get(self, adapter_id: str) -> DirectoryEntry | None:
@@ -110,12 +130,14 @@ class AdapterDirectory:
     def versions(self) -> dict[str, int]:
         return {a: e.version for a, e in self._entries.items()}
 
-    def report(self, replica: str, snapshot: dict[str, Any]) -> tuple[str, dict[str, int], list[str]]:
+    def report(self, replica: str, snapshot: dict[str, Any]) -> tuple[str, dict[str, int], list[str], list[str]]:
         """A replica's periodic report; answers with this directory's epoch, the adapters the replica may keep
-        (id -> version) and the ids removed in the last `ORPHAN_S` (and not put again; older ones are orphans)."""
+        (id -> version), the ids removed in the last `ORPHAN_S` (and not put again; older ones are orphans) and the
+        operator-pinned ids."""
         self._reports[replica] = (time.time(), snapshot)
         recent = time.monotonic() - ORPHAN_S
-        return self.epoch, self.versions(), sorted(a for a, at in self._removed.items() if at >= recent)
+        removed = sorted(a for a, at in self._removed.items() if at >= recent)
+        return self.epoch, self.versions(), removed, sorted(a for a, e in self._entries.items() if e.pinned)
 
     def reports(self) -> dict[str, dict[str, Any]]:
         """The live replicas' latest reports, each with its age; reports older than the TTL (dead replicas) go."""

@@ -76,6 +76,7 @@ def _adapter(entry: Any, reports: dict[str, dict]) -> dict:
         "object": "adapter",
         "ref": entry.ref,
         "version": entry.version,
+        "pinned": entry.pinned,
         "tier": "slot" if in_slot else "disk",
         "replicas": {"loaded": loaded, "in_slot": in_slot},
     }
@@ -89,6 +90,7 @@ class Ingress:
         self.directory = directory
         self.started_at = time.time()
         self.known: dict[str, float] = {}  # adapter id -> when the directory last confirmed it
+        self.pinned: set[str] = set()  # operator-pinned (resident on every replica) as of that confirmation
 
     # -- generation: forwarded with the adapter as Serve's multiplexed model id --
 
@@ -116,7 +118,7 @@ class Ingress:
                     "model",
                     "model_not_found",
                 )
-            model_id = model if self.config.multiplexed else ""
+            model_id = model if self.config.multiplexed and model not in self.pinned else ""  # pinned: anywhere
             forwarded = dataclasses.replace(forwarded, adapter_id=model)
         if isinstance(body, dict) and body.get("stream"):
             return await self._stream(forwarded, model_id)
@@ -145,15 +147,35 @@ class Ingress:
         return response
 
     @app.post("/v1/adapters/{adapter_id:path}/pin")
+    async def pin(self, adapter_id: str, request: Request) -> dict:
+        """Hold the adapter in a slot on every replica (from their next report), out of Serve's model count; its
+        requests then go to the shortest queue."""
+        self._check_admin(request)
+        entry, full = await self.directory.pin.remote(adapter_id, True)
+        if entry is None:
+            raise APIError(404, f"adapter {adapter_id!r} is not registered", "model", "model_not_found")
+        if full:
+            raise APIError(
+                409,
+                f"all {self.config.pinned_slots} pinned slots per replica are taken (ClusterConfig.pinned_slots, "
+                "--pinned-slots): unpin an adapter first",
+                None,
+                "slots_exhausted",
+            )
+        self.pinned.add(adapter_id)
+        return {"id": adapter_id, "pinned": True, "replicas": "all"}
+
     @app.post("/v1/adapters/{adapter_id:path}/unpin")
-    async def pin(self, adapter_id: str) -> Response:
-        raise APIError(
-            400,
-            "operator pins are per replica and not offered by the cluster: Serve's multiplexing decides which "
-            "replicas hold an adapter",
-            None,
-            "unsupported_in_cluster",
-        )
+    async def unpin(self, adapter_id: str, request: Request) -> dict:
+        self._check_admin(request)
+        entry = await self.directory.get.remote(adapter_id)
+        if entry is None:
+            raise APIError(404, f"adapter {adapter_id!r} is not registered", "model", "model_not_found")
+        if not entry.pinned:
+            raise APIError(409, f"adapter {adapter_id!r} is not pinned by an operator", "model", "not_pinned")
+        await self.directory.pin.remote(adapter_id, False)
+        self.pinned.discard(adapter_id)
+        return {"id": adapter_id, "pinned": False}
 
     @app.delete("/v1/adapters/{adapter_id:path}")
     async def unregister(self, adapter_id: str, request: Request) -> dict:
@@ -177,13 +199,19 @@ class Ingress:
         now = time.monotonic()
         if now - self.known.get(adapter_id, -KNOWN_TTL_S) < KNOWN_TTL_S:
             return True
-        if await self.directory.get.remote(adapter_id) is None:
+        entry = await self.directory.get.remote(adapter_id)
+        if entry is None:
             return False
         self.known[adapter_id] = now
+        if entry.pinned:
+            self.pinned.add(adapter_id)
+        else:
+            self.pinned.discard(adapter_id)
         return True
 
     async def _remove(self, adapter_id: str) -> None:
         self.known.pop(adapter_id, None)
+        self.pinned.discard(adapter_id)
         if not await self.directory.remove.remote(adapter_id):
             raise APIError(404, f"adapter {adapter_id!r} is not registered", "model", "model_not_found")
 

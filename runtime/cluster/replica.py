@@ -148,6 +148,8 @@ class EngineReplica:
         self.heat = Heat()
         self.holds = Holds(self.manager, self._pin)
         self._pinner = background_executor(1, "pin")  # pins (slot copies) never queue behind registrations
+        self.operator: set[str] = set()  # adapters held here for the operator's cluster-wide pin
+        self._operator_tasks: dict[str, asyncio.Task] = {}  # operator pins being taken
         # Serve's loads here and their time in each part (pin_s includes waits for room)
         self.loader = {"loads": 0, "register_s": 0.0, "pin_s": 0.0}
         context = serve.get_replica_context()
@@ -260,7 +262,8 @@ class EngineReplica:
             "capacity": self.config.models_per_replica,
             "loaded": sorted(self.loaded),
             "loader": dict(self.loader),
-            "holds": self.holds.counts(),  # Serve's loaded model and each in-flight request hold one
+            "holds": self.holds.counts(),  # Serve's loaded model, each in-flight request and an operator pin
+            "pinned": sorted(self.operator),  # held for the operator's cluster-wide pin
             "free": max(self.config.models_per_replica - len(self.loaded), 0),
             "heats": sorted(heat.values()),  # coldest first: what the next loads here would unload
             "heat": heat,
@@ -281,11 +284,14 @@ class EngineReplica:
         and Prometheus."""
         snapshot = self.snapshot()
         try:
-            epoch, versions, removed = await self.directory.report.remote(self.name, snapshot)
+            epoch, versions, removed, pinned = await self.directory.report.remote(self.name, snapshot)
             if epoch != self._epoch and self.synced:  # a new directory (Serve restarted it): give back what we know
-                versions = await self.directory.restore.remote(list(self.synced.values()))
+                given = [replace(e, pinned=a in self.operator) for a, e in self.synced.items()]
+                versions = await self.directory.restore.remote(given)
+                pinned = [a for a in self.operator if a in versions]
             self._epoch = epoch
             await self._reconcile(versions, removed)
+            self._apply_pins(set(pinned))
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
         self.gauges.update(snapshot)
@@ -307,10 +313,32 @@ class EngineReplica:
         for adapter_id in drop:
             self.synced.pop(adapter_id, None)
             self.heat.forget(adapter_id)
+            if adapter_id in self.operator:
+                self.operator.discard(adapter_id)
+                self.holds.drop(adapter_id)
             try:
                 await loop.run_in_executor(None, self.manager.unregister, adapter_id)
             except AdapterNotFoundError:
                 pass
+
+    def _apply_pins(self, pinned: set[str]) -> None:
+        """Follow the directory's operator pins: take a hold on each new one (in the background: a pin may wait for
+        room), drop the hold of each one unpinned."""
+        for adapter_id in self.operator - pinned:
+            self.operator.discard(adapter_id)
+            self.holds.drop(adapter_id)
+        for adapter_id in sorted(pinned - self.operator - set(self._operator_tasks)):
+            self._operator_tasks[adapter_id] = asyncio.create_task(self._operator_pin(adapter_id))
+
+    async def _operator_pin(self, adapter_id: str) -> None:
+        try:
+            await self._register(adapter_id)
+            await self.holds.hold(adapter_id)
+            self.operator.add(adapter_id)  # unpinned meanwhile: the next report drops it
+        except Exception:  # noqa: BLE001 - retried at the next report
+            log.warning("replica %s could not take the operator pin of %s", self.name, adapter_id, exc_info=True)
+        finally:
+            self._operator_tasks.pop(adapter_id, None)
 
     def __del__(self) -> None:
         serving = getattr(self, "serving", None)

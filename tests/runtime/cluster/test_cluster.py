@@ -107,7 +107,9 @@ def expected(files, hub):
 @pytest.fixture(scope="module")
 def cluster(files, hub):
     manager, engine, server = _configs(files, hub)
-    config = ClusterConfig(files / "model", manager, engine, server, replicas=2, replica_cpus=0.5, stats_period_s=0.5)
+    config = ClusterConfig(
+        files / "model", manager, engine, server, replicas=2, replica_cpus=0.5, stats_period_s=0.5, pinned_slots=1
+    )
     metrics_port = _free_port()
     url = start_cluster(config, RayOptions(num_cpus=2, port=_free_port(), metrics_export_port=metrics_port))
     try:
@@ -145,7 +147,7 @@ def test_every_answer_equals_the_single_server_and_nothing_is_lost(cluster, expe
     assert len(reports) == 2
     for report in reports:  # Serve's loaded models are then exactly the pool's operator pins, within the pool
         assert report["holds"] == dict.fromkeys(report["loaded"], 1)
-        assert len(report["loaded"]) <= report["capacity"] == 3  # 4 slots less the spare one
+        assert len(report["loaded"]) <= report["capacity"] == 2  # 4 slots less the spare and the pinned one
         assert sorted(a for a, s in report["slots"].items() if s["pinned"]) == report["loaded"]
     served = set().union(*(r["heat"] for r in reports))
     assert served and served <= set(ADAPTERS)
@@ -252,6 +254,40 @@ def test_unknown_and_deleted_adapters_are_refused_with_openai_errors(cluster):
             break
         time.sleep(0.25)
     assert fresh and not any(held.values()), held  # each replica unregistered both
+
+
+def _pinned_everywhere(http, adapter: str, pinned: bool, timeout: float = 20.0) -> list[dict]:
+    """The replicas' reports once each holds (or no longer holds) `adapter` for the operator's pin."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reports = _replicas(http)
+        done = all((adapter in r["pinned"]) == pinned for r in reports)
+        if done or time.monotonic() > deadline:
+            return reports
+        time.sleep(0.25)
+
+
+def test_an_operator_pin_holds_the_adapter_on_every_replica_until_unpinned(cluster, expected):
+    url, http, _ = cluster
+    client = _client(url)
+    target = ADAPTERS[5]
+    assert http.post(f"/v1/adapters/{target}/pin").json() == {"id": target, "pinned": True, "replicas": "all"}
+    for report in _pinned_everywhere(http, target, True):
+        assert target in report["pinned"] and report["slots"][target]["pinned"], report
+        assert target not in report["loaded"] or report["holds"][target] >= 2  # Serve's hold beside the pin's
+    full = http.post(f"/v1/adapters/{ADAPTERS[6]}/pin")  # one pinned slot per replica, taken
+    assert full.status_code == 409 and full.json()["error"]["code"] == "slots_exhausted", full.text
+    assert http.post("/v1/adapters/org/nobody/pin").status_code == 404
+    assert http.get(f"/v1/adapters/{target}").json()["pinned"] is True
+    with ThreadPoolExecutor(4) as pool:  # routed to the shortest queue, served from the pinned slots
+        answers = dict(zip((5, 45, 85), pool.map(lambda i: _send(client, _request(i)), (5, 45, 85)), strict=True))
+    assert answers == {i: expected[i] for i in (5, 45, 85)}
+    assert http.post(f"/v1/adapters/{target}/unpin").json() == {"id": target, "pinned": False}
+    again = http.post(f"/v1/adapters/{target}/unpin")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "not_pinned"
+    assert all(target not in r["pinned"] for r in _pinned_everywhere(http, target, False))
+    assert http.post(f"/v1/adapters/{ADAPTERS[6]}/pin").status_code == 200  # the slot is free again
+    assert http.post(f"/v1/adapters/{ADAPTERS[6]}/unpin").status_code == 200
 
 
 def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expected):

@@ -22,7 +22,7 @@ def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():
 
     time.sleep(0.01)  # versions are microsecond clock readings; a real restart takes seconds
     new = AdapterDirectory()  # Serve restarted the directory: empty, another epoch
-    assert new.epoch != old.epoch and new.report("r1", {}) == (new.epoch, {}, [])
+    assert new.epoch != old.epoch and new.report("r1", {}) == (new.epoch, {}, [], [])
     new.remove("c")  # deleted after the restart, before any replica gave it back
     d = new.put("d", "org/d", {"sha": "1"})
     assert d.version > c.version  # never a version a replica may hold from the old directory
@@ -61,10 +61,10 @@ def test_a_report_names_recent_removals_until_the_id_is_registered_again():
     directory.put("a", "org/a", {"sha": "1"})
     directory.put("b", "org/b", {"sha": "1"})
     directory.remove("a")
-    epoch, versions, removed = directory.report("r1", {})
+    epoch, versions, removed, pinned = directory.report("r1", {})
     assert set(versions) == {"b"} and removed == ["a"]
     directory.put("a", "org/a", {"sha": "2"})
-    assert directory.report("r1", {})[1:] == ({"a": directory.get("a").version, "b": directory.get("b").version}, [])
+    assert directory.report("r1", {})[1:3] == ({"a": directory.get("a").version, "b": directory.get("b").version}, [])
 
 
 def test_reconcile_plan_drops_what_the_directory_no_longer_backs():
@@ -89,3 +89,25 @@ def test_reconcile_plan_drops_what_the_directory_no_longer_backs():
     assert adopt == ["validated"]
     assert sorted(drop) == ["changed", "deleted", "orphan", "validated-deleted"]
     assert reconcile_plan({}, synced, versions, [], now) == ([], [])
+
+
+def test_operator_pins_are_bounded_by_the_pinned_slots_kept_across_registrations_and_durable(tmp_path):
+    directory = AdapterDirectory(state_dir=tmp_path, max_pinned=1)
+    a = directory.put("a", "org/a", {"sha": "1"})
+    directory.put("b", "org/b", {"sha": "1"})
+    assert directory.pin("nobody", True) == (None, False)
+    entry, full = directory.pin("a", True)
+    assert entry is not None and entry.pinned and entry.version == a.version and not full  # not a re-registration
+    assert directory.pin("a", True)[1] is False  # pinning a pinned one again takes no second slot
+    assert directory.pin("b", True) == (directory.get("b"), True)  # the one pinned slot is taken
+    assert not directory.get("b").pinned and directory.report("r", {})[3] == ["a"]
+    assert directory.put("a", "org/a", {"sha": "2"}).pinned  # registered again (a new revision): still pinned
+    assert [e.pinned for e in AdapterDirectory(state_dir=tmp_path).entries()] == [True, False]  # a, b
+    directory.pin("a", False)
+    assert directory.pin("b", True)[0].pinned and directory.report("r", {})[3] == ["b"]
+    restarted = AdapterDirectory(state_dir=tmp_path, max_pinned=1)
+    assert {e.adapter_id: e.pinned for e in restarted.entries()} == {"a": False, "b": True}
+    assert AdapterDirectory().pin("x", True) == (None, False)
+    empty = AdapterDirectory()  # max_pinned 0 (the default): every pin is refused
+    empty.put("x", "org/x", {})
+    assert empty.pin("x", True)[1] is True
