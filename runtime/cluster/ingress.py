@@ -1,7 +1,8 @@
 """The cluster's HTTP front: Serve's FastAPI ingress. Generation and registration are forwarded whole to an engine
 replica, whose app is the single-machine server's (`runtime.server.create_app`), so routes, validation, streaming
 and error bodies are the same code; the OpenAI `model` field becomes the multiplexed model id. What only the
-cluster can answer (the adapter list across replicas, deletion, the replicas' JSON view) is answered here.
+cluster can answer (the adapter list across replicas, deletion, operator pins, the replicas' JSON view) is answered
+here.
 
 A replica that dies under a request: a JSON answer is retried on another replica (generation is deterministic for
 a prompt and seed), as is a stream that has sent nothing yet; a stream cut after its first bytes ends with an

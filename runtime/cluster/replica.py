@@ -8,7 +8,8 @@ and evictable) once the last request for it is answered. Without the request hol
 Serve unloaded it could find every slot pinned for other adapters and wait for ever. Serve keeps at most
 `max_num_models_per_replica` = the pool's max-rank capacity less `spare_slots` loaded, so a load finds room unless
 more adapters than the spare slots still answer after Serve unloaded them; then it waits (`PIN_WAIT_S`) for their
-requests to end. The pool and host tier stay the only cache."""
+requests to end. An operator's cluster-wide pin (from the directory, at each report) is one more hold, in one of
+the `pinned_slots` also kept out of Serve's count. The pool and host tier stay the only cache."""
 
 from __future__ import annotations
 
