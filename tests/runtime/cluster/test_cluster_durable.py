@@ -1,9 +1,11 @@
 """With a state dir, the cluster's registrations survive a restart of the whole cluster (Ray included): the new
-directory loads them and replicas register them again lazily, so the same requests get the same answers."""
+directory loads them and replicas register them again lazily, so the same requests get the same answers; an
+operator pin is held again by the new replicas."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -46,24 +48,36 @@ def test_registrations_survive_a_cluster_restart(tmp_path):
         cluster = ClusterConfig(
             tmp_path / "model",
             AdapterManagerConfig(
-                max_slots=2, max_rank=8, hub=HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+                max_slots=3, max_rank=8, hub=HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
             ),
             EngineConfig(max_batch=4, max_seq_len=64),
             ServerConfig(model_name="base", port=0),
             replicas=1,
             replica_cpus=0.5,
             state_dir=tmp_path / "state",
+            pinned_slots=1,
         )
         url = start_cluster(cluster, RayOptions(num_cpus=2, port=_free_port()))
         try:
             with httpx.Client(base_url=url, timeout=60) as http:
                 for adapter in adapters:
                     assert http.post("/v1/adapters", json={"ref": adapter}).status_code == 201
+                assert http.post(f"/v1/adapters/{adapters[1]}/pin").status_code == 200
             before = _answers(url, adapters)
         finally:
             stop_cluster(cluster)  # Serve and Ray too: nothing of the first cluster is left
         url = start_cluster(cluster, RayOptions(num_cpus=2, port=_free_port()))
         try:
             assert _answers(url, adapters) == before
+            with httpx.Client(base_url=url, timeout=60) as http:
+                assert http.get(f"/v1/adapters/{adapters[1]}").json()["pinned"] is True
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:  # the new replica takes the pin at its next report
+                    reports = http.get("/v1/cluster/replicas").json()["data"]
+                    if reports and all(r["pinned"] == [adapters[1]] for r in reports):
+                        break
+                    time.sleep(0.25)
+                assert reports and all(r["pinned"] == [adapters[1]] for r in reports), reports
+                assert all(r["slots"][adapters[1]]["pinned"] for r in reports)
         finally:
             stop_cluster(cluster)
