@@ -15,7 +15,7 @@ from adapter_manager import (  # noqa: E402
     SlotsExhaustedError,
     write_synthetic_adapter,
 )
-from runtime.cluster.replica import Holds  # noqa: E402
+from runtime.cluster.holds import Holds  # noqa: E402
 
 
 def test_first_hold_pins_last_drop_unpins_and_a_failed_pin_holds_nothing(tiny_spec, tmp_path):
