@@ -17,3 +17,10 @@ def test_models_per_replica_leave_out_spare_and_pinned_slots(tmp_path):
     for bad in ({"pinned_slots": 7}, {"pinned_slots": -1}, {"spare_slots": 8}, {"spare_slots": 4, "pinned_slots": 4}):
         with pytest.raises(ValueError, match="leave Serve at least one"):
             ClusterConfig(tmp_path, manager, **bad)
+
+
+def test_cluster_serve_refuses_pinned_slots_that_leave_serve_nothing_before_starting_ray(capsys):
+    from runtime.cli import USAGE_ERROR, main
+
+    assert main(["cluster", "serve", "--random", "tiny", "--max-slots", "2", "--pinned-slots", "1"]) == USAGE_ERROR
+    assert "pinned_slots (1)" in capsys.readouterr().err
