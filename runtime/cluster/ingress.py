@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -59,6 +59,11 @@ def _response(start: ResponseStart, body: bytes) -> Response:
     media = dict(start.headers).get(b"content-type", b"application/json").decode()
     headers = {k: v for k, v in _headers(start).items() if k.lower() != "content-type"}
     return Response(body, start.status, headers, media_type=media)
+
+
+def _with_body(forwarded: ForwardedRequest, body: bytes) -> ForwardedRequest:
+    headers = tuple((k, v) for k, v in forwarded.headers if k != b"content-length")
+    return dataclasses.replace(forwarded, headers=(*headers, (b"content-length", str(len(body)).encode())), body=body)
 
 
 def _gone(forwarded: ForwardedRequest) -> APIError:
@@ -130,12 +135,21 @@ class Ingress:
     @app.post("/v1/adapters")
     async def register(self, request: Request) -> Response:
         forwarded = await self._forwarded(request)
+        try:
+            sent = json.loads(forwarded.body)
+        except ValueError:
+            sent = None  # the replica's validation answers it
+        pin = isinstance(sent, dict) and sent.get("pin") is True
+        if pin:  # a cluster pin is the directory's (every replica), never the validating replica's own
+            forwarded = _with_body(forwarded, json.dumps({**sent, "pin": False}).encode())
         response = await self._whole(forwarded, "")
         if response.status_code in (200, 201):
             info = json.loads(response.body)
-            sent = json.loads(forwarded.body)
             ref = f"{sent['ref']}@{sent['revision']}" if sent.get("revision") else sent["ref"]
             await self.directory.put.remote(info["id"], ref, info)
+            if pin:  # as on one server: a refused pin is the answer, and the registration stays
+                await self._pin(info["id"])
+                return JSONResponse({**info, "pinned": True}, status_code=response.status_code)
         return response
 
     @app.post("/v1/load_lora_adapter")
@@ -152,6 +166,10 @@ class Ingress:
         """Hold the adapter in a slot on every replica (from their next report), out of Serve's model count; its
         requests then go to the shortest queue."""
         self._check_admin(request)
+        await self._pin(adapter_id)
+        return {"id": adapter_id, "pinned": True, "replicas": "all"}
+
+    async def _pin(self, adapter_id: str) -> None:
         entry, full = await self.directory.pin.remote(adapter_id, True)
         if entry is None:
             raise APIError(404, f"adapter {adapter_id!r} is not registered", "model", "model_not_found")
@@ -164,7 +182,6 @@ class Ingress:
                 "slots_exhausted",
             )
         self.pinned.add(adapter_id)
-        return {"id": adapter_id, "pinned": True, "replicas": "all"}
 
     @app.post("/v1/adapters/{adapter_id:path}/unpin")
     async def unpin(self, adapter_id: str, request: Request) -> dict:

@@ -282,6 +282,15 @@ def test_an_operator_pin_holds_the_adapter_on_every_replica_until_unpinned(clust
         assert target not in report["loaded"] or report["holds"][target] >= 2  # Serve's hold beside the pin's
     full = http.post(f"/v1/adapters/{ADAPTERS[6]}/pin")  # one pinned slot per replica, taken
     assert full.status_code == 409 and full.json()["error"]["code"] == "slots_exhausted", full.text
+    refused = http.post("/v1/adapters", json={"ref": ADAPTERS[7], "id": "team/pin-full", "pin": True})
+    assert refused.status_code == 409, refused.text  # as on one server: registered, the pin refused
+    assert http.get("/v1/adapters/team/pin-full").json()["pinned"] is False
+    since, reports, deadline = time.time(), [], time.monotonic() + 20
+    while not reports or not all(time.time() - r["age_s"] > since for r in reports) and time.monotonic() < deadline:
+        time.sleep(0.25)  # reports taken after the refusal: no replica pinned it on its own
+        reports = _replicas(http)
+    assert not any(r["slots"].get("team/pin-full", {}).get("pinned") for r in reports), reports
+    assert http.delete("/v1/adapters/team/pin-full").status_code == 200
     assert http.post("/v1/adapters/org/nobody/pin").status_code == 404
     assert http.get(f"/v1/adapters/{target}").json()["pinned"] is True
     with ThreadPoolExecutor(4) as pool:  # routed to the shortest queue, served from the pinned slots
@@ -291,8 +300,15 @@ def test_an_operator_pin_holds_the_adapter_on_every_replica_until_unpinned(clust
     again = http.post(f"/v1/adapters/{target}/unpin")
     assert again.status_code == 409 and again.json()["error"]["code"] == "not_pinned"
     assert all(target not in r["pinned"] for r in _pinned_everywhere(http, target, False))
-    assert http.post(f"/v1/adapters/{ADAPTERS[6]}/pin").status_code == 200  # the slot is free again
-    assert http.post(f"/v1/adapters/{ADAPTERS[6]}/unpin").status_code == 200
+    registered = http.post("/v1/adapters", json={"ref": ADAPTERS[6], "id": "team/pinned", "pin": True})
+    assert registered.status_code == 201 and registered.json()["pinned"] is True, registered.text  # the slot is free
+    for report in _pinned_everywhere(http, "team/pinned", True):
+        assert report["pinned"] == ["team/pinned"], report
+        # no replica holds a pin of its own: the validating replica's admin route was asked for none
+        pinned = {a for a, slot in report["slots"].items() if slot["pinned"]}
+        assert pinned <= set(report["holds"]) and set(report["holds"]) <= {*report["loaded"], "team/pinned"}, report
+    assert http.post("/v1/adapters/team/pinned/unpin").status_code == 200
+    assert http.delete("/v1/adapters/team/pinned").status_code == 200
 
 
 def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expected):
