@@ -62,6 +62,7 @@ def _response(start: ResponseStart, body: bytes) -> Response:
 
 
 def _with_body(forwarded: ForwardedRequest, body: bytes) -> ForwardedRequest:
+    """`forwarded` carrying `body`, its content-length header set to match."""
     headers = tuple((k, v) for k, v in forwarded.headers if k != b"content-length")
     return dataclasses.replace(forwarded, headers=(*headers, (b"content-length", str(len(body)).encode())), body=body)
 
@@ -297,9 +298,9 @@ class Ingress:
         body = await request.body()
         if len(body) > self.config.server.max_body_bytes:
             raise APIError(413, f"request body exceeds {self.config.server.max_body_bytes} bytes")
-        headers = tuple((k.lower(), v) for k, v in request.headers.raw if k.lower() != b"content-length")
-        headers += ((b"content-length", str(len(body)).encode()),)
-        return ForwardedRequest(request.method, request.url.path, request.url.query.encode(), headers, body)
+        headers = tuple((k.lower(), v) for k, v in request.headers.raw)
+        bare = ForwardedRequest(request.method, request.url.path, request.url.query.encode(), headers, b"")
+        return _with_body(bare, body)
 
     def _handle(self, model_id: str) -> DeploymentHandle:
         options: dict[str, Any] = {"stream": True}
