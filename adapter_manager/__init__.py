@@ -1,11 +1,9 @@
-"""Adapter lifecycle: hub resolution, PEFT validation, host preparation, host tier, slot pool and allocator,
-prefetcher, metrics, local hub. The Prometheus collector is in `adapter_manager.prometheus` (it imports
-prometheus_client, which the rest does not need)."""
+"""Adapter lifecycle, in rooms: `sources` (hub refs, the PEFT format, the local hub), `registry` (records, validation,
+durable state), `tiers` (disk, host, the row pool and its allocator), `policy` (admission, prefetch, workers), and
+`metrics`; `AdapterManager` is the facade over all of them. The Prometheus collector is in
+`adapter_manager.prometheus` (it imports prometheus_client, which the rest does not need)."""
 
-from .admission import FrequencySketch, SketchConfig
-from .allocator import SlotAllocator, SlotLease, SlotState
 from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
-from .disk_tier import DiskTier, DiskUsage
 from .errors import (
     AdapterAccessError,
     AdapterConfigError,
@@ -28,26 +26,48 @@ from .errors import (
     TensorShapeError,
     UnsupportedAdapterError,
 )
-from .host_tier import HostTier
-from .hub import AdapterFiles, AdapterRef, HubConfig, is_local_ref
-from .local_hub import HubFault, LocalHub
 from .manager import AdapterManager, AdapterManagerConfig
 from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, Move, MoveStats, SwapMetrics, Tier, WaitStats
-from .peft_format import LoraAdapterConfig, ModuleLora
-from .prefetch import PrefetchConfig, Prefetcher
-from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
+from .policy import FrequencySketch, PrefetchConfig, Prefetcher, SketchConfig, background_executor
 from .registry import (
     AdapterRecord,
     AdapterRegistry,
     RegisterResult,
+    Registration,
     RegistryConfig,
+    StateStore,
+    UnrestoredAdapter,
     check_adapter_id,
 )
-from .row_layout import ModuleColumns, RowLayout
-from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, units_for
-from .state_store import Registration, StateStore, UnrestoredAdapter
-from .synthetic import write_synthetic_adapter
-from .workers import background_executor
+from .sources import (
+    AdapterFiles,
+    AdapterRef,
+    HubConfig,
+    HubFault,
+    LocalHub,
+    LoraAdapterConfig,
+    ModuleLora,
+    is_local_ref,
+    write_synthetic_adapter,
+)
+from .tiers import (
+    DiskTier,
+    DiskUsage,
+    HostTier,
+    ModuleColumns,
+    ModuleWeights,
+    PreparedAdapter,
+    RowLayout,
+    SlotAllocator,
+    SlotLease,
+    SlotPool,
+    SlotPoolConfig,
+    SlotStacks,
+    SlotState,
+    bytes_needed,
+    prepare_adapter,
+    units_for,
+)
 
 __all__ = [
     "FrequencySketch",

@@ -22,14 +22,14 @@ from typing import Literal
 
 import torch
 
-from .admission import FrequencySketch, SketchConfig
-from .allocator import SlotAllocator, SlotLease
 from .base_model import BaseModelSpec, ModuleKey
-from .hub import HubConfig
 from .metrics import AdapterResidency, MetricsSnapshot, SwapMetrics
-from .prefetch import PrefetchConfig, Prefetcher
-from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
-from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks
+from .policy.admission import FrequencySketch, SketchConfig
+from .policy.prefetch import PrefetchConfig, Prefetcher
+from .registry.registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
+from .sources.hub import HubConfig
+from .tiers.allocator import SlotAllocator, SlotLease
+from .tiers.slot_pool import SlotPool, SlotPoolConfig, SlotStacks
 
 log = logging.getLogger(__name__)
 _GIB = 1 << 30

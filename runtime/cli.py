@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from adapter_manager.local_hub import serve as serve_hub
+from adapter_manager.sources.local_hub import serve as serve_hub
 
 from .client import DEFAULT_URL, TOKEN_ENV, URL_ENV, ServerClient, ServerError
 

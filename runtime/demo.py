@@ -16,7 +16,7 @@ import numpy as np
 from huggingface_hub.utils import disable_progress_bars
 
 from adapter_manager import PROJECTIONS, AdapterManagerConfig, HubConfig, write_synthetic_adapter
-from adapter_manager.local_hub import LocalHub
+from adapter_manager.sources.local_hub import LocalHub
 
 from .client import ServerClient, ServerError
 from .engine.engine import EngineConfig

@@ -27,7 +27,7 @@ from bench_kernels import samples_ms  # noqa: E402  (the interleaved timer, besi
 
 from adapter_manager import ModuleKey  # noqa: E402
 from adapter_manager.base_model import BaseModelSpec  # noqa: E402
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
 from kernels import LoRAKernelMeta, select_backend  # noqa: E402
 from runtime.model.lora_linear import LoRALinear  # noqa: E402
 

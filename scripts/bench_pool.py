@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from adapter_manager import BaseModelSpec, SwapMetrics
-from adapter_manager.allocator import SlotAllocator
-from adapter_manager.prepare import PreparedAdapter
-from adapter_manager.row_layout import RowLayout
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, bytes_needed
+from adapter_manager.tiers.allocator import SlotAllocator
+from adapter_manager.tiers.prepare import PreparedAdapter
+from adapter_manager.tiers.row_layout import RowLayout
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, bytes_needed
 
 RANKS, SHARES = (8, 16, 32, 64), (0.4, 0.3, 0.2, 0.1)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterRegistry, BaseModelSpec, HubConfig, RegistryConfig, write_synthetic_adapter
-from adapter_manager.local_hub import LocalHub
-from adapter_manager.peft_format import WEIGHTS_NAME
+from adapter_manager.sources.local_hub import LocalHub
+from adapter_manager.sources.peft_format import WEIGHTS_NAME
 
 
 def main() -> None:

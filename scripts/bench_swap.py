@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterRegistry, BaseModelSpec, RegistryConfig, SwapMetrics, write_synthetic_adapter
-from adapter_manager.allocator import SlotAllocator
-from adapter_manager.prefetch import PrefetchConfig, Prefetcher
-from adapter_manager.prepare import ModuleWeights, PreparedAdapter
-from adapter_manager.row_layout import RowLayout
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
+from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
+from adapter_manager.tiers.allocator import SlotAllocator
+from adapter_manager.tiers.prepare import ModuleWeights, PreparedAdapter
+from adapter_manager.tiers.row_layout import RowLayout
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 
 
 def _sync(device: torch.device) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adapter_manager import AdapterError, AdapterManager, AdapterNotFoundError, SlotsExhaustedError
-from adapter_manager.allocator import SlotLease
+from adapter_manager.tiers.allocator import SlotLease
 from kernels import KernelConfig, LoRAKernelMeta, select_backend
 from kernels.active_table import bucket_for
 

@@ -13,7 +13,7 @@ from .packed import can_pack, pack_weight, packed_linear, unpack_weight
 
 
 class Stacks(Protocol):
-    """One module's LoRA rows (``adapter_manager.slot_pool.SlotStacks``)."""
+    """One module's LoRA rows (``adapter_manager.tiers.slot_pool.SlotStacks``)."""
 
     @property
     def a(self) -> torch.Tensor: ...  # Shape: [N, in]

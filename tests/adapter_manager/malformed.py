@@ -21,7 +21,7 @@ from adapter_manager import (
     TensorShapeError,
     UnsupportedAdapterError,
 )
-from adapter_manager.peft_format import CONFIG_NAME, WEIGHTS_NAME
+from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
 
 KEY = "base_model.model.model.layers.{layer}.{parent}.{proj}.lora_{ab}.weight"
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapter_manager import FrequencySketch, HostTier, SketchConfig, SwapMetrics
-from adapter_manager.allocator import SlotAllocator
-from adapter_manager.prefetch import PrefetchConfig, Prefetcher
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
+from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
+from adapter_manager.tiers.allocator import SlotAllocator
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 
 from .test_allocator import Catalog
 from .test_host_tier import prepared

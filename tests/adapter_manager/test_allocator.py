@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapter_manager import AdapterNotFoundError, AdapterRegistry, Move, RegistryConfig, write_synthetic_adapter
-from adapter_manager.allocator import SlotAllocator
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
-from adapter_manager.prepare import PreparedAdapter
-from adapter_manager.row_space import Block, RowSpace
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
+from adapter_manager.tiers.allocator import SlotAllocator
+from adapter_manager.tiers.prepare import PreparedAdapter
+from adapter_manager.tiers.row_space import Block, RowSpace
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 
 from .test_slot_pool import make_prepared
 

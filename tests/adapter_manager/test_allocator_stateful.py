@@ -29,11 +29,11 @@ from hypothesis.stateful import (
 )
 
 from adapter_manager import AdapterNotFoundError, BaseModelSpec
-from adapter_manager.allocator import SlotAllocator, SlotLease
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
-from adapter_manager.prepare import PreparedAdapter
-from adapter_manager.row_space import Block
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, units_for
+from adapter_manager.tiers.allocator import SlotAllocator, SlotLease
+from adapter_manager.tiers.prepare import PreparedAdapter
+from adapter_manager.tiers.row_space import Block
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, units_for
 
 from .test_allocator import first_fit, maximal_free_blocks
 from .test_slot_pool import make_prepared

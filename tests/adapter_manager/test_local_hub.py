@@ -27,7 +27,7 @@ from huggingface_hub.errors import (  # noqa: E402
     RevisionNotFoundError,
 )
 
-from adapter_manager.local_hub import HubFault, LocalHub  # noqa: E402
+from adapter_manager.sources.local_hub import HubFault, LocalHub  # noqa: E402
 
 REPO = "org/adapter"
 WEIGHTS = "adapter_model.safetensors"
@@ -332,7 +332,7 @@ def test_fault_validation_and_bad_root(tmp_path: Path) -> None:
 
 def test_serve_cli_entry(root: Path) -> None:
     script = (
-        "import sys\nfrom adapter_manager.local_hub import serve\n"
+        "import sys\nfrom adapter_manager.sources.local_hub import serve\n"
         f"serve({str(root)!r}, port=0, on_ready=lambda endpoint: print(endpoint, flush=True))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig, write_synthetic_adapter
-from adapter_manager.peft_format import CONFIG_NAME, LoraAdapterConfig
-from adapter_manager.row_layout import RowLayout
+from adapter_manager.sources.peft_format import CONFIG_NAME, LoraAdapterConfig
+from adapter_manager.tiers.row_layout import RowLayout
 
 CASES = {
     "q_v": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

@@ -18,7 +18,7 @@ from adapter_manager import (
     RegistryConfig,
     write_synthetic_adapter,
 )
-from adapter_manager.peft_format import CONFIG_NAME
+from adapter_manager.sources.peft_format import CONFIG_NAME
 
 from .malformed import CASES
 

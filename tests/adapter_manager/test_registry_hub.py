@@ -25,8 +25,8 @@ from adapter_manager import (
     RegistryConfig,
     write_synthetic_adapter,
 )
-from adapter_manager.local_hub import HubFault, LocalHub
-from adapter_manager.peft_format import WEIGHTS_NAME
+from adapter_manager.sources.local_hub import HubFault, LocalHub
+from adapter_manager.sources.peft_format import WEIGHTS_NAME
 
 from .malformed import CASES
 

@@ -7,9 +7,9 @@ import torch
 
 from adapter_manager import AdapterRegistry, BaseModelSpec, ModuleKey, RegistryConfig, write_synthetic_adapter
 from adapter_manager.errors import SlotLoadError
-from adapter_manager.prepare import ModuleWeights, PreparedAdapter
-from adapter_manager.row_layout import RowLayout
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig, bytes_needed, units_for
+from adapter_manager.tiers.prepare import ModuleWeights, PreparedAdapter
+from adapter_manager.tiers.row_layout import RowLayout
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, bytes_needed, units_for
 
 SENTINEL = 7.5
 

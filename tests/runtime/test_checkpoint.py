@@ -107,7 +107,7 @@ def test_refuses_pickle_missing_and_misshapen(tmp_path: Path) -> None:
 def test_hub_id_through_local_hub_then_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
-    from adapter_manager.local_hub import LocalHub
+    from adapter_manager.sources.local_hub import LocalHub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     repo = write_random_checkpoint(SMALL, tmp_path / "hub" / "org" / "tiny", seed=9)

@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 import torch_xla.debug.metrics as metrics  # noqa: E402
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterRegistry, RegistryConfig  # noqa: E402
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
 from kernels import LoRAKernelMeta, select_backend  # noqa: E402
 from runtime.engine.engine import Engine, EngineConfig  # noqa: E402
 from runtime.engine.sampling import SamplingParams  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig
-from adapter_manager.slot_pool import SlotPool, SlotPoolConfig
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from runtime.model import lora_linear
 from runtime.model.checkpoint import load_model

@@ -35,7 +35,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from .errors import (
+from ..errors import (
     AdapterAccessError,
     AdapterConfigError,
     AdapterNotFoundError,

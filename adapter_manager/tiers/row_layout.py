@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
+from ..base_model import PROJECTIONS, BaseModelSpec, ModuleKey
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable
 
 from cachetools import Cache
 
-from .metrics import SwapMetrics, Tier
+from ..metrics import SwapMetrics, Tier
 from .prepare import PreparedAdapter
 
 

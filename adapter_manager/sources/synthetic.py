@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .base_model import PROJECTIONS, BaseModelSpec
+from ..base_model import PROJECTIONS, BaseModelSpec
 from .peft_format import CONFIG_NAME, WEIGHTS_NAME, LoraAdapterConfig
 
 

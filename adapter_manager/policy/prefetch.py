@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .allocator import SlotAllocator
-from .prepare import PreparedAdapter
+from ..tiers.allocator import SlotAllocator
+from ..tiers.prepare import PreparedAdapter
 from .workers import background_executor
 
 log = logging.getLogger(__name__)

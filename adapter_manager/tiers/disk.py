@@ -20,7 +20,7 @@ from pathlib import Path
 from huggingface_hub import CachedRepoInfo, CachedRevisionInfo, HFCacheInfo, scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 
-from .metrics import SwapMetrics, Tier
+from ..metrics import SwapMetrics, Tier
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The local hub's data model: repos, revisions, file sets, deterministic commit shas and their Hub API JSON.
 
-See `adapter_manager.local_hub` for the layout itself. Nothing here ever joins a name taken from a request to a
+See `adapter_manager.sources.local_hub` for the layout itself. Nothing here ever joins a name taken from a request to a
 filesystem path: repos are checked segment by segment, revisions and files are looked up in listings built by
 walking the hub root, and symlinks are never followed, so a request cannot read outside the root.
 """

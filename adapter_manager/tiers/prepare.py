@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .base_model import BaseModelSpec, ModuleKey
-from .errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError, TensorShapeError
-from .peft_format import ModuleLora, parse_tensor_key
+from ..base_model import BaseModelSpec, ModuleKey
+from ..errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError, TensorShapeError
+from ..sources.peft_format import ModuleLora, parse_tensor_key
 from .row_layout import RowLayout
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -23,8 +23,8 @@ from typing import Literal
 
 import torch
 
-from .base_model import BaseModelSpec, ModuleKey
-from .errors import SlotLoadError
+from ..base_model import BaseModelSpec, ModuleKey
+from ..errors import SlotLoadError
 from .prepare import PreparedAdapter
 from .row_layout import RowLayout
 

@@ -40,7 +40,7 @@ from types import TracebackType
 from typing import cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from adapter_manager.local_hub.layout import HubLayout, HubLookupError, HubRevision, model_info, tree
+from adapter_manager.sources.local_hub.layout import HubLayout, HubLookupError, HubRevision, model_info, tree
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
-from .errors import AdapterConfigError, RankTooLargeError, TensorKeyError, UnsupportedAdapterError
+from ..base_model import PROJECTIONS, BaseModelSpec, ModuleKey
+from ..errors import AdapterConfigError, RankTooLargeError, TensorKeyError, UnsupportedAdapterError
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The slot allocator: adapter -> a range of pool units, LRU over evictable adapters, refcounted pins.
 
 An adapter of rank r takes ``pool.units_for(r)`` units (a power of two) from slot s on: the kernels read its rows
-``[s*G, s*G + r)``. Ranges come from a buddy allocator (`row_space.RowSpace`). An adapter is *evictable* when it is
-ready (published), pinned by no lease and not pinned by an operator.
+``[s*G, s*G + r)``. Ranges come from a buddy allocator (`row_space.RowSpace`); each call is planned on a copy of it
+(`placement.py`). An adapter is *evictable* when it is ready (published), pinned by no lease and not pinned by an
+operator.
 
 Policy (exact, so a reference model can mirror it):
 - `acquire(ids)` pins every distinct adapter of a batch. Resident ones are hits. The rank of each missing one is
@@ -36,88 +37,17 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Container, Iterable, Mapping
 
-import torch
-
-from .errors import AdapterError, AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
-from .metrics import Move, SwapMetrics, Tier
+from ..errors import AdapterError, AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
+from ..metrics import Move, SwapMetrics, Tier
+from .lease import Residency, SlotLease, SlotState, state_of
+from .placement import Plan, eviction_candidates, plan_placement
 from .prepare import PreparedAdapter
 from .row_space import Block, RowSpace
 from .slot_pool import SlotPool
 
-
-@dataclass(eq=False)
-class _Residency:
-    """One adapter's stay in one range of units, from reservation to the range being freed."""
-
-    adapter_id: str
-    slot: int  # first unit of the range
-    rank: int  # rows the kernels read, from row slot * G on
-    units: int  # units reserved: pool.units_for(rank)
-    pins: int = 0  # leases holding it
-    manual: bool = False  # operator pin
-    ready: bool = False  # copy complete, published
-    draining: bool = False  # unregistered while pinned or loading: freed at the last release
-    nbytes: int = 0
-    last_used: float = 0.0
-
-
-@dataclass(frozen=True)
-class SlotState:
-    """A plain copy of one occupied range."""
-
-    slot: int  # first unit; rows [slot * G, slot * G + rank)
-    adapter_id: str
-    state: Literal["loading", "ready", "draining"]
-    units: int  # units the range takes (a power of two)
-    rank: int  # rows the kernels read
-    pins: int  # in-flight batches holding it
-    manual: bool  # pinned by an operator
-    nbytes: int  # bytes moved host -> slot when it was loaded
-    last_used: float  # clock() of the last acquire or release
-
-
-@dataclass(frozen=True, eq=False)
-class SlotLease:
-    """The pinned slots of one batch; hand it back to `SlotAllocator.release` exactly once."""
-
-    lease_id: int
-    slots: Mapping[str, int]  # adapter id -> slot, stable until released
-    slot_rows: Mapping[int, int]  # slot -> the adapter's rank: rows [slot * G, slot * G + rank) hold it
-    _entries: tuple[_Residency, ...] = field(repr=False)
-
-    def slot_indices(
-        self, adapter_ids: Sequence[str | None], pad_to: int | None = None, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """Per-token slot indices, int32, -1 for tokens without an adapter (and for padding up to `pad_to`).
-
-        Shape: adapter_ids [T]; returns [pad_to or T], built on the host and moved whole to `device`.
-        """
-        size = len(adapter_ids) if pad_to is None else pad_to
-        if size < len(adapter_ids):
-            raise ValueError(f"pad_to ({pad_to}) is smaller than the number of tokens ({len(adapter_ids)})")
-        values = []
-        for adapter_id in adapter_ids:
-            if adapter_id is None:
-                values.append(-1)
-            elif adapter_id in self.slots:
-                values.append(self.slots[adapter_id])
-            else:
-                raise AdapterNotPinnedError(adapter_id, f"not pinned by lease {self.lease_id}")
-        indices = torch.tensor(values + [-1] * (size - len(values)), dtype=torch.int32)  # [T]
-        return indices if device is None else indices.to(device)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A call's placement worked out on a copy of the space: adopt `space`, evict `victims`, occupy `starts`."""
-
-    space: RowSpace
-    victims: tuple[_Residency, ...]  # in eviction order
-    starts: tuple[int, ...]  # slot of each missing adapter, in call order
+__all__ = ["SlotAllocator", "SlotLease", "SlotState"]
 
 
 class SlotAllocator:
@@ -146,9 +76,9 @@ class SlotAllocator:
         self._frequency = frequency  # adapter id -> estimated recent requests (None: pure LRU)
         self._cond = threading.Condition()
         self._space = RowSpace(pool.num_units, pool.max_units)
-        self._ranges: dict[int, _Residency] = {}  # slot -> occupied range (loading, ready or draining)
-        self._by_adapter: dict[str, _Residency] = {}  # live residencies (loading or ready), not draining
-        self._lru: OrderedDict[str, _Residency] = OrderedDict()  # evictable; oldest first
+        self._ranges: dict[int, Residency] = {}  # slot -> occupied range (loading, ready or draining)
+        self._by_adapter: dict[str, Residency] = {}  # live residencies (loading or ready), not draining
+        self._lru: OrderedDict[str, Residency] = OrderedDict()  # evictable; oldest first
         self._leases: set[int] = set()
         self._last_used: dict[str, float] = {}  # adapter id -> clock() of its last acquire or release
         self._lease_ids = itertools.count()
@@ -270,7 +200,7 @@ class SlotAllocator:
     def states(self) -> list[SlotState]:
         """Every occupied range, by slot."""
         with self._cond:
-            return [_state(self._ranges[slot]) for slot in sorted(self._ranges)]
+            return [state_of(self._ranges[slot]) for slot in sorted(self._ranges)]
 
     @property
     def resident_bytes(self) -> int:
@@ -284,7 +214,7 @@ class SlotAllocator:
             raise SlotLoadError(adapter_id, f"rank {rank!r} is outside 1..max_rank {self.pool.max_rank}")
         return rank
 
-    def _bring_in(self, distinct: list[str], manual: bool, wait_s: float = 0.0) -> list[_Residency]:
+    def _bring_in(self, distinct: list[str], manual: bool, wait_s: float = 0.0) -> list[Residency]:
         ranks: dict[str, int] = {}
         deadline = time.monotonic() + wait_s
         while True:  # ranks are read without the lock; retried until every missing adapter's rank is known
@@ -316,7 +246,7 @@ class SlotAllocator:
 
     def _place(
         self, distinct: list[str], missing: list[str], ranks: Mapping[str, int], manual: bool
-    ) -> tuple[list[_Residency], list[_Residency]]:
+    ) -> tuple[list[Residency], list[Residency]]:
         """Plan, then commit: pin the resident adapters and reserve ranges for the missing ones (lock held)."""
         wanted = set(distinct)
         plan = self._plan(missing, ranks, wanted)
@@ -346,36 +276,18 @@ class SlotAllocator:
         with self._cond:
             return [r.adapter_id for r in self._candidates(())]
 
-    def _candidates(self, keep: Container[str], ceiling: int | None = None) -> list[_Residency]:
-        """Evictable adapters not in `keep`, least valuable first; with `ceiling`, only those no more popular."""
-        candidates = [r for a, r in self._lru.items() if a not in keep]  # least recently used first
-        if self._frequency is None:
-            return candidates
-        scored = [(self._frequency(r.adapter_id), i, r) for i, r in enumerate(candidates)]
-        if ceiling is not None:
-            scored = [entry for entry in scored if entry[0] <= ceiling]
-        return [r for _, _, r in sorted(scored, key=lambda entry: entry[:2])]
+    def _candidates(self, keep: Container[str], ceiling: int | None = None) -> list[Residency]:
+        return eviction_candidates(self._lru, keep, self._frequency, ceiling)
 
     def _plan(
         self, missing: list[str], ranks: Mapping[str, int], keep: Container[str], ceiling: int | None = None
-    ) -> _Plan | None:
+    ) -> Plan | None:
         """Place `missing` in order on a copy of the space, evicting the least valuable adapters not in `keep` (and
         with `ceiling`, no more popular than it) until each fits; None when they cannot all be placed."""
-        space = self._space.clone()
-        candidates = iter(self._candidates(keep, ceiling))
-        victims, starts = [], []
-        for adapter_id in missing:
-            units = self.pool.units_for(ranks[adapter_id])
-            while (start := space.alloc(units)) is None:
-                victim = next(candidates, None)
-                if victim is None:
-                    return None
-                space.free(victim.slot, victim.units)
-                victims.append(victim)
-            starts.append(start)
-        return _Plan(space, tuple(victims), tuple(starts))
+        units = [self.pool.units_for(ranks[a]) for a in missing]
+        return plan_placement(self._space, self._candidates(keep, ceiling), units)
 
-    def _commit(self, plan: _Plan, missing: list[str], ranks: Mapping[str, int]) -> list[_Residency]:
+    def _commit(self, plan: Plan, missing: list[str], ranks: Mapping[str, int]) -> list[Residency]:
         """Evict the plan's victims, adopt its space and reserve its ranges (lock held)."""
         for victim in plan.victims:
             del self._ranges[victim.slot], self._by_adapter[victim.adapter_id], self._lru[victim.adapter_id]
@@ -384,12 +296,12 @@ class SlotAllocator:
         reserved = []
         for adapter_id, start in zip(missing, plan.starts, strict=True):
             rank = ranks[adapter_id]
-            residency = _Residency(adapter_id, start, rank, self.pool.units_for(rank))
+            residency = Residency(adapter_id, start, rank, self.pool.units_for(rank))
             self._ranges[start] = self._by_adapter[adapter_id] = residency
             reserved.append(residency)
         return reserved
 
-    def _load_reserved(self, reserved: list[_Residency]) -> None:
+    def _load_reserved(self, reserved: list[Residency]) -> None:
         """Load each reserved range in turn; on the first failure free it and every later one, then re-raise."""
         for i, residency in enumerate(reserved):
             try:
@@ -423,12 +335,12 @@ class SlotAllocator:
         residency = self._by_adapter.get(adapter_id)
         return residency is not None and not residency.ready
 
-    def _unpin(self, residency: _Residency) -> None:
+    def _unpin(self, residency: Residency) -> None:
         assert residency.pins > 0, f"unpin of {residency.adapter_id!r} with no pins"
         residency.pins -= 1
         self._settle(residency)
 
-    def _settle(self, residency: _Residency) -> None:
+    def _settle(self, residency: Residency) -> None:
         """Place a ready residency nobody pins: freed if draining, else at the most recent end of the LRU order."""
         if not residency.ready or residency.pins > 0:
             return
@@ -438,7 +350,7 @@ class SlotAllocator:
             self._lru[residency.adapter_id] = residency
             self._lru.move_to_end(residency.adapter_id)
 
-    def _free_range(self, residency: _Residency) -> None:
+    def _free_range(self, residency: Residency) -> None:
         if self._ranges.get(residency.slot) is not residency:
             return
         del self._ranges[residency.slot]
@@ -447,8 +359,3 @@ class SlotAllocator:
             del self._by_adapter[residency.adapter_id]
         if self._lru.get(residency.adapter_id) is residency:
             del self._lru[residency.adapter_id]
-
-
-def _state(r: _Residency) -> SlotState:
-    state = "draining" if r.draining else "ready" if r.ready else "loading"
-    return SlotState(r.slot, r.adapter_id, state, r.units, r.rank, r.pins, r.manual, r.nbytes, r.last_used)
