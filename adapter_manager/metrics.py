@@ -118,6 +118,31 @@ class _Latencies:
         return kind(self.count, self.total, p50, p95, p99, self.max, cumulative, **extra)
 
 
+class _Counters:
+    """One group of named counts (by Tier, Move, outcome or adapter id): the one accumulate / snapshot path of every
+    counter dict in a snapshot. Not thread-safe: SwapMetrics holds its lock."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def add(self, key: str, n: int = 1) -> None:
+        self._counts[key] = self._counts.get(key, 0) + n
+
+    def set(self, **values: int) -> None:
+        """Overwrite some counts (gauges such as the disk tier's bytes)."""
+        self._counts.update(values)
+
+    def discard(self, key: str) -> None:
+        self._counts.pop(key, None)
+
+    def get(self, key: str) -> int:
+        return self._counts.get(key, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """A plain copy keyed by plain strings (a Tier or Move key by its value)."""
+        return {str(key): n for key, n in self._counts.items()}
+
+
 @dataclass(frozen=True)
 class AdapterResidency:
     """Where one registered adapter lives now, and when a batch last used it."""
@@ -157,15 +182,15 @@ class SwapMetrics:
     history: int = 1_000  # most recent moves kept in order (any tier), for per-adapter histories
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _moves: dict[Move, _Latencies] = field(default_factory=dict, repr=False)
-    _bytes: dict[Move, int] = field(default_factory=dict, repr=False)
-    _hits: dict[Tier, int] = field(default_factory=dict, repr=False)
-    _misses: dict[Tier, int] = field(default_factory=dict, repr=False)
-    _evictions: dict[Tier, int] = field(default_factory=dict, repr=False)
-    _prefetch: dict[str, int] = field(default_factory=dict, repr=False)
-    _disk: dict[str, int] = field(default_factory=dict, repr=False)
-    _restore: dict[str, int] = field(default_factory=dict, repr=False)
-    _rejections: dict[Tier, int] = field(default_factory=dict, repr=False)
-    _requests: dict[str, int] = field(default_factory=dict, repr=False)
+    _bytes: _Counters = field(default_factory=_Counters, repr=False)  # by Move
+    _hits: _Counters = field(default_factory=_Counters, repr=False)  # by Tier
+    _misses: _Counters = field(default_factory=_Counters, repr=False)  # by Tier
+    _evictions: _Counters = field(default_factory=_Counters, repr=False)  # by Tier
+    _rejections: _Counters = field(default_factory=_Counters, repr=False)  # by Tier
+    _prefetch: _Counters = field(default_factory=_Counters, repr=False)  # by prefetch outcome
+    _disk: _Counters = field(default_factory=_Counters, repr=False)  # disk tier gauges (set, not added)
+    _restore: _Counters = field(default_factory=_Counters, repr=False)  # restored / failed
+    _requests: _Counters = field(default_factory=_Counters, repr=False)  # by adapter id
     _recent: deque[AdapterMove] = field(init=False, repr=False)
     _waits: _Latencies = field(init=False, repr=False)
 
@@ -179,52 +204,52 @@ class SwapMetrics:
         done = AdapterMove(move, adapter_id, seconds, nbytes, time.time())
         with self._lock:
             self._moves.setdefault(move, _Latencies(self.window)).add(seconds)
-            self._bytes[move] = self._bytes.get(move, 0) + nbytes
+            self._bytes.add(move, nbytes)
             self._recent.append(done)
         return done
 
     def hit(self, tier: Tier) -> None:
         with self._lock:
-            self._hits[tier] = self._hits.get(tier, 0) + 1
+            self._hits.add(tier)
 
     def miss(self, tier: Tier) -> None:
         with self._lock:
-            self._misses[tier] = self._misses.get(tier, 0) + 1
+            self._misses.add(tier)
 
     def evicted(self, tier: Tier) -> None:
         with self._lock:
-            self._evictions[tier] = self._evictions.get(tier, 0) + 1
+            self._evictions.add(tier)
 
     def rejected(self, tier: Tier) -> None:
         """Count a newcomer the tier's admission policy did not keep (served once, not cached)."""
         with self._lock:
-            self._rejections[tier] = self._rejections.get(tier, 0) + 1
+            self._rejections.add(tier)
 
     def requested(self, adapter_id: str) -> None:
         """Count one request submitted for `adapter_id`."""
         with self._lock:
-            self._requests[adapter_id] = self._requests.get(adapter_id, 0) + 1
+            self._requests.add(adapter_id)
 
     def forget(self, adapter_id: str) -> None:
         """The adapter was unregistered: drop its request count (keeps the per-adapter map bounded)."""
         with self._lock:
-            self._requests.pop(adapter_id, None)
+            self._requests.discard(adapter_id)
 
     def prefetched(self, outcome: str) -> None:
         """Count one prefetch job's outcome: ``host_to_slot`` (it loaded a slot) or ``skipped_no_room``."""
         with self._lock:
-            self._prefetch[outcome] = self._prefetch.get(outcome, 0) + 1
+            self._prefetch.add(outcome)
 
     def disk_usage(self, used_bytes: int, capacity_bytes: int, evicted_bytes: int) -> None:
         """The bounded disk tier's bytes now (owned adapter repos in the HF cache) and bytes evicted since start."""
         with self._lock:
-            self._disk.update(used_bytes=used_bytes, capacity_bytes=capacity_bytes, evicted_bytes=evicted_bytes)
+            self._disk.set(used_bytes=used_bytes, capacity_bytes=capacity_bytes, evicted_bytes=evicted_bytes)
 
     def restored(self, ok: bool) -> None:
         """Count one durable registration restored at start-up (``restored``) or not (``failed``)."""
         key = "restored" if ok else "failed"
         with self._lock:
-            self._restore[key] = self._restore.get(key, 0) + 1
+            self._restore.add(key)
 
     def waited(self, seconds: float) -> None:
         """Record the exposed wait of one batch for its adapters (0.0 when every adapter was resident)."""
@@ -240,20 +265,20 @@ class SwapMetrics:
         """A plain copy; `residency` (the manager's view of every adapter) is attached as given."""
         with self._lock:
             moves = {
-                move.value: latencies.stats(MoveStats, total_bytes=self._bytes[move])
+                move.value: latencies.stats(MoveStats, total_bytes=self._bytes.get(move))
                 for move, latencies in self._moves.items()
             }
             wait = self._waits.stats(WaitStats) if self._waits.count else None
             return MetricsSnapshot(
                 moves,
-                {t.value: n for t, n in self._hits.items()},
-                {t.value: n for t, n in self._misses.items()},
-                {t.value: n for t, n in self._evictions.items()},
+                self._hits.snapshot(),
+                self._misses.snapshot(),
+                self._evictions.snapshot(),
                 wait,
-                dict(self._prefetch),
-                {t.value: n for t, n in self._rejections.items()},
-                dict(self._requests),
+                self._prefetch.snapshot(),
+                self._rejections.snapshot(),
+                self._requests.snapshot(),
                 dict(residency or {}),
-                dict(self._disk),
-                dict(self._restore),
+                self._disk.snapshot(),
+                self._restore.snapshot(),
             )
