@@ -14,7 +14,7 @@ Policy (exact, so a reference model can mirror it):
   space first: when it cannot be satisfied — fewer free plus evictable units than needed, or enough in total but no
   free range large enough even after evicting every evictable adapter (fragmentation) — `SlotsExhaustedError` is
   raised and nothing changes.
-- With a `frequency` (the manager's TinyLFU sketch, `admission.py`), "least recently used" above reads "least
+- With a `frequency` (the manager's TinyLFU sketch, `policy/admission.py`), "least recently used" above reads "least
   valuable": evictable adapters are taken in order of (estimated frequency, recency), so a burst of cold adapters
   evicts its own kind before a hot adapter. Without one (or while every frequency is equal) the order is exact LRU.
 - `pin(id)` is the same for one adapter with an operator pin instead of a lease pin. `preload(id, protect)` is the

@@ -1,7 +1,7 @@
 """The host tier: a byte-bounded cache of prepared adapters (cachetools does the byte accounting), safe to share
-between threads. Eviction is LRU; with a `frequency` (the manager's TinyLFU sketch, `admission.py`) it takes the least
-valuable entries first, by (estimated frequency, recency), and a new entry is admitted only if it is at least as
-popular as every entry it would evict, so one pass over cold adapters cannot flush the hot ones."""
+between threads. Eviction is LRU; with a `frequency` (the manager's TinyLFU sketch, `policy/admission.py`) it takes
+the least valuable entries first, by (estimated frequency, recency), and a new entry is admitted only if it is at
+least as popular as every entry it would evict, so one pass over cold adapters cannot flush the hot ones."""
 
 from __future__ import annotations
 
