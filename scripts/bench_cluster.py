@@ -28,11 +28,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from _bench_setup import write_adapters, write_checkpoint
 
-from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter
+from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub
 from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
 from runtime.engine.engine import EngineConfig
-from runtime.model.checkpoint import write_random_checkpoint
 from runtime.model.config import LlamaConfig
 from runtime.server.state import ServerConfig
 
@@ -179,11 +179,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         root = Path(tmp)
         model = getattr(LlamaConfig, args.model)()
-        write_random_checkpoint(model, root / "model")
-        spec = model.to_spec("base")
+        write_checkpoint(root / "model", model)
         ids = [f"bench/lora-{i:03d}" for i in range(args.adapters)]
-        for i, adapter_id in enumerate(ids):
-            write_synthetic_adapter(root / "hub" / adapter_id, spec, r=8 if i % 2 else 4, lora_alpha=8, seed=i)
+        ranks = [8 if i % 2 else 4 for i in range(args.adapters)]
+        write_adapters(root / "hub", model.to_spec("base"), ids, ranks, lora_alpha=8)
         port = _free_port()
         with LocalHub(root / "hub") as hub:
             try:

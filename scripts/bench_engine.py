@@ -28,26 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_workload, projection_shapes
 
-from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, write_synthetic_adapter
 from kernels import KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
-from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
 from runtime.model import packed as packing
 from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.checkpoint import load_model, write_random_checkpoint
 from runtime.model.config import LlamaConfig
 from runtime.model.llama import Llama
 from runtime.model.lora_linear import LoRALinear
-
-CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
-RANK = 16
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -121,28 +115,25 @@ class References:
 
 
 def adapter_bytes(config: LlamaConfig, adapters: int, element: int) -> int:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = (hidden + q) + 2 * (hidden + kv) + (q + hidden) + 2 * (hidden + inter) + (inter + hidden)
+    per_layer = sum(i + o for i, o in projection_shapes(config))
     return adapters * RANK * per_layer * config.num_layers * element
 
 
 def lora_flop_fraction(config: LlamaConfig) -> float:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    shapes = projection_shapes(config)
     return sum(RANK * (i + o) for i, o in shapes) / sum(i * o for i, o in shapes)
 
 
 class Setup:
     """One model (packed or plain), its KV cache of ``seqs`` rows prefilled to ``context``, and the LoRA meta."""
 
-    def __init__(self, model: Llama, manager: AdapterManager, seqs: int, context: int, max_tokens: int) -> None:
-        self.model, self.manager, self.seqs, self.context, self.max_tokens = model, manager, seqs, context, max_tokens
+    def __init__(self, work: EngineWorkload, model: Llama, seqs: int, context: int, max_tokens: int) -> None:
+        self.work, self.model, self.manager = work, model, work.manager
+        self.seqs, self.context, self.max_tokens = seqs, context, max_tokens
         model.setup_caches(seqs, context + max_tokens + 2)
-        model.attach_lora(manager.stacks)  # "base" runs with no metadata: exactly the base model's path
+        model.attach_lora(self.manager.stacks)  # "base" runs with no metadata: exactly the base model's path
         self.metas: dict[LoRAForm, LoRAKernelMeta] = {}
-        self.leases = [manager.acquire(self.adapters(cfg)) for cfg in ("lora_1", "lora_8")]  # pinned for the run
+        self.leases = [self.manager.acquire(self.adapters(cfg)) for cfg in ("lora_1", "lora_8")]  # pinned for the run
         gen = torch.Generator().manual_seed(0)
         self.prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=gen) for _ in range(seqs)]
         chunks = [SequenceChunk(row, 0, tuple(p.tolist())) for row, p in enumerate(self.prompts)]
@@ -159,12 +150,7 @@ class Setup:
         return self.metas[form]
 
     def adapters(self, config: str) -> list[str | None]:
-        return {
-            "base": [None] * self.seqs,
-            "lora_none": [None] * self.seqs,
-            "lora_1": ["a0"] * self.seqs,
-            "lora_8": [f"a{i % 8}" for i in range(self.seqs)],
-        }[config]
+        return self.work.mix(config, self.seqs)
 
     def forward(self, chunks: list[SequenceChunk], meta: LoRAKernelMeta | None, slot_rows) -> torch.Tensor:  # noqa: ANN001
         batch = ForwardBatch.from_chunks(chunks, device=self.model.device)
@@ -234,13 +220,13 @@ def profile_step(fn: Callable[[], object]) -> dict[str, float]:
     return {k: round(v, 2) for k, v in cats.items()}
 
 
-def engine_step_ms(model: Llama, manager: AdapterManager, adapters: list[str | None], context: int, steps: int):
+def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: int, steps: int) -> float:
     """The real engine's decode step (scheduling, lease, forward, sampling), median over ``steps`` decode steps."""
-    engine = Engine(model, manager, EngineConfig(max_batch=len(adapters), max_seq_len=context + steps + 8))
+    engine = work.engine(max_batch=len(adapters), max_seq_len=context + steps + 8)
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
     for adapter in adapters:
-        engine.submit(torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist(), adapter, params)
+        engine.submit(torch.randint(0, work.config.vocab_size, (context,), generator=gen).tolist(), adapter, params)
     while any(r.in_prefill for r in engine._running) or engine._waiting:  # noqa: SLF001 - bench: reach decode
         engine.step()
     times = []
@@ -266,22 +252,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = LlamaConfig.bench()
     results: dict[str, object] = {"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_features()}
     print(f"cpu: {results['cpu']}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        write_random_checkpoint(config, root / "model")
-        spec = config.to_spec("bench")
-        for i in range(8):
-            write_synthetic_adapter(root / f"a{i}", spec, r=RANK, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
-        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=8, max_rank=RANK, prefetch_workers=0))
-        for i in range(8):
-            manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
-        start = time.perf_counter()
-        models = {"packed": load_model(root / "model", pack_weights=True)}
-        results["load_packed_s"] = round(time.perf_counter() - start, 2)
-        plain = load_model(root / "model", pack_weights=False)
+    with engine_workload(pack_weights=True) as work:
+        config = work.config
+        models = {"packed": work.model}
+        results["load_packed_s"] = round(work.load_s, 2)
+        plain = work.load_model(pack_weights=False)
         if not args.no_plain:
             plain.batched_attention = False  # the engine as it was: plain weights, one attention call per sequence
             models["plain"] = plain
@@ -289,7 +266,7 @@ def main() -> None:
         if args.no_plain:
             del plain
         max_tokens = max(args.prefill, args.seqs)
-        setups = {name: Setup(m, manager, args.seqs, args.context, max_tokens) for name, m in models.items()}
+        setups = {name: Setup(work, m, args.seqs, args.context, max_tokens) for name, m in models.items()}
         decode_fns = {f"{n}/{c}": setup.step_fn(c, None) for n, setup in setups.items() for c in CONFIGS}
         packed_setup = setups["packed"]
         for form in (LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED):
@@ -318,10 +295,8 @@ def main() -> None:
             plan = SamplingBatch.make(rows, (), config.vocab_size, "cpu")
             sampling[f"{name}_ms"] = median_ms(lambda plan=plan: sample_step(logits, plan), args.repeats)
         engine = {
-            cfg: engine_step_ms(models["packed"], manager, setups["packed"].adapters(cfg), args.context, 12)
-            for cfg in ("lora_none", "lora_8")
+            cfg: engine_step_ms(work, work.mix(cfg, args.seqs), args.context, 12) for cfg in ("lora_none", "lora_8")
         }
-        manager.close()
 
     base_bytes = ref["base_weight_bytes"]
     floors = {

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _bench_setup import build_engine, write_adapters, write_checkpoint
 from huggingface_hub.utils import disable_progress_bars
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter
-from runtime.engine.engine import Engine, EngineConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
+from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model, write_random_checkpoint
+from runtime.model.checkpoint import load_model
 from runtime.model.config import LlamaConfig
 
 RANKS, SHARES = (8, 16, 32, 64), (0.4, 0.3, 0.2, 0.1)
@@ -87,12 +87,9 @@ def adapter_id(i: int) -> str:
 
 
 def write_population(root: Path, spec, ranks: list[int]) -> float:
-    """Write missing adapters (config last: a folder with adapter_config.json is complete). Returns seconds."""
+    """Write the adapters missing from ``root`` (ranks[i] for adapter i). Returns seconds."""
     start = time.perf_counter()
-    for i, r in enumerate(ranks):
-        folder = root / adapter_id(i)
-        if not (folder / "adapter_config.json").exists():
-            write_synthetic_adapter(folder, spec, r=r, lora_alpha=2 * r, seed=i)
+    write_adapters(root, spec, [adapter_id(i) for i in range(len(ranks))], ranks, reuse=True)
     return time.perf_counter() - start
 
 
@@ -190,12 +187,7 @@ class Bench:
 
     def engine(self, manager: AdapterManager) -> Engine:
         longest = self.args.prompt_max + self.args.output_max
-        config = EngineConfig(
-            max_batch=self.args.max_batch,
-            max_seq_len=longest + 1,
-            scheduler=SchedulerConfig(token_budget=self.args.token_budget),
-        )
-        engine = Engine(self.model, manager, config)
+        engine = build_engine(self.model, manager, self.args.max_batch, longest + 1, self.args.token_budget)
         engine.warm_up()
         return engine
 
@@ -344,9 +336,7 @@ def main() -> None:
     ranks = population_ranks(max(sizes), args.seed)
     written = write_population(cache / "population", spec, ranks)
     print(f"population: {max(sizes)} adapters in {cache / 'population'} ({written:.1f}s to write what was missing)")
-    if not (cache / "model" / "config.json").exists():
-        write_random_checkpoint(config, cache / "model", seed=args.seed)
-    model = load_model(cache / "model", device=args.device_obj)
+    model = load_model(write_checkpoint(cache / "model", config, seed=args.seed, reuse=True), device=args.device_obj)
     trace = Trace.make(
         args.requests,
         args.seed,

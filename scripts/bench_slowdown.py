@@ -23,20 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_workload, projection_shapes
 
-from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, write_synthetic_adapter
-from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model, write_random_checkpoint
 from runtime.model.config import LlamaConfig
 
-CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
 TARGETS = {"lora_none": -1.0, "lora_1": -3.0, "lora_8": -5.0}
 
 
@@ -51,11 +47,15 @@ def serve(engine: Engine, prompts: list[list[int]], adapters: list[str | None], 
     return tokens / seconds
 
 
+def random_prompts(work: EngineWorkload, length: int, count: int, gen: torch.Generator) -> list[list[int]]:
+    """``count`` prompts of ``length`` uniform random tokens of the workload's vocabulary."""
+    return [torch.randint(0, work.config.vocab_size, (length,), generator=gen).tolist() for _ in range(count)]
+
+
 def floors(config: LlamaConfig, rank: int, adapters: int) -> tuple[float, float]:
     """(prefill floor, decode floor): LoRA FLOPs / base FLOPs per token, and `adapters` distinct adapters' LoRA
     weight bytes / the base weight bytes a decode step reads (every linear and the lm_head)."""
-    spec = config.to_spec("bench")
-    shapes = [spec.projection_shape(p) for p in PROJECTIONS]
+    shapes = projection_shapes(config)
     base = config.num_layers * sum(i * o for i, o in shapes) + config.hidden_size * config.vocab_size
     lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
     return lora / base, adapters * lora / base
@@ -63,44 +63,18 @@ def floors(config: LlamaConfig, rank: int, adapters: int) -> tuple[float, float]
 
 def heatmap(args: argparse.Namespace) -> None:
     """Every (input, output) cell: base, lora_1, lora_8 rotated per repeat; slowdown vs floor."""
-    dtype = getattr(torch, args.dtype)
     inputs = [int(n) for n in args.inputs.split(",")]
     outputs = [int(n) for n in args.outputs.split(",")]
-    config = LlamaConfig.bench()
     cells = []
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        write_random_checkpoint(config, root / "model", dtype=dtype)
-        spec = config.to_spec("bench")
-        for i in range(8):
-            write_synthetic_adapter(root / f"a{i}", spec, r=16, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
-        model = load_model(root / "model", dtype=dtype, device=args.device)
-        manager = AdapterManager(
-            spec, AdapterManagerConfig(max_slots=8, max_rank=16, dtype=dtype, device=args.device, prefetch_workers=0)
-        )
-        for i in range(8):
-            manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
-        engine = Engine(
-            model,
-            manager,
-            EngineConfig(
-                max_batch=args.requests,
-                max_seq_len=max(inputs) + max(outputs) + 1,
-                scheduler=SchedulerConfig(token_budget=max(2048, max(inputs))),
-            ),
-        )
+    with engine_workload(getattr(torch, args.dtype), args.device) as work:
+        config = work.config
+        engine = work.engine(args.requests, max(inputs) + max(outputs) + 1, token_budget=max(2048, max(inputs)))
         gen = torch.Generator().manual_seed(0)
         serve(engine, [[1, 2, 3]] * 2, ["a0", None], 4)  # warm-up
-        adapters = {
-            "base": [None] * args.requests,
-            "lora_1": ["a0"] * args.requests,
-            "lora_8": [f"a{i % 8}" for i in range(args.requests)],
-        }
+        adapters = {name: work.mix(name, args.requests) for name in ("base", "lora_1", "lora_8")}
         total, done = len(inputs) * len(outputs), 0
         for length in inputs:
-            prompts = [
-                torch.randint(0, config.vocab_size, (length,), generator=gen).tolist() for _ in range(args.requests)
-            ]
+            prompts = random_prompts(work, length, args.requests, gen)
             # one output token: (almost) only prefill; median of the repeats like every other figure
             prefill_tok_s = statistics.median(serve(engine, prompts, adapters["base"], 1) for _ in range(args.repeats))
             prefill_s = len(prompts) * (length + 1) / prefill_tok_s
@@ -115,7 +89,7 @@ def heatmap(args: argparse.Namespace) -> None:
                 prefill_share = min(1.0, prefill_s / base_s)
                 cell = {"input": length, "output": output, "base_tok_s": round(med["base"], 1)}
                 for name, k in (("lora_1", 1), ("lora_8", 8)):
-                    prefill_floor, decode_floor = floors(config, 16, k)
+                    prefill_floor, decode_floor = floors(config, RANK, k)
                     floor = prefill_share * prefill_floor + (1 - prefill_share) * decode_floor
                     slowdown = med["base"] / med[name] - 1  # extra time per token, as a fraction of base
                     cell[name] = {
@@ -135,7 +109,6 @@ def heatmap(args: argparse.Namespace) -> None:
                     ),
                     flush=True,
                 )
-        manager.close()
     result = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "repeats": args.repeats}
     result["cells"] = cells
     out = args.out if args.out != Path("out/bench_slowdown.json") else Path("out/bench_slowdown_heatmap.json")
@@ -191,43 +164,15 @@ def main() -> None:
         heatmap(args)
         return
     args.inputs = args.inputs or "128,512,2048"
-    dtype = getattr(torch, args.dtype)
     inputs = [int(n) for n in args.inputs.split(",")]
-    config = LlamaConfig.bench()
     results = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "output": args.output, "rows": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        write_random_checkpoint(config, root / "model", dtype=dtype)
-        spec = config.to_spec("bench")
-        for i in range(8):
-            write_synthetic_adapter(root / f"a{i}", spec, r=16, lora_alpha=32, target_modules=PROJECTIONS, seed=i)
-        model = load_model(root / "model", dtype=dtype, device=args.device)
-        manager_config = AdapterManagerConfig(
-            max_slots=8, max_rank=16, dtype=dtype, device=args.device, prefetch_workers=0
-        )
-        manager = AdapterManager(spec, manager_config)
-        for i in range(8):
-            manager.register(str(root / f"a{i}"), adapter_id=f"a{i}")
+    with engine_workload(getattr(torch, args.dtype), args.device) as work:
+        model, manager = work.model, work.manager
         gen = torch.Generator().manual_seed(0)
         for length in inputs:
-            engine = Engine(
-                model,
-                manager,
-                EngineConfig(
-                    max_batch=args.requests,
-                    max_seq_len=length + args.output + 1,
-                    scheduler=SchedulerConfig(token_budget=max(2048, length)),
-                ),
-            )
-            prompts = [
-                torch.randint(0, config.vocab_size, (length,), generator=gen).tolist() for _ in range(args.requests)
-            ]
-            adapters = {
-                "base": [None] * args.requests,
-                "lora_none": [None] * args.requests,
-                "lora_1": ["a0"] * args.requests,
-                "lora_8": [f"a{i % 8}" for i in range(args.requests)],
-            }
+            engine = work.engine(args.requests, length + args.output + 1, token_budget=max(2048, length))
+            prompts = random_prompts(work, length, args.requests, gen)
+            adapters = {name: work.mix(name, args.requests) for name in CONFIGS}
             serve(engine, prompts[:2], ["a0", None], 4)  # warm-up: loads, allocator, kernels
             throughput: dict[str, list[float]] = {c: [] for c in CONFIGS}
             for repeat in range(args.repeats):
@@ -254,7 +199,6 @@ def main() -> None:
                 + f" | max spread over repeats {max(row['spread_pct'].values()):.1f} %",
                 flush=True,
             )
-        manager.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -1,0 +1,146 @@
+"""What the benchmarks set up alike: the random checkpoint, synthetic PEFT adapters, the engine over a manager, and
+the engine workload itself (the bench model serving 8 rank-16 adapters from one manager) with its adapter mixes.
+
+Scripts beside this file import it by name (``python scripts/bench_x.py`` puts scripts/ on ``sys.path``)::
+
+    from _bench_setup import engine_workload
+
+    with engine_workload(dtype=torch.float32, device="cpu") as work:  # checkpoint, a0 .. a7, model, manager
+        engine = work.engine(max_batch=8, max_seq_len=1024)
+        handles = [engine.submit(p, a, params) for p, a in zip(prompts, work.mix("lora_8", 8), strict=True)]
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, BaseModelSpec, write_synthetic_adapter
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model.checkpoint import load_model, write_random_checkpoint
+from runtime.model.config import LlamaConfig
+from runtime.model.llama import Llama
+
+RANK = 16
+"""Rank of the engine workload's adapters."""
+ADAPTERS = 8
+"""Adapters of the engine workload: a0 .. a7, one slot each."""
+CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
+"""The engine workload's configurations (see :meth:`EngineWorkload.mix`)."""
+
+
+def write_checkpoint(
+    folder: Path, config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, reuse: bool = False
+) -> Path:
+    """The random checkpoint of ``config`` in ``folder``; ``reuse``: keep one already there (config.json present)."""
+    if not (reuse and (folder / "config.json").exists()):
+        write_random_checkpoint(config, folder, seed=seed, dtype=dtype)
+    return folder
+
+
+def write_adapters(
+    root: Path,
+    spec: BaseModelSpec,
+    ids: Sequence[str],
+    ranks: Sequence[int],
+    *,
+    lora_alpha: float | None = None,
+    reuse: bool = False,
+) -> list[Path]:
+    """One synthetic adapter per id in ``root / id``: rank ``ranks[i]``, seed i, all seven projections.
+
+    ``lora_alpha`` None: twice the adapter's rank. ``reuse``: keep a folder that holds adapter_config.json (written
+    last, so such a folder is complete). Returns the folders, in the order of ``ids``.
+    """
+    folders = []
+    for i, (adapter_id, rank) in enumerate(zip(ids, ranks, strict=True)):
+        folder = root / adapter_id
+        if not (reuse and (folder / "adapter_config.json").exists()):
+            alpha = 2 * rank if lora_alpha is None else lora_alpha
+            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i)
+        folders.append(folder)
+    return folders
+
+
+def build_engine(
+    model: Llama, manager: AdapterManager, max_batch: int, max_seq_len: int, token_budget: int | None = None
+) -> Engine:
+    """The eager engine over ``model`` and ``manager``; ``token_budget`` None: the scheduler's default."""
+    scheduler = SchedulerConfig() if token_budget is None else SchedulerConfig(token_budget=token_budget)
+    return Engine(model, manager, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, scheduler=scheduler))
+
+
+def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
+    """(in, out) of one layer's seven projections, in PROJECTIONS order: what the LoRA floors count."""
+    spec = config.to_spec("bench")
+    return [spec.projection_shape(p) for p in PROJECTIONS]
+
+
+@dataclass
+class EngineWorkload:
+    """The bench model serving ADAPTERS synthetic rank-RANK adapters from one manager; from :func:`engine_workload`,
+    usable inside its ``with`` block (the checkpoint's folder is removed and the manager closed on exit)."""
+
+    config: LlamaConfig  # the bench model: hidden 1024, 8 layers, intermediate 2816
+    checkpoint: Path  # its random checkpoint (seed 0), in the workload's temp folder
+    dtype: torch.dtype  # of the checkpoint, the model's weights and the slots
+    device: str  # where the model and the slots live: cpu or cuda[:i]
+    model: Llama  # loaded from ``checkpoint``
+    load_s: float  # seconds ``load_model`` took for ``model``
+    manager: AdapterManager  # ADAPTERS slots of max rank RANK, no prefetch workers, a0 .. a7 registered
+    adapter_ids: list[str]  # a0 .. a7, as registered on ``manager``
+
+    def load_model(self, pack_weights: bool | None = None) -> Llama:
+        """One more copy of the model from ``checkpoint`` (``pack_weights`` as in :func:`load_model`)."""
+        return load_model(self.checkpoint, dtype=self.dtype, device=self.device, pack_weights=pack_weights)
+
+    def engine(self, max_batch: int, max_seq_len: int, token_budget: int | None = None) -> Engine:
+        """An engine over ``model`` and ``manager`` (see :func:`build_engine`)."""
+        return build_engine(self.model, self.manager, max_batch, max_seq_len, token_budget)
+
+    def mix(self, name: str, requests: int) -> list[str | None]:
+        """The adapter of each of ``requests`` requests under configuration ``name`` (one of CONFIGS): base and
+        lora_none no adapter, lora_1 all on a0, lora_8 spread evenly over a0 .. a7."""
+        if name in ("base", "lora_none"):
+            return [None] * requests
+        if name == "lora_1":
+            return [self.adapter_ids[0]] * requests
+        if name == "lora_8":
+            return [self.adapter_ids[i % ADAPTERS] for i in range(requests)]
+        raise ValueError(f"unknown configuration {name!r}; expected one of {CONFIGS}")
+
+
+@contextmanager
+def engine_workload(
+    dtype: torch.dtype = torch.float32, device: str = "cpu", pack_weights: bool | None = None
+) -> Iterator[EngineWorkload]:
+    """Write the bench checkpoint and the ADAPTERS synthetic adapters into a temp folder, load the model
+    (``pack_weights`` as in :func:`load_model`), register the adapters on a manager; on exit close the manager and
+    remove the folder."""
+    config = LlamaConfig.bench()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = write_checkpoint(root / "model", config, dtype=dtype)
+        spec = config.to_spec("bench")
+        ids = [f"a{i}" for i in range(ADAPTERS)]
+        folders = write_adapters(root, spec, ids, [RANK] * ADAPTERS)
+        start = time.perf_counter()
+        model = load_model(checkpoint, dtype=dtype, device=device, pack_weights=pack_weights)
+        load_s = time.perf_counter() - start
+        manager_config = AdapterManagerConfig(
+            max_slots=ADAPTERS, max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0
+        )
+        manager = AdapterManager(spec, manager_config)
+        try:
+            for adapter_id, folder in zip(ids, folders, strict=True):
+                manager.register(str(folder), adapter_id=adapter_id)
+            yield EngineWorkload(config, checkpoint, dtype, device, model, load_s, manager, ids)
+        finally:
+            manager.close()
