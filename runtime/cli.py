@@ -95,6 +95,43 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> None:
+    """The options `serve` and `cluster serve` share (with `replica`, sizes are each replica's); ServeOptions reads
+    them."""
+    each = " per replica" if replica else ""
+    source = parser.add_mutually_exclusive_group(required=True)
+    models = "(every replica loads it)" if replica else "or hub id org/name[@revision]"
+    source.add_argument("model", nargs="?", help=f"checkpoint directory {models}")
+    source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
+    parser.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
+    parser.add_argument(
+        "--max-slots",
+        type=int,
+        default=8,
+        help=f"size the adapter pool{each} for this many max-rank adapters (default 8)",
+    )
+    parser.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted, R (default 64)")
+    parser.add_argument(
+        "--host-cache-bytes", type=parse_bytes, default="2GiB", help=f"host tier bound{each}, e.g. 2GiB (default)"
+    )
+    devices = "cpu or cuda" if replica else "cpu, cuda[:i] or xla[:i]"
+    parser.add_argument("--device", default="cpu", help=f"{devices} (default cpu)")
+    parser.add_argument("--max-batch", type=int, default=16, help=f"sequences in flight{each} (default 16)")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
+    parser.add_argument(
+        "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
+    )
+    tail = "" if replica else "; --adapter at start-up may name any directory"
+    parser.add_argument(
+        "--local-root",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"let the admin API register local directories under DIR (repeatable; default: hub ids only{tail})",
+    )
+
+
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
@@ -103,45 +140,20 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/models, the adapter admin API (/v1/adapters), vLLM's /v1/load_lora_adapter, "
         "/metrics and /health. Stop with Ctrl-C.",
     )
-    source = serve.add_mutually_exclusive_group(required=True)
-    source.add_argument("model", nargs="?", help="checkpoint directory or hub id org/name[@revision]")
-    source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
-    serve.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
-    serve.add_argument(
-        "--max-slots", type=int, default=8, help="size the adapter pool for this many max-rank adapters (default 8)"
-    )
+    _add_serving_options(serve, replica=False)
     serve.add_argument(
         "--pool-bytes", type=parse_bytes, default=None, help="size the adapter pool in bytes instead, e.g. 1GiB"
     )
-    serve.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted, R (default 64)")
-    serve.add_argument(
-        "--host-cache-bytes", type=parse_bytes, default="2GiB", help="host tier bound, e.g. 2GiB (default)"
-    )
-    serve.add_argument("--device", default="cpu", help="cpu, cuda[:i] or xla[:i] (default cpu)")
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(float32)")
-    serve.add_argument("--max-batch", type=int, default=16, help="sequences in flight (default 16)")
-    serve.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
     serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument(
-        "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
-    )
     serve.add_argument(
         "--adapter",
         action="append",
         default=[],
         metavar="REF[=ID]",
         help="register at start-up (repeatable): hub id or local directory, optionally =the id to serve it as",
-    )
-    serve.add_argument(
-        "--local-root",
-        action="append",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="let the admin API register local adapter directories under DIR (repeatable; default: the API "
-        "registers hub ids only; --adapter at start-up may name any directory)",
     )
     serve.add_argument(
         "--state-dir",
@@ -168,33 +180,13 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
         description="Start a local Ray on 127.0.0.1 (or join --address) and serve the same OpenAI API and adapter "
         "admin API through Serve's ingress; the `model` field is Serve's multiplexed model id. Stop with Ctrl-C.",
     )
-    source = serve.add_mutually_exclusive_group(required=True)
-    source.add_argument("model", nargs="?", help="checkpoint directory (every replica loads it)")
-    source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
+    _add_serving_options(serve, replica=True)
     serve.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
     serve.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: a local Ray")
     serve.add_argument("--num-cpus", type=float, default=None, help="local Ray's CPUs (default: the machine's)")
     serve.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
-    serve.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
-    serve.add_argument("--max-slots", type=int, default=8, help="max-rank adapters per replica's pool (default 8)")
-    serve.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted (default 64)")
-    serve.add_argument("--host-cache-bytes", type=parse_bytes, default="2GiB", help="host tier bound per replica")
-    serve.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    serve.add_argument("--max-batch", type=int, default=16, help="sequences in flight per replica (default 16)")
-    serve.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
     serve.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1 (default 8000)")
     serve.add_argument("--metrics-port", type=int, default=None, help="local Ray: Prometheus export port")
-    serve.add_argument(
-        "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
-    )
-    serve.add_argument(
-        "--local-root",
-        action="append",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="let the admin API register local adapter directories under DIR (repeatable; default: hub ids only)",
-    )
     serve.add_argument(
         "--state-dir",
         type=Path,
@@ -244,56 +236,17 @@ def _hub(args: argparse.Namespace) -> int:
     return OK
 
 
-def _manager_config(args: argparse.Namespace, **overrides):
-    """The adapter pool options `serve` and `cluster serve` share, with `overrides` on top."""
-    from adapter_manager import AdapterManagerConfig
-
-    options = dict(
-        max_slots=args.max_slots, max_rank=args.max_rank, host_cache_bytes=args.host_cache_bytes, device=args.device
-    )
-    return AdapterManagerConfig(**(options | overrides))
-
-
-def _server_config(args: argparse.Namespace, name: str, **overrides):
-    """The server options `serve` and `cluster serve` share, with `overrides` on top."""
-    from .server.state import ServerConfig
-
-    local_roots = tuple(args.local_root) if args.local_root else None
-    return ServerConfig(model_name=name, admin_token=args.admin_token, local_roots=local_roots, **overrides)
-
-
 def _serve(args: argparse.Namespace) -> int:
-    import torch
-
-    from .engine.engine import EngineConfig
-    from .model.checkpoint import CheckpointError, CheckpointSource, write_random_checkpoint
-    from .model.config import LlamaConfig
+    from .model.checkpoint import CheckpointError, CheckpointSource
+    from .options import ServeOptions, model_source
     from .server.app import serve
     from .server.launch import build_serving
 
     try:
         with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
-            if args.random:
-                folder = Path(args.workdir or tmp) / f"random-{args.random}"
-                write_random_checkpoint(getattr(LlamaConfig, args.random)(), folder)
-                name = args.model_name or f"random-{args.random}"
-            else:
-                folder = CheckpointSource(args.model).resolve()
-                name = args.model_name or args.model
-            serving = build_serving(
-                folder,
-                _manager_config(
-                    args,
-                    max_slots="auto" if args.pool_bytes else args.max_slots,
-                    slot_memory_bytes=args.pool_bytes,
-                    dtype=getattr(torch, args.dtype),
-                    state_dir=args.state_dir,
-                    disk_cache_bytes=args.disk_cache_bytes,
-                ),
-                EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
-                _server_config(args, name, host=args.host, port=args.port, max_pending=args.max_pending),
-                dtype=getattr(torch, args.dtype),
-            )
+            folder, name = model_source(args, Path(args.workdir or tmp), lambda ref: CheckpointSource(ref).resolve())
+            configs = ServeOptions.from_args(args, name).configs()
+            serving = build_serving(folder, configs.manager, configs.engine, configs.server, dtype=configs.dtype)
             _print_restored(serving.manager)
             for spec in args.adapter:
                 ref, _, adapter_id = spec.partition("=")
@@ -321,15 +274,10 @@ def _cluster_serve(args: argparse.Namespace) -> int:
         import ray.serve  # noqa: F401
     except ImportError as err:
         return _fail(USAGE_ERROR, f"the cluster needs ray[serve]: pip install 'adapter-manager[cluster]' ({err})")
-    with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
-        if args.random:
-            from .model.checkpoint import write_random_checkpoint
-            from .model.config import LlamaConfig
+    from .options import model_source
 
-            folder, name = Path(tmp) / f"random-{args.random}", args.model_name or f"random-{args.random}"
-            write_random_checkpoint(getattr(LlamaConfig, args.random)(), folder)
-        else:
-            folder, name = Path(args.model).resolve(), args.model_name or args.model
+    with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
+        folder, name = model_source(args, Path(tmp), lambda ref: Path(ref).resolve())
         return _run_cluster(args, folder, name)
 
 
@@ -338,14 +286,16 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
     import threading
 
     from .cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
-    from .engine.engine import EngineConfig
+    from .options import ServeOptions
 
     try:
+        configs = ServeOptions.from_args(args, name, replica=True).configs()
         config = ClusterConfig(
             folder,
-            _manager_config(args),
-            EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len),
-            _server_config(args, name),
+            configs.manager,
+            configs.engine,
+            configs.server,
+            dtype=configs.dtype,
             replicas=args.replicas,
             replica_cpus=args.replica_cpus,
             multiplexed=not args.no_multiplex,

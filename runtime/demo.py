@@ -15,16 +15,15 @@ from typing import Literal
 import numpy as np
 from huggingface_hub.utils import disable_progress_bars
 
-from adapter_manager import PROJECTIONS, AdapterManagerConfig, HubConfig, write_synthetic_adapter
+from adapter_manager import PROJECTIONS, HubConfig, write_synthetic_adapter
 from adapter_manager.sources.local_hub import LocalHub
 
 from .client import ServerClient, ServerError
-from .engine.engine import EngineConfig
 from .model.checkpoint import write_random_checkpoint
 from .model.config import LlamaConfig
+from .options import ServeOptions
 from .server.app import BackgroundServer
 from .server.launch import build_serving
-from .server.state import ServerConfig
 
 _MB = 1e6
 _RANKS = (8, 16, 32, 64)
@@ -77,17 +76,18 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
                 root / "hub" / adapter_id, spec, r=r, lora_alpha=2 * r, target_modules=_TARGETS[i % 4], seed=i
             )
         one = spec.max_adapter_bytes(64, 4)
-        manager_config = AdapterManagerConfig(
-            max_slots=config.slots, max_rank=64, host_cache_bytes=config.host_cache_adapters * one
-        )
+        configs = ServeOptions(
+            name,
+            max_slots=config.slots,
+            max_rank=64,
+            host_cache_bytes=config.host_cache_adapters * one,
+            max_seq_len=128,
+            port=0,
+            max_pending=max(256, 2 * config.clients),
+        ).configs()
         with LocalHub(root / "hub") as hub:
-            manager_config.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)
-            serving = build_serving(
-                root / "model",
-                manager_config,
-                EngineConfig(max_batch=16, max_seq_len=128),
-                ServerConfig(model_name=name, port=0, max_pending=max(256, 2 * config.clients)),
-            )
+            configs.manager.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)
+            serving = build_serving(root / "model", configs.manager, configs.engine, configs.server, configs.dtype)
             try:
                 with BackgroundServer(serving.app) as server:
                     print(f"{config.adapters} adapters on the local hub {hub.endpoint}; server at {server.url}")

@@ -32,7 +32,7 @@ from ..model.llama import Llama
 from .request import Request, RequestHandle
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
-from .step_sampling import plan_sampling
+from .step_sampling import plan_sampling, record_sampling
 
 log = logging.getLogger(__name__)
 
@@ -336,29 +336,8 @@ class Engine:
             device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
             batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
             logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
-        result = sample_step(logits, sampling)
-        drawn = iter(zip(result.tokens, result.logprobs, strict=True))
-        scored = iter(result.prompt_logprobs)
-        for chunk, draws_token in zip(chunks, draws, strict=True):
-            request = chunk.request
-            if request.in_prefill:
-                if request.params.prompt_logprobs is not None:
-                    first = request.prefilled
-                    request.prompt_logprobs.extend([None] if first == 0 else [])
-                    targets = min(first + chunk.count, len(request.prompt) - 1) - first
-                    request.prompt_logprobs.extend(itertools.islice(scored, targets))
-                request.prefilled += chunk.count
-                if request.in_prefill:
-                    continue
-                if not draws_token:  # max_tokens 0: the prompt is scored, nothing generated
-                    self._finish(request, "length")
-                    continue
-            token, logprobs = next(drawn)
-            request.emit(token, logprobs)
-            if token in request.stop_ids:
-                self._finish(request, "stop")
-            elif len(request.output) >= request.params.max_tokens:
-                self._finish(request, "length")
+        for request, reason in record_sampling(chunks, draws, sample_step(logits, sampling)):
+            self._finish(request, reason)
 
     def _run_model(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
         """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host.

@@ -1,14 +1,17 @@
-"""Which logits rows a step asks the model for, and what the sampler draws or scores from each of them."""
+"""Which logits rows a step asks the model for, what the sampler draws or scores from each of them, and how that is
+recorded into the step's requests."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from ..model.batch import ForwardBatch
-from .sampling import PromptRow, SampleRow, SamplingBatch
+from .request import Request
+from .sampling import PromptRow, SampleRow, SamplingBatch, StepSample
 from .scheduler import ScheduledChunk
 
 
@@ -50,3 +53,38 @@ def plan_sampling(
         logits_index = torch.tensor(index + [0] * (rows - len(index)), dtype=torch.long)
         batch = dataclasses.replace(batch, logits_index=logits_index.to(batch.tokens.device))
     return batch, SamplingBatch.make(samples, prompts, vocab, device), draws
+
+
+def record_sampling(
+    chunks: Sequence[ScheduledChunk], draws: Sequence[bool], result: StepSample
+) -> list[tuple[Request, str]]:
+    """After the forward: move each prefill chunk's request on by the chunk, append its scored prompt tokens (with
+    ``prompt_logprobs``: None first, for the prompt's first token, which nothing predicts) and emit the token each
+    drawing chunk drew. ``draws`` and ``result`` are what `plan_sampling` and `sample_step` made for ``chunks``.
+
+    Returns the requests that ended in this step, with why: "stop" (a stop id drawn) or "length" (max_tokens).
+    """
+    finished = []
+    drawn = iter(zip(result.tokens, result.logprobs, strict=True))
+    scored = iter(result.prompt_logprobs)
+    for chunk, draws_token in zip(chunks, draws, strict=True):
+        request = chunk.request
+        if request.in_prefill:
+            if request.params.prompt_logprobs is not None:
+                first = request.prefilled
+                request.prompt_logprobs.extend([None] if first == 0 else [])
+                targets = min(first + chunk.count, len(request.prompt) - 1) - first
+                request.prompt_logprobs.extend(itertools.islice(scored, targets))
+            request.prefilled += chunk.count
+            if request.in_prefill:
+                continue
+            if not draws_token:  # max_tokens 0: the prompt is scored, nothing generated
+                finished.append((request, "length"))
+                continue
+        token, logprobs = next(drawn)
+        request.emit(token, logprobs)
+        if token in request.stop_ids:
+            finished.append((request, "stop"))
+        elif len(request.output) >= request.params.max_tokens:
+            finished.append((request, "length"))
+    return finished

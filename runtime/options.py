@@ -1,0 +1,104 @@
+"""The serving options `serve`, `cluster serve` and the demo share, and the one builder that turns them into the
+adapter pool's, the engine's and the HTTP server's configs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from adapter_manager import AdapterManagerConfig
+
+from .engine.engine import EngineConfig
+from .model.checkpoint import write_random_checkpoint
+from .model.config import LlamaConfig
+from .server.state import ServerConfig
+
+_GIB = 1 << 30
+# namespace attributes ServeOptions reads: those both commands declare, and those only `serve` has
+_SHARED = ("max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "admin_token")
+_SERVE_ONLY = ("pool_bytes", "dtype", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServingConfigs:
+    """What one server, or each replica of a cluster, runs with."""
+
+    manager: AdapterManagerConfig  # the adapter pool and its tiers
+    engine: EngineConfig  # continuous batching
+    server: ServerConfig  # the API: model name, where it listens, admin token, local roots
+    dtype: torch.dtype  # the base model's serving dtype
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The options a server runs with, with the CLI's defaults: `serve` sets them all, `cluster serve` the shared
+    ones (its replicas keep the defaults of the serve-only rest). `configs` is the one builder of the configs."""
+
+    model_name: str  # the base model's name in API calls
+    max_slots: int = 8  # the adapter pool holds this many max-rank adapters
+    max_rank: int = 64  # R: the highest LoRA rank accepted
+    host_cache_bytes: int = 2 * _GIB  # host tier bound
+    device: str = "cpu"  # cpu, cuda[:i] or xla[:i]
+    max_batch: int = 16  # sequences in flight
+    max_seq_len: int = 2048  # prompt + output tokens per sequence
+    admin_token: str | None = None  # bearer token for the admin routes
+    local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
+    pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # serve only: the serving dtype's torch name
+    state_dir: Path | None = None  # serve only: the manager's durable registrations (a cluster's are the directory's)
+    disk_cache_bytes: int | None = None  # serve only: bound of the adapter files in the HF cache
+    host: str = "127.0.0.1"  # serve only: bind address (Serve listens for a cluster)
+    port: int = 8000  # serve only: port
+    max_pending: int = 256  # serve only: requests in flight before 503
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model_name: str, *, replica: bool = False) -> ServeOptions:
+        """The options `serve` parsed into `args`, or with `replica` those `cluster serve` shares with it."""
+        names = _SHARED if replica else _SHARED + _SERVE_ONLY
+        local_roots = tuple(args.local_root) if args.local_root else None
+        return cls(model_name, local_roots=local_roots, **{name: getattr(args, name) for name in names})
+
+    def configs(self) -> ServingConfigs:
+        """The configs of the adapter pool, the engine and the HTTP server."""
+        dtype = getattr(torch, self.dtype)
+        manager = AdapterManagerConfig(
+            max_slots="auto" if self.pool_bytes else self.max_slots,
+            max_rank=self.max_rank,
+            host_cache_bytes=self.host_cache_bytes,
+            device=self.device,
+            dtype=dtype,
+            slot_memory_bytes=self.pool_bytes,
+            state_dir=self.state_dir,
+            disk_cache_bytes=self.disk_cache_bytes,
+        )
+        server = ServerConfig(
+            self.model_name,
+            host=self.host,
+            port=self.port,
+            admin_token=self.admin_token,
+            max_pending=self.max_pending,
+            local_roots=self.local_roots,
+        )
+        return ServingConfigs(
+            manager, EngineConfig(max_batch=self.max_batch, max_seq_len=self.max_seq_len), server, dtype
+        )
+
+
+def model_source(args: argparse.Namespace, random_root: Path, resolve: Callable[[str], Path]) -> tuple[Path, str]:
+    """The checkpoint folder to serve and the base model's name in API calls: with ``--random`` a random Llama
+    written under `random_root`, else ``resolve(args.model)``; ``--model-name`` overrides the name."""
+    if args.random:
+        folder = random_root / f"random-{args.random}"
+        write_random_checkpoint(getattr(LlamaConfig, args.random)(), folder)
+        return folder, args.model_name or f"random-{args.random}"
+    return resolve(args.model), args.model_name or args.model
