@@ -26,6 +26,17 @@ TINY = dict(
     max_position_embeddings=64,
 )
 TINY_NAME = "test-org/tiny-llama"
+# PEFT LoRA configs that the prepare test and the runtime oracle both write: two targets; every linear with rsLoRA;
+# per-module rank and alpha patterns (a plain key, a full module name, a regex)
+QV_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+ALL_LINEAR_RSLORA = dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear")
+PATTERNS_LORA = dict(
+    r=4,
+    lora_alpha=4,
+    target_modules=["q_proj", "k_proj", "o_proj", "down_proj", "gate_proj"],
+    rank_pattern={"k_proj": 2, "model.layers.1.self_attn.o_proj": 8},
+    alpha_pattern={"down_proj": 32, r"layers\.2\.self_attn\.q_proj": 3},
+)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,7 @@ import torch
 from adapter_manager import AdapterError, AdapterNotFoundError, Move, write_synthetic_adapter
 from adapter_manager.manager import AdapterManager, AdapterManagerConfig
 from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
-
-from .test_allocator import Catalog, allocator_for
+from tests.adapter_manager._fakes import Catalog, allocator_for
 
 
 @pytest.fixture

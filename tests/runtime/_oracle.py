@@ -7,22 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make_tiny_llama
+from tests.conftest import ALL_LINEAR_RSLORA, PATTERNS_LORA, QV_LORA, make_tiny_llama
 
 FP32_TOL = 1e-4
 BF16_ATOL, BF16_RTOL = 1e-2, 5e-2
 MAX_RANK = 8
 NEW_TOKENS = 8
 ADAPTERS = {
-    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all_rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
-    "patterns": dict(
-        r=4,
-        lora_alpha=4,
-        target_modules=["q_proj", "k_proj", "o_proj", "down_proj", "gate_proj"],
-        rank_pattern={"k_proj": 2, "model.layers.1.self_attn.o_proj": 8},
-        alpha_pattern={"down_proj": 32, r"layers\.2\.self_attn\.q_proj": 3},
-    ),
+    "qv": QV_LORA,
+    "all_rslora": ALL_LINEAR_RSLORA,
+    "patterns": PATTERNS_LORA,
     "mlp_subset": dict(r=2, lora_alpha=5, target_modules=["up_proj", "k_proj"], layers_to_transform=[0, 2]),
     "spare": dict(r=6, lora_alpha=12, target_modules=["v_proj", "down_proj", "o_proj"]),
 }
@@ -63,3 +57,4 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 ENGINE_NEW_TOKENS = 6  # tokens the engine tests generate per request
+ENGINE_REQUESTS = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]  # every (prompt, adapter) `expected` holds

@@ -1,4 +1,5 @@
-"""Helpers that drive `runtime.Llama` the way an engine would: ragged prefill, then decode steps, mixed adapters.
+"""Helpers that set up and drive `runtime.Llama` the way an engine would: the oracle's adapters in slots, ragged
+prefill, then decode steps, mixed adapters.
 
 ``meta`` goes with ``slot_rows`` (each slot's rank, as a lease gives it); both None run the base model.
 """
@@ -9,9 +10,33 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from adapter_manager import AdapterRegistry, RegistryConfig
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 from kernels import LoRAKernelMeta
 from runtime.model.batch import ForwardBatch, SequenceChunk
+from runtime.model.checkpoint import load_model
 from runtime.model.llama import Llama
+from tests.conftest import TINY_NAME
+from tests.runtime._oracle import ADAPTERS, MAX_RANK, ROWS, SLOTTED
+
+
+def slotted_model(
+    written, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[Llama, AdapterRegistry, SlotPool, dict[int, int]]:
+    """The base model (caches for ROWS) with every adapter registered and SLOTTED in slots 0..3, attached, all in
+    ``dtype`` on ``device``; returns it with the registry, the pool and each slot's rank."""
+    model = load_model(written[None][0], dtype=dtype, device=device)
+    model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
+    spec = model.config.to_spec(TINY_NAME)
+    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))
+    for name in ADAPTERS:
+        registry.register(str(written[name][0]), adapter_id=name)
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(SLOTTED), max_rank=MAX_RANK, dtype=dtype, device=device))
+    for slot, name in enumerate(SLOTTED):
+        pool.load(slot, registry.prepared(name))
+    model.attach_lora(pool.stacks)
+    rows = {slot: registry.prepared(name).rows for slot, name in enumerate(SLOTTED)}
+    return model, registry, pool, rows
 
 
 def step(

@@ -1,14 +1,21 @@
-"""Runtime fixtures: the tiny base checkpoint with PEFT adapters (and their PeftModels), HF generate's outputs."""
+"""Runtime fixtures: the tiny base checkpoint with PEFT adapters (and their PeftModels), HF generate's outputs, and
+an engine serving them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import make_tiny_llama
-from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ROWS, write_adapter
+from adapter_manager import AdapterManager, AdapterManagerConfig
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model.checkpoint import load_model
+from runtime.model.llama import Llama
+from tests.conftest import TINY_NAME, make_tiny_llama
+from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ENGINE_REQUESTS, write_adapter
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +36,7 @@ def written(tmp_path_factory) -> dict[str | None, tuple[Path, object]]:
 def expected(written) -> dict[tuple[tuple[int, ...], str | None], list[int]]:
     """HF generate, greedy, one adapter at a time: the oracle for every (prompt, adapter) the engine tests serve."""
     result = {}
-    for prompt, name in ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]:
+    for prompt, name in ENGINE_REQUESTS:
         hf = written[name][1]
         hf.generation_config.eos_token_id = None
         with torch.no_grad():
@@ -38,3 +45,34 @@ def expected(written) -> dict[tuple[tuple[int, ...], str | None], list[int]]:
             )
         result[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
     return result
+
+
+@pytest.fixture
+def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
+    """Build (engine, manager) on the base checkpoint with the oracle's adapters registered (the test closes both).
+
+    eos_ids=() as the oracle's generate runs with no eos; None takes the checkpoint's. ``model`` replaces the fp32 CPU
+    model loaded from ``checkpoint`` (default: the base checkpoint); the other keywords go to `AdapterManagerConfig`.
+    """
+
+    def make(
+        max_slots: int = 2,
+        token_budget: int = 12,
+        max_batch: int = 4,
+        eos_ids: tuple[int, ...] | None = (),
+        checkpoint: Path | None = None,
+        model: Llama | None = None,
+        adapters: Iterable[str] = tuple(ADAPTERS),
+        **manager_kwargs,
+    ) -> tuple[Engine, AdapterManager]:
+        if model is None:
+            model = load_model(checkpoint or written[None][0], dtype=torch.float32)
+        spec = model.config.to_spec(TINY_NAME)
+        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, max_rank=8, **manager_kwargs))
+        for name in adapters:
+            manager.register(str(written[name][0]), adapter_id=name)
+        scheduler = SchedulerConfig(token_budget=token_budget)
+        config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=scheduler, eos_ids=eos_ids)
+        return Engine(model, manager, config), manager
+
+    return make

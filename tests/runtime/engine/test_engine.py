@@ -6,37 +6,19 @@ import json
 import shutil
 
 import pytest
-import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterNotFoundError
-from runtime.engine.engine import Engine, EngineConfig
+from adapter_manager import AdapterNotFoundError
 from runtime.engine.request import RequestFailedError
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model
-from tests.conftest import TINY_NAME
-from tests.runtime._oracle import ADAPTERS, ROWS
+from tests.runtime._oracle import ADAPTERS, ENGINE_REQUESTS, ROWS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 
 
-def make_engine(written, max_slots=2, token_budget=12, max_batch=4, eos_ids=(), checkpoint=None, **manager_kwargs):
-    """eos_ids=() as the oracle's generate runs with no eos; None takes the checkpoint's."""
-    model = load_model(checkpoint or written[None][0], dtype=torch.float32)
-    spec = model.config.to_spec(TINY_NAME)
-    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, max_rank=8, **manager_kwargs))
-    for name in ADAPTERS:
-        manager.register(str(written[name][0]), adapter_id=name)
-    scheduler = SchedulerConfig(token_budget=token_budget)
-    config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=scheduler, eos_ids=eos_ids)
-    return Engine(model, manager, config), manager
-
-
-def test_many_adapters_few_slots_match_peft(written, expected):
-    engine, manager = make_engine(written)
-    requests = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]
-    handles = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in requests]
+def test_many_adapters_few_slots_match_peft(expected, make_engine):
+    engine, manager = make_engine()
+    handles = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in ENGINE_REQUESTS]
     steps = engine.run_until_idle(max_steps=500)
-    for handle, (prompt, name) in zip(handles, requests, strict=True):
+    for handle, (prompt, name) in zip(handles, ENGINE_REQUESTS, strict=True):
         assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
         assert handle.finish_reason == "length"
     snapshot = manager.metrics()
@@ -45,8 +27,8 @@ def test_many_adapters_few_slots_match_peft(written, expected):
     manager.close()
 
 
-def test_unknown_adapter_and_bad_prompts_are_refused_at_submit(written):
-    engine, manager = make_engine(written)
+def test_unknown_adapter_and_bad_prompts_are_refused_at_submit(make_engine):
+    engine, manager = make_engine()
     with pytest.raises(AdapterNotFoundError):
         engine.submit([1, 2], "nope")
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -56,10 +38,10 @@ def test_unknown_adapter_and_bad_prompts_are_refused_at_submit(written):
     manager.close()
 
 
-def test_a_failing_adapter_fails_alone(written, tmp_path, expected):
+def test_a_failing_adapter_fails_alone(written, tmp_path, expected, make_engine):
     broken = tmp_path / "broken"
     shutil.copytree(written["qv"][0], broken)
-    engine, manager = make_engine(written)
+    engine, manager = make_engine()
     manager.register(str(broken), adapter_id="broken")
     manager.registry.host.discard(("broken", manager.registry.get("broken").sha))
     (broken / "adapter_model.safetensors").write_bytes(b"garbage")
@@ -74,8 +56,8 @@ def test_a_failing_adapter_fails_alone(written, tmp_path, expected):
     manager.close()
 
 
-def test_seeded_sampling_is_reproducible_and_streams(written):
-    engine, manager = make_engine(written)
+def test_seeded_sampling_is_reproducible_and_streams(make_engine):
+    engine, manager = make_engine()
     params = SamplingParams(max_tokens=8, temperature=1.5, top_p=0.9, seed=7)
     first = engine.submit([5, 6, 7], "qv", params)
     second = engine.submit([5, 6, 7], "qv", params)
@@ -90,8 +72,8 @@ def test_seeded_sampling_is_reproducible_and_streams(written):
         manager.close()
 
 
-def test_stop_ids_end_a_request(written, expected):
-    engine, manager = make_engine(written)
+def test_stop_ids_end_a_request(expected, make_engine):
+    engine, manager = make_engine()
     prompt, name = ROWS[0]
     stop = expected[(tuple(prompt), name)][2]
     handle = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS, stop_ids=(stop,)))
@@ -103,7 +85,7 @@ def test_stop_ids_end_a_request(written, expected):
 
 
 @pytest.mark.parametrize("where", ["generation_config", "config", "engine_config"])
-def test_requests_stop_at_the_checkpoints_eos_by_default(written, expected, tmp_path, where):
+def test_requests_stop_at_the_checkpoints_eos_by_default(written, expected, tmp_path, where, make_engine):
     """A Python-API user gets the checkpoint's eos ids without passing stop_ids; ignore_eos runs on to max_tokens."""
     prompt, name = ROWS[0]
     full = expected[(tuple(prompt), name)]
@@ -118,7 +100,7 @@ def test_requests_stop_at_the_checkpoints_eos_by_default(written, expected, tmp_
         generation.write_text(json.dumps({"eos_token_id": [63, eos]}))  # wins over config.json's
     else:
         generation.unlink(missing_ok=True)
-    engine, manager = make_engine(written, checkpoint=checkpoint, eos_ids=(eos,) if where == "engine_config" else None)
+    engine, manager = make_engine(checkpoint=checkpoint, eos_ids=(eos,) if where == "engine_config" else None)
     stopped = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS))
     ignoring = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     engine.run_until_idle(max_steps=100)
@@ -127,8 +109,8 @@ def test_requests_stop_at_the_checkpoints_eos_by_default(written, expected, tmp_
     manager.close()
 
 
-def test_cancel_frees_the_request_and_the_engine_restarts(written):
-    engine, manager = make_engine(written, max_batch=2)
+def test_cancel_frees_the_request_and_the_engine_restarts(make_engine):
+    engine, manager = make_engine(max_batch=2)
     long = engine.submit([1, 2, 3], "qv", SamplingParams(max_tokens=40))
     waiting = engine.submit([4, 5], None, SamplingParams(max_tokens=40))
     queued = engine.submit([6], "spare", SamplingParams(max_tokens=2))

@@ -27,8 +27,7 @@ from adapter_manager import (
 )
 from adapter_manager.sources.local_hub import HubFault, LocalHub
 from adapter_manager.sources.peft_format import WEIGHTS_NAME
-
-from .malformed import CASES
+from tests.adapter_manager._malformed import CASES
 
 
 @pytest.fixture

@@ -16,16 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig
-from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
+from adapter_manager import ModuleKey
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from runtime.model import lora_linear
 from runtime.model.checkpoint import load_model
 from runtime.model.llama import Llama
 from runtime.model.lora_linear import LoRALinear
-from tests.conftest import TINY_NAME
 from tests.runtime._oracle import (
-    ADAPTERS,
     BF16_ATOL,
     BF16_RTOL,
     FP32_TOL,
@@ -37,25 +34,15 @@ from tests.runtime._oracle import (
     oracle_logits,
     slots_of,
 )
-from tests.runtime._steps import greedy, prefill_logits
+from tests.runtime._steps import greedy, prefill_logits, slotted_model
 
 
 def serving_setup(written, dtype: torch.dtype, backend: BackendKind = BackendKind.AUTO):
     """Model + registry + pool (slots 0..3 = SLOTTED) + meta + each slot's rank, all in ``dtype``."""
-    model = load_model(written[None][0], dtype=dtype)
-    model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
-    spec = model.config.to_spec(TINY_NAME)
-    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))
-    for name in ADAPTERS:
-        registry.register(str(written[name][0]), adapter_id=name)
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(SLOTTED), max_rank=MAX_RANK, dtype=dtype))
-    for slot, name in enumerate(SLOTTED):
-        pool.load(slot, registry.prepared(name))
-    model.attach_lora(pool.stacks)
+    model, registry, pool, rows = slotted_model(written, dtype)
     meta = LoRAKernelMeta.make(
         select_backend("cpu", KernelConfig(backend=backend)), pool.num_slots, MAX_RANK, 256, "cpu", granule=pool.granule
     )
-    rows = {slot: registry.prepared(name).rows for slot, name in enumerate(SLOTTED)}
     return model, registry, pool, meta, rows
 
 

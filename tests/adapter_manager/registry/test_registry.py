@@ -19,8 +19,7 @@ from adapter_manager import (
     write_synthetic_adapter,
 )
 from adapter_manager.sources.peft_format import CONFIG_NAME
-
-from .malformed import CASES
+from tests.adapter_manager._malformed import CASES
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""The unit space and the slot allocator on CPU: buddy placement, hits, LRU eviction until fit, fragmentation, pins,
-exhaustion, failed loads, unregister, preload, threads, metrics."""
+"""The slot allocator on CPU: buddy placement, hits, LRU eviction until fit, fragmentation, pins, exhaustion, failed
+loads, unregister, preload, threads, metrics (the unit space alone: test_row_space)."""
 
 from __future__ import annotations
 
@@ -8,122 +8,13 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from adapter_manager import AdapterNotFoundError, AdapterRegistry, Move, RegistryConfig, write_synthetic_adapter
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import PreparedAdapter
-from adapter_manager.tiers.row_space import Block, RowSpace
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
-
-from .test_slot_pool import make_prepared
-
-
-def maximal_free_blocks(used: list[bool], max_units: int) -> list[Block]:
-    """Brute force: the largest aligned power-of-two runs (<= max_units) of free units, each free unit in one."""
-    blocks, covered, size = [], [False] * len(used), max_units
-    while size >= 1:
-        for start in range(0, len(used), size):
-            run = range(start, start + size)
-            if not any(used[u] or covered[u] for u in run):
-                blocks.append(Block(start, size))
-                for u in run:
-                    covered[u] = True
-        size //= 2
-    return sorted(blocks)
-
-
-def first_fit(free: list[Block], units: int) -> int | None:
-    """Brute force of the buddy policy: the lowest-addressed free block of the smallest size >= units."""
-    fitting = [b for b in free if b.units >= units]
-    return min(fitting, key=lambda b: (b.units, b.start)).start if fitting else None
-
-
-def test_row_space_worked_example_and_refusals():
-    space = RowSpace(8, 4)
-    assert [space.alloc(1), space.alloc(2), space.alloc(1), space.alloc(4)] == [0, 2, 1, 4]
-    assert space.free_units == 0 and space.alloc(1) is None and space.largest_free() == 0
-    space.free(1, 1)
-    assert space.free_blocks() == [Block(1, 1)]  # its buddy [0, 1) is allocated: no merge
-    space.free(0, 1)
-    space.free(2, 2)
-    assert space.free_blocks() == [Block(0, 4)] and space.free_units == 4 and space.largest_free() == 4
-    copy = space.clone()
-    assert copy.alloc(4) == 0 and space.free_blocks() == [Block(0, 4)]  # the copy is independent
-    for bad in (3, 0, 8, True):
-        with pytest.raises(ValueError, match=rf"units must be a power of two in 1..4, got {bad!r}"):
-            space.alloc(bad)
-    with pytest.raises(ValueError, match="no block of 2 unit.s. is allocated at 4 .allocated there: 4"):
-        space.free(4, 2)
-    with pytest.raises(ValueError, match="no block of 1 unit.s. is allocated at 0"):
-        space.free(0, 1)
-    with pytest.raises(ValueError, match="max_units must be a positive power of two, got 3"):
-        RowSpace(6, 3)
-    with pytest.raises(ValueError, match=r"num_units must be a positive multiple of max_units \(4\), got 6"):
-        RowSpace(6, 4)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    tops=st.integers(1, 3),
-    max_order=st.integers(0, 3),
-    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 1 << 16)), max_size=60),
-)
-def test_row_space_matches_brute_force(tops, max_order, ops):
-    max_units = 1 << max_order
-    space, used, allocated = RowSpace(tops * max_units, max_units), [False] * (tops * max_units), {}
-    for is_alloc, order, pick in ops:
-        if is_alloc or not allocated:
-            units = 1 << min(order, max_order)
-            expected = first_fit(maximal_free_blocks(used, max_units), units)
-            assert space.alloc(units) == expected
-            if expected is not None:
-                assert expected % units == 0 and not any(used[expected : expected + units])  # aligned, no overlap
-                used[expected : expected + units] = [True] * units
-                allocated[expected] = units
-        else:
-            start = sorted(allocated)[pick % len(allocated)]
-            units = allocated.pop(start)
-            space.free(start, units)
-            used[start : start + units] = [False] * units
-        assert space.free_blocks() == maximal_free_blocks(used, max_units)
-        assert space.free_units == used.count(False) == sum(b.units for b in space.free_blocks())
-        assert space.allocated_blocks() == sorted(Block(s, n) for s, n in allocated.items())
-    for start, units in list(allocated.items()):
-        space.free(start, units)
-    assert space.free_blocks() == [Block(t * max_units, max_units) for t in range(tops)]  # merges restore tops
-
-
-class Catalog:
-    """In-memory prepared adapters by id; `rank_of` reads their rank; `fail` makes the next fetch of an id raise."""
-
-    def __init__(self, spec) -> None:
-        self.spec = spec
-        self.adapters: dict[str, PreparedAdapter] = {}
-        self.ranks: dict[str, int] = {}
-        self.fail: set[str] = set()
-        self.fetches: list[str] = []
-        self.delay = 0.0
-
-    def add(self, *ids: str, rank: int = 4) -> None:
-        for i, adapter_id in enumerate(ids, start=len(self.adapters) + 1):
-            self.adapters[adapter_id] = make_prepared(self.spec, adapter_id, rank, float(i))
-            self.ranks[adapter_id] = rank
-
-    def rank_of(self, adapter_id: str) -> int:
-        if adapter_id not in self.ranks:
-            raise AdapterNotFoundError(adapter_id, "not registered")
-        return self.ranks[adapter_id]
-
-    def __call__(self, adapter_id: str) -> PreparedAdapter:
-        self.fetches.append(adapter_id)
-        time.sleep(self.delay)
-        if adapter_id in self.fail:
-            self.fail.discard(adapter_id)
-            raise OSError(f"injected failure reading {adapter_id}")
-        return self.adapters[adapter_id]
+from tests.adapter_manager._fakes import Catalog, allocator_for, make_prepared
 
 
 @pytest.fixture
@@ -131,12 +22,6 @@ def catalog(tiny_spec):
     catalog = Catalog(tiny_spec)
     catalog.add("a", "b", "c", "d")
     return catalog
-
-
-def allocator_for(spec, catalog, slots: int = 2, granule: int = 4) -> SlotAllocator:
-    """max_rank 4; granule 4: every rank takes one unit; granule 1: ranks 1, 2, 3-4 take 1, 2, 4 units."""
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, max_rank=4, granule=granule))
-    return SlotAllocator(pool, catalog, catalog.rank_of)
 
 
 def assert_rows_hold(allocator: SlotAllocator, catalog: Catalog, slots) -> None:

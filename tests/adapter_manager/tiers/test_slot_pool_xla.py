@@ -18,7 +18,7 @@ from adapter_manager import BaseModelSpec  # noqa: E402
 from adapter_manager.errors import SlotLoadError  # noqa: E402
 from adapter_manager.tiers.prepare import PreparedAdapter  # noqa: E402
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, units_for  # noqa: E402
-from tests.adapter_manager.test_slot_pool import make_prepared  # noqa: E402
+from tests.adapter_manager._fakes import make_prepared  # noqa: E402
 
 MAX_SLOTS, MAX_RANK, GRANULE = 2, 8, 2  # 8 units of 2 rows; ranks 1-2, 3-4, 5-8 take 1, 2, 4 units
 

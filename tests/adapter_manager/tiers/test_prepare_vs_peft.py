@@ -8,17 +8,12 @@ import torch
 from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig, write_synthetic_adapter
 from adapter_manager.sources.peft_format import CONFIG_NAME, LoraAdapterConfig
 from adapter_manager.tiers.row_layout import RowLayout
+from tests.conftest import ALL_LINEAR_RSLORA, PATTERNS_LORA, QV_LORA
 
 CASES = {
-    "q_v": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all_linear_rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
-    "patterns": dict(
-        r=4,
-        lora_alpha=4,
-        target_modules=["q_proj", "k_proj", "o_proj", "down_proj", "gate_proj"],
-        rank_pattern={"k_proj": 2, "model.layers.1.self_attn.o_proj": 8},
-        alpha_pattern={"down_proj": 32, r"layers\.2\.self_attn\.q_proj": 3},
-    ),
+    "q_v": QV_LORA,
+    "all_linear_rslora": ALL_LINEAR_RSLORA,
+    "patterns": PATTERNS_LORA,
     "regex_targets": dict(r=2, lora_alpha=5, target_modules=r".*layers\.[02]\.mlp\.(up|gate)_proj"),
     "layers_to_transform": dict(r=4, lora_alpha=8, target_modules=["up_proj", "k_proj"], layers_to_transform=[0, 2]),
     "layers_pattern_int": dict(

@@ -6,16 +6,11 @@ import threading
 from collections import OrderedDict
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapter_manager import HostTier, PreparedAdapter, SwapMetrics
-
-
-def prepared(key: str, nbytes: int) -> PreparedAdapter:
-    return PreparedAdapter(key, "sha", {}, torch.zeros(1, nbytes, dtype=torch.uint8))  # [1, nbytes]
-
+from adapter_manager import HostTier, SwapMetrics
+from tests.adapter_manager._fakes import prepared
 
 operations = st.lists(
     st.tuples(st.sampled_from(["put", "get", "discard", "load"]), st.integers(0, 7), st.integers(1, 120)),

@@ -8,17 +8,13 @@ import pickle
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
-from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
 from runtime.model import packed as packing
 from runtime.model.batch import SeqSpan
 from runtime.model.checkpoint import load_model
 from runtime.model.kv_cache import KVCache, plan_attention
 from runtime.model.lora_linear import LoRALinear
-from tests.conftest import TINY_NAME
-from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, FP32_TOL, ROWS, max_diff, oracle_logits
+from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS, FP32_TOL, ROWS, max_diff, oracle_logits
 from tests.runtime._steps import greedy, prefill_logits
 
 needs_onednn = pytest.mark.skipif(
@@ -122,17 +118,14 @@ def test_batched_attention_equals_per_sequence_reference(spans) -> None:
 
 
 @pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
-def test_engine_serves_adapters_on_a_packed_model_matching_peft(written, expected, pack_weights: bool) -> None:
+def test_engine_serves_adapters_on_a_packed_model_matching_peft(
+    written, expected, make_engine, pack_weights: bool
+) -> None:
     model = load_model(written[None][0], pack_weights=pack_weights)
     assert model.packed == (pack_weights and packing.can_pack(torch.zeros(2, 2)))
-    manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
-    for name in ADAPTERS:
-        manager.register(str(written[name][0]), adapter_id=name)
-    config = EngineConfig(max_batch=4, max_seq_len=64, scheduler=SchedulerConfig(token_budget=12), eos_ids=())
-    engine = Engine(model, manager, config)
-    requests = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]
-    handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in requests]
+    engine, manager = make_engine(model=model)
+    handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in ENGINE_REQUESTS]
     engine.run_until_idle(max_steps=500)
-    for handle, (prompt, name) in zip(handles, requests, strict=True):
+    for handle, (prompt, name) in zip(handles, ENGINE_REQUESTS, strict=True):
         assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
     manager.close()

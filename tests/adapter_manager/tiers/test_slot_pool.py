@@ -7,34 +7,12 @@ import torch
 
 from adapter_manager import AdapterRegistry, BaseModelSpec, ModuleKey, RegistryConfig, write_synthetic_adapter
 from adapter_manager.errors import SlotLoadError
-from adapter_manager.tiers.prepare import ModuleWeights, PreparedAdapter
+from adapter_manager.tiers.prepare import PreparedAdapter
 from adapter_manager.tiers.row_layout import RowLayout
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, bytes_needed, units_for
+from tests.adapter_manager._fakes import make_prepared
 
 SENTINEL = 7.5
-
-
-def make_prepared(
-    spec: BaseModelSpec,
-    adapter_id: str,
-    rank: int,
-    value: float,
-    modules: list[ModuleKey] | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> PreparedAdapter:
-    """An in-memory prepared adapter of rank `rank`: row i of every targeted A is `value + i/16`, of every Bt its
-    negation; untargeted modules are zero (cheap to build, and a row or module mix-up shows)."""
-    layout = RowLayout.of(spec)
-    modules = spec.module_keys() if modules is None else modules
-    storage = torch.zeros(rank, layout.width, dtype=dtype)  # [r, width]
-    rows = (value + torch.arange(rank, dtype=torch.float64) / 16).to(dtype)[:, None]  # [r, 1]
-    weights = {}
-    for module in modules:
-        a, bt = layout.a_view(storage, module), layout.bt_view(storage, module)
-        a.copy_(rows.expand_as(a))
-        bt.copy_(-rows.expand_as(bt))
-        weights[module] = ModuleWeights(a=a, bt=bt, rank=rank)
-    return PreparedAdapter(adapter_id, f"sha-{adapter_id}", weights, storage)
 
 
 def sentinel_pool(spec: BaseModelSpec, **config) -> SlotPool:

@@ -12,25 +12,19 @@ import pytest
 
 from adapter_manager import AdapterManagerConfig, HubConfig, HubFault, LocalHub, write_synthetic_adapter
 from runtime.engine.engine import EngineConfig
-from runtime.model.checkpoint import write_random_checkpoint
-from runtime.model.config import LlamaConfig
-from runtime.server.app import BackgroundServer
-from runtime.server.launch import build_serving
 from runtime.server.state import ServerConfig
+from tests.runtime.server.conftest import CONFIG, NAME, serving_on
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
 
-NAME = "tiny-base"
 TOKEN = "test-admin-token"
-CONFIG = LlamaConfig.tiny()
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    write_random_checkpoint(CONFIG, root / "model")
+def files(checkpoint_root):
+    root = checkpoint_root
     spec = CONFIG.to_spec(NAME)
     for i in range(3):
         write_synthetic_adapter(root / "local" / f"ad{i}", spec, r=4, lora_alpha=8, seed=i)
@@ -40,11 +34,12 @@ def files(tmp_path_factory):
     return root
 
 
-def start(
+def serve(
     files, *, hub: LocalHub | None = None, max_slots=2, max_pending=64, host_cache_bytes=1 << 24, local_roots="all"
 ):
+    """This module's server on `files` (see `serving_on`): admin token, bounded bodies, the local roots."""
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=files / "hf-cache", retries=0) if hub else HubConfig()
-    serving = build_serving(
+    return serving_on(
         files / "model",
         AdapterManagerConfig(max_slots=max_slots, max_rank=8, host_cache_bytes=host_cache_bytes, hub=hub_config),
         EngineConfig(max_batch=16, max_seq_len=96),
@@ -57,24 +52,15 @@ def start(
             local_roots=(files / "local", files / "many") if local_roots == "all" else local_roots,
         ),
     )
-    return serving, BackgroundServer(serving.app).start()
 
 
 @pytest.fixture(scope="module")
 def server(files):
-    with LocalHub(files / "hub") as hub:
-        serving, background = start(files, hub=hub)
+    with LocalHub(files / "hub") as hub, serve(files, hub=hub) as (serving, background):
         background.hub = hub
         for i in range(3):
             serving.manager.register(str(files / "local" / f"ad{i}"), f"team/ad{i}")
         yield serving, background
-        background.stop()
-        serving.close()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture
@@ -161,16 +147,12 @@ def test_errors_have_the_openai_shape_and_status(server, client):
 
 
 def test_overload_answers_503(files):
-    serving, background = start(files, max_pending=2)
-    try:
+    with serve(files, max_pending=2) as (_, background):
         client = openai.OpenAI(base_url=background.url + "/v1", api_key="-", max_retries=0)
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model=NAME, prompt="x", n=3, max_tokens=1)
         assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
         assert client.completions.create(model=NAME, prompt="x", n=2, max_tokens=1).choices  # within the bound
-    finally:
-        background.stop()
-        serving.close()
 
 
 def test_admin_api_registers_by_hub_id_pins_and_unregisters(server, admin):
@@ -231,8 +213,7 @@ def test_refs_are_checked_before_any_file_or_hub_access(server, admin, files):
 
 
 def test_local_paths_over_the_api_are_refused_without_local_root(files):
-    serving, background = start(files, local_roots=None)
-    try:
+    with serve(files, local_roots=None) as (serving, background):
         with httpx.Client(base_url=background.url, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
             refused = http.post("/v1/adapters", json={"ref": str(files / "local" / "ad0")})
             assert refused.status_code == 403
@@ -246,9 +227,6 @@ def test_local_paths_over_the_api_are_refused_without_local_root(files):
         auth = {"Authorization": f"Bearer {TOKEN}"}
         assert httpx.post(background.url + "/v1/load_lora_adapter", json=body, headers=auth).status_code == 403
         assert "python/ad0" in serving.manager.registry  # the refused in-place load dropped nothing
-    finally:
-        background.stop()
-        serving.close()
 
 
 def test_vllm_load_and_unload_bodies(server, admin, files):
@@ -317,47 +295,47 @@ def test_load_2000_requests_over_200_adapters_with_churn(files):
         if not folder.exists():
             write_synthetic_adapter(folder, spec, r=(2, 4, 8)[i % 3], target_modules=("q_proj", "v_proj"), seed=i)
     one = spec.max_adapter_bytes(8, 4)
-    serving, background = start(files, max_slots=8, max_pending=256, host_cache_bytes=40 * one)
-    ids = [f"m{i:03d}" for i in range(200)]
-    for adapter_id in ids:
-        serving.manager.register(str(files / "many" / adapter_id), adapter_id)
-    churned = set(ids[150:170])
-    host = serving.manager.registry.host
-    stop = threading.Event()
-    peak = [0]
+    with serve(files, max_slots=8, max_pending=256, host_cache_bytes=40 * one) as (serving, background):
+        ids = [f"m{i:03d}" for i in range(200)]
+        for adapter_id in ids:
+            serving.manager.register(str(files / "many" / adapter_id), adapter_id)
+        churned = set(ids[150:170])
+        host = serving.manager.registry.host
+        stop = threading.Event()
+        peak = [0]
 
-    def churn() -> None:
-        rng = random.Random(1)
-        with httpx.Client(base_url=background.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as http:
-            while not stop.is_set():
-                adapter_id = rng.choice(sorted(churned))
-                if http.delete(f"/v1/adapters/{adapter_id}").status_code == 404:
-                    body = {"ref": str(files / "many" / adapter_id), "id": adapter_id}
-                    assert http.post("/v1/adapters", json=body).status_code in (200, 201)
-                peak[0] = max(peak[0], host.used_bytes)
+        def churn() -> None:
+            rng = random.Random(1)
+            with httpx.Client(
+                base_url=background.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+            ) as http:
+                while not stop.is_set():
+                    adapter_id = rng.choice(sorted(churned))
+                    if http.delete(f"/v1/adapters/{adapter_id}").status_code == 404:
+                        body = {"ref": str(files / "many" / adapter_id), "id": adapter_id}
+                        assert http.post("/v1/adapters", json=body).status_code in (200, 201)
+                    peak[0] = max(peak[0], host.used_bytes)
 
-    rng = random.Random(0)
-    weights = [1.0 / (i + 1) for i in range(200)]
-    picks = rng.choices(ids, weights=weights, k=1900) + rng.sample(sorted(churned), 20) * 5
-    rng.shuffle(picks)
-    results: list[tuple[str, int]] = []
+        rng = random.Random(0)
+        weights = [1.0 / (i + 1) for i in range(200)]
+        picks = rng.choices(ids, weights=weights, k=1900) + rng.sample(sorted(churned), 20) * 5
+        rng.shuffle(picks)
+        results: list[tuple[str, int]] = []
 
-    def worker(share: list[str]) -> None:
-        with httpx.Client(base_url=background.url + "/v1", timeout=120) as http:
-            for adapter_id in share:
-                body = {"model": adapter_id, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
-                results.append((adapter_id, http.post("/completions", json=body).status_code))
+        def worker(share: list[str]) -> None:
+            with httpx.Client(base_url=background.url + "/v1", timeout=120) as http:
+                for adapter_id in share:
+                    body = {"model": adapter_id, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}
+                    results.append((adapter_id, http.post("/completions", json=body).status_code))
 
-    churner = threading.Thread(target=churn)
-    churner.start()
-    try:
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(worker, [picks[i::32] for i in range(32)]))
-    finally:
-        stop.set()
-        churner.join(timeout=60)
-        background.stop()
-        serving.close()
+        churner = threading.Thread(target=churn)
+        churner.start()
+        try:
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(worker, [picks[i::32] for i in range(32)]))
+        finally:
+            stop.set()
+            churner.join(timeout=60)
     assert len(results) == 2000
     failed = [(a, s) for a, s in results if s != 200]
     assert all(a in churned and s == 404 for a, s in failed), failed[:10]

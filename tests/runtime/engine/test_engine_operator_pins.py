@@ -9,11 +9,10 @@ from adapter_manager import SlotsExhaustedError
 from runtime.engine.request import RequestFailedError
 from runtime.engine.sampling import SamplingParams
 from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS
-from tests.runtime.test_engine import make_engine
 
 
-def test_requests_of_pinned_adapters_run_when_pins_fill_the_pool(written, expected):
-    engine, manager = make_engine(written, max_slots=2)
+def test_requests_of_pinned_adapters_run_when_pins_fill_the_pool(expected, make_engine):
+    engine, manager = make_engine(max_slots=2)
     names = list(ADAPTERS)[:2]
     for name in names:
         manager.pin(name)
@@ -24,11 +23,11 @@ def test_requests_of_pinned_adapters_run_when_pins_fill_the_pool(written, expect
         assert handle.done and handle.result(timeout=0) == expected[((3, 1, 4, 1, 5), name)]
 
 
-def test_request_that_cannot_fit_beside_the_pins_fails_alone_and_stalls_no_one(written, expected):
+def test_request_that_cannot_fit_beside_the_pins_fails_alone_and_stalls_no_one(expected, make_engine):
     """The cluster hang: every slot pinned, a request for a third adapter waits past max_wait_steps. It used to be
     admitted first, fail to acquire, be requeued, and take every later request back to waiting with it, each step,
     for ever. It now fails with a typed error at once and the pinned adapters' requests finish."""
-    engine, manager = make_engine(written, max_slots=2)
+    engine, manager = make_engine(max_slots=2)
     engine.config.scheduler.max_wait_steps = 0
     pinned, cold = list(ADAPTERS)[:2], list(ADAPTERS)[2]
     for name in pinned:

@@ -19,7 +19,7 @@ from runtime.model.checkpoint import (
     write_random_checkpoint,
 )
 from runtime.model.config import LlamaConfig, RopeScaling
-from tests.conftest import make_tiny_llama
+from tests.conftest import TINY, make_tiny_llama
 from tests.runtime._steps import prefill_logits
 
 transformers = pytest.importorskip("transformers")
@@ -127,12 +127,7 @@ def test_hub_id_through_local_hub_then_offline(tmp_path: Path, monkeypatch: pyte
 
 def test_config_reads_both_rope_layouts(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
+        **{**TINY, "num_hidden_layers": 2, "max_position_embeddings": 2048},  # 2048: transformers' default
         rope_theta=5e5,
         rope_scaling={
             "rope_type": "llama3",

@@ -8,43 +8,29 @@ import pytest
 from adapter_manager import AdapterManagerConfig, write_synthetic_adapter
 from runtime.engine.engine import EngineConfig
 from runtime.engine.sampling import SamplingParams
-from runtime.model.checkpoint import write_random_checkpoint
-from runtime.model.config import LlamaConfig
 from runtime.model.tokenizer import ByteTokenizer
-from runtime.server.app import BackgroundServer
 from runtime.server.generation import TextDecoder
-from runtime.server.launch import build_serving
 from runtime.server.state import ServerConfig
+from tests.runtime.server.conftest import CONFIG, NAME, serving_on
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-NAME = "tiny-base"
-CONFIG = LlamaConfig.tiny()
 EOS = 257  # the byte tokenizer's
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server-sampling")
-    write_random_checkpoint(CONFIG, root / "model")
+def server(checkpoint_root):
+    root = checkpoint_root
     write_synthetic_adapter(root / "ad", CONFIG.to_spec(NAME), r=4, lora_alpha=8, seed=1)
-    serving = build_serving(
+    with serving_on(
         root / "model",
         AdapterManagerConfig(max_slots=2, max_rank=8),
         EngineConfig(max_batch=8, max_seq_len=96),
         ServerConfig(model_name=NAME, port=0, max_pending=32),
-    )
-    serving.manager.register(str(root / "ad"), "team/ad")
-    background = BackgroundServer(serving.app).start()
-    yield serving, background
-    background.stop()
-    serving.close()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server[1].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        adapters={"team/ad": root / "ad"},
+    ) as started:
+        yield started
 
 
 def _engine(serving, prompt: list[int], adapter: str | None, **kwargs):

@@ -3,17 +3,17 @@
 Adapters have mixed ranks (1..8 with granule 2: blocks of 1, 2 and 4 units in a pool of 8 units), so the run covers
 buddy placement, eviction until a request fits, fragmentation (enough free units in total but no free range: evict
 or refuse, nothing changed on refusal), lease and operator pins, failed loads (injected read errors, blocks the pool
-or the allocator refuses), unregister while pinned (draining) and preload with `protect`. The model places with a
-brute-force first fit over the maximal free aligned blocks, not with a buddy allocator. Every step compares the whole
-state (ranges, units, ranks, pins, operator pins, draining ranges, LRU order, free blocks, slot_of, bytes) and the
-pool's rows of every range with the adapter's block, and checks the zero row; teardown releases everything and checks
-that nothing leaked.
+or the allocator refuses), unregister while pinned (draining) and preload with `protect`. The model
+(`_allocator_model`) places with a brute-force first fit over the maximal free aligned blocks, not with a buddy
+allocator. Every step compares the whole state (ranges, units, ranks, pins, operator pins, draining ranges, LRU order,
+free blocks, slot_of, bytes) and the pool's rows of every range with the adapter's block, and checks the zero row;
+teardown releases everything and checks that nothing leaked.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -28,100 +28,20 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from adapter_manager import AdapterNotFoundError, BaseModelSpec
+from adapter_manager import AdapterNotFoundError
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
 from adapter_manager.tiers.allocator import SlotAllocator, SlotLease
 from adapter_manager.tiers.prepare import PreparedAdapter
 from adapter_manager.tiers.row_space import Block
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, units_for
+from tests.adapter_manager._fakes import make_prepared
+from tests.adapter_manager.tiers._allocator_model import GRANULE, MAX_RANK, MAX_SLOTS, MAX_UNITS, NUM_UNITS, SPEC, Model
 
-from .test_allocator import first_fit, maximal_free_blocks
-from .test_slot_pool import make_prepared
-
-SPEC = BaseModelSpec("stateful-llama", 8, 12, 1, 2, 1, 4)
-MAX_SLOTS, MAX_RANK, GRANULE = 2, 8, 2  # 8 units of 2 rows; ranks 1-2, 3-4, 5-8 take 1, 2, 4 units
-NUM_UNITS, MAX_UNITS = 8, 4
 NAMES = ["a", "b", "c", "d", "e", "f", "g", "h"]
 names = st.sampled_from(NAMES)
 ranks = st.sampled_from([1, 1, 2, 2, 3, 4, 5, 8])  # mostly small: small pinned ranges split the space
 kinds = st.sampled_from(["narrow", "rows"] + [""] * 6)  # a block the pool or the allocator refuses, or a good one
 MIN_OPERATIONS = 10_000
-
-
-@dataclass
-class Range:
-    """One occupied range in the model."""
-
-    adapter_id: str
-    rank: int
-    block: torch.Tensor  # Shape: [rank, width], what its rows must hold
-    pins: int = 0
-    draining: bool = False
-
-    @property
-    def units(self) -> int:
-        return units_for(self.rank, GRANULE)
-
-
-@dataclass
-class Model:
-    """The policy in its plainest form: dicts and lists, no locks, no buddy allocator."""
-
-    ranges: dict[int, Range] = field(default_factory=dict)  # slot -> occupied range (draining ones too)
-    live: dict[str, int] = field(default_factory=dict)  # adapter -> slot, not draining
-    manual: set[str] = field(default_factory=set)
-    lru: list[str] = field(default_factory=list)
-    evictions: int = 0
-
-    def copy(self) -> Model:
-        ranges = {slot: replace(r) for slot, r in self.ranges.items()}
-        return Model(ranges, dict(self.live), set(self.manual), list(self.lru), self.evictions)
-
-    def free_blocks(self) -> list[Block]:
-        used = [False] * NUM_UNITS
-        for slot, r in self.ranges.items():
-            used[slot : slot + r.units] = [True] * r.units
-        return maximal_free_blocks(used, MAX_UNITS)
-
-    def free_units(self) -> int:
-        return sum(b.units for b in self.free_blocks())
-
-    def evictable_units(self, keep) -> int:
-        return sum(self.ranges[self.live[a]].units for a in self.lru if a not in keep)
-
-    def place(self, missing: list[tuple[str, int, torch.Tensor]], keep) -> list[int] | None:
-        """Place each missing adapter in order, evicting the LRU adapter not in `keep` until it fits (mutates)."""
-        candidates = [a for a in self.lru if a not in keep]
-        slots = []
-        for adapter_id, rank, block in missing:
-            while (slot := first_fit(self.free_blocks(), units_for(rank, GRANULE))) is None:
-                if not candidates:
-                    return None
-                victim = candidates.pop(0)
-                self.lru.remove(victim)
-                del self.ranges[self.live.pop(victim)]
-                self.evictions += 1
-            self.ranges[slot] = Range(adapter_id, rank, block)
-            self.live[adapter_id] = slot
-            slots.append(slot)
-        return slots
-
-    def free(self, slot: int) -> None:
-        adapter_id = self.ranges.pop(slot).adapter_id
-        if self.live.get(adapter_id) == slot:
-            del self.live[adapter_id]
-            self.manual.discard(adapter_id)
-            if adapter_id in self.lru:
-                self.lru.remove(adapter_id)
-
-    def unpin(self, slot: int) -> None:
-        r = self.ranges[slot]
-        r.pins -= 1
-        if r.pins == 0:
-            if r.draining:
-                self.free(slot)
-            elif r.adapter_id not in self.manual:
-                self.lru.append(r.adapter_id)
 
 
 @dataclass

@@ -14,9 +14,7 @@ from adapter_manager import FrequencySketch, HostTier, SketchConfig, SwapMetrics
 from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
-
-from .test_allocator import Catalog
-from .test_host_tier import prepared
+from tests.adapter_manager._fakes import Catalog, prepared
 
 
 @settings(max_examples=100, deadline=None)

@@ -6,13 +6,12 @@ from __future__ import annotations
 from runtime.engine.sampling import SamplingParams
 from tests.runtime._oracle import ADAPTERS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
-from tests.runtime.test_engine import make_engine
 
 PROMPT = [3, 1, 4, 1, 5]
 
 
-def test_hot_adapter_survives_a_cold_burst_and_outputs_match_peft(written, expected):
-    engine, manager = make_engine(written, max_slots=2, max_batch=1, prefetch_workers=0)
+def test_hot_adapter_survives_a_cold_burst_and_outputs_match_peft(expected, make_engine):
+    engine, manager = make_engine(max_slots=2, max_batch=1, prefetch_workers=0)
     hot, *cold = list(ADAPTERS)
     requests = [hot] * 6 + cold + [hot] * 2  # one request at a time (max_batch 1), two slots
     handles = [engine.submit(PROMPT, name, SamplingParams(max_tokens=NEW_TOKENS)) for name in requests]

@@ -19,7 +19,6 @@ from runtime.engine.sampling import (
     sample_step,
 )
 from tests.runtime._oracle import FP32_TOL, oracle_logits
-from tests.runtime.test_engine import make_engine
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
@@ -159,10 +158,10 @@ def test_bad_sampling_params_name_the_parameter(kwargs, param):
     assert err.value.param == param and param in str(err.value)
 
 
-def test_engine_penalties_match_hf_generate_in_a_mixed_batch(written):
+def test_engine_penalties_match_hf_generate_in_a_mixed_batch(written, make_engine):
     """Greedy with every option, beside plain requests in the same steps: the tokens HF generate picks with the same
     processors, on the PEFT model of each row's adapter."""
-    engine, manager = make_engine(written, max_slots=3, max_batch=8, token_budget=24)
+    engine, manager = make_engine(max_slots=3, max_batch=8, token_budget=24)
     cases = [
         (p, [4, 60, 4, 33, 4, 17], name)
         for p, name in zip(OPTIONS, ["qv", None, "all_rslora", "patterns", "qv", None, "mlp_subset"], strict=True)
@@ -189,10 +188,10 @@ def test_engine_penalties_match_hf_generate_in_a_mixed_batch(written):
     manager.close()
 
 
-def test_engine_logprobs_equal_log_softmax_of_the_peft_logits(written):
+def test_engine_logprobs_equal_log_softmax_of_the_peft_logits(written, make_engine):
     """Top-k and chosen-token logprobs of generated tokens, and prompt logprobs (echo) over a chunked prefill, for
     adapter and base rows in one batch; a prompt-only request (max_tokens 0) scores its prompt and ends."""
-    engine, manager = make_engine(written, max_slots=3, max_batch=8, token_budget=12)
+    engine, manager = make_engine(max_slots=3, max_batch=8, token_budget=12)
     prompt = [4, 60, 4, 33, 4, 17, 4, 9, 12, 30, 31, 32, 33, 34, 5, 6, 7, 8]  # 18 tokens: chunked by the budget of 12
     requests = [
         ("qv", SamplingParams(max_tokens=6, logprobs=5, prompt_logprobs=5)),
@@ -232,7 +231,7 @@ def _check(lp, reference: torch.Tensor, k: int) -> None:
     assert max((abs(v - w) for (_, v), w in zip(lp.top, values.tolist(), strict=True)), default=0.0) < FP32_TOL
 
 
-def test_options_give_the_same_tokens_alone_and_in_a_mixed_batch(written):
+def test_options_give_the_same_tokens_alone_and_in_a_mixed_batch(make_engine):
     params = [
         SamplingParams(max_tokens=6, temperature=1.1, top_p=0.9, seed=5, frequency_penalty=0.7, logprobs=2),
         SamplingParams(max_tokens=6, repetition_penalty=1.4, logit_bias={3: 3.0}),
@@ -241,12 +240,12 @@ def test_options_give_the_same_tokens_alone_and_in_a_mixed_batch(written):
     prompt = [3, 1, 4, 1, 5]
     alone = []
     for p in params:
-        engine, manager = make_engine(written, max_batch=8, token_budget=32)
+        engine, manager = make_engine(max_batch=8, token_budget=32)
         handle = engine.submit(prompt, "qv", p)
         engine.run_until_idle(max_steps=50)
         alone.append((handle.result(timeout=0), handle.logprobs))
         manager.close()
-    engine, manager = make_engine(written, max_batch=8, token_budget=32)
+    engine, manager = make_engine(max_batch=8, token_budget=32)
     noise = [
         engine.submit([7, 1], name, SamplingParams(max_tokens=6, temperature=1.0, seed=1))
         for name in ("qv", None, "patterns")
@@ -261,8 +260,8 @@ def test_options_give_the_same_tokens_alone_and_in_a_mixed_batch(written):
     manager.close()
 
 
-def test_out_of_vocab_option_ids_are_refused_at_submit(written):
-    engine, manager = make_engine(written)
+def test_out_of_vocab_option_ids_are_refused_at_submit(make_engine):
+    engine, manager = make_engine()
     with pytest.raises(ValueError, match="logit_bias"):
         engine.submit([1, 2], None, SamplingParams(logit_bias={VOCAB: 1.0}))
     with pytest.raises(ValueError, match="stop_ids"):

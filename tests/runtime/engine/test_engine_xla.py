@@ -12,22 +12,15 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.xla
-torch_xla = pytest.importorskip("torch_xla")
-pytest.importorskip("peft")
-
-import torch_xla.debug.metrics as metrics  # noqa: E402
-
-from adapter_manager import AdapterManager, AdapterManagerConfig, AdapterRegistry, RegistryConfig  # noqa: E402
-from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
-from kernels import LoRAKernelMeta, select_backend  # noqa: E402
-from runtime.engine.engine import Engine, EngineConfig  # noqa: E402
-from runtime.engine.sampling import SamplingParams  # noqa: E402
-from runtime.engine.scheduler import SchedulerConfig  # noqa: E402
-from runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding  # noqa: E402
-from runtime.model.checkpoint import load_model  # noqa: E402
-from tests.conftest import TINY_NAME  # noqa: E402
-from tests.runtime._oracle import (  # noqa: E402
+from adapter_manager import AdapterManager, AdapterManagerConfig
+from kernels import LoRAKernelMeta, select_backend
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding
+from runtime.model.checkpoint import load_model
+from tests.conftest import TINY_NAME
+from tests.runtime._oracle import (
     ADAPTERS,
     FP32_TOL,
     MAX_RANK,
@@ -37,8 +30,14 @@ from tests.runtime._oracle import (  # noqa: E402
     oracle_logits,
     slots_of,
 )
-from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS  # noqa: E402
-from tests.runtime._steps import prefill_logits  # noqa: E402
+from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
+from tests.runtime._steps import prefill_logits, slotted_model
+
+pytestmark = pytest.mark.xla
+torch_xla = pytest.importorskip("torch_xla")
+pytest.importorskip("peft")
+
+import torch_xla.debug.metrics as metrics  # noqa: E402
 
 BUCKETS = (8, 16, 32)
 TRACE_STEPS = 200
@@ -52,18 +51,8 @@ def compile_count() -> int:
 def test_mixed_batch_logits_equal_peft_per_row_on_xla(written):
     """Every row of a ragged mixed batch (4 adapters in slots + base rows), then again after a slot swap."""
     device = torch_xla.device()
-    model = load_model(written[None][0], dtype=torch.float32, device=device)
-    model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
-    spec = model.config.to_spec(TINY_NAME)
-    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK))
-    for name in ADAPTERS:
-        registry.register(str(written[name][0]), adapter_id=name)
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(SLOTTED), max_rank=MAX_RANK, device=device))
-    for slot, name in enumerate(SLOTTED):
-        pool.load(slot, registry.prepared(name))
-    model.attach_lora(pool.stacks)
+    model, registry, pool, rows = slotted_model(written, device=device)
     meta = LoRAKernelMeta.make(select_backend(device), pool.num_slots, MAX_RANK, 64, device, granule=pool.granule)
-    rows = {slot: registry.prepared(name).rows for slot, name in enumerate(SLOTTED)}
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     layouts = [SLOTTED, tuple("spare" if name == "patterns" else name for name in SLOTTED)]
     for layout in layouts:

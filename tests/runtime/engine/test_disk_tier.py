@@ -18,7 +18,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
-from tests.runtime._oracle import ADAPTERS, ROWS
+from tests.runtime._oracle import ADAPTERS, ENGINE_REQUESTS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -71,7 +71,7 @@ def test_adapters_over_the_disk_bound_still_answer_correctly(written, expected, 
             manager,
             EngineConfig(max_batch=4, max_seq_len=64, scheduler=SchedulerConfig(token_budget=12), eos_ids=()),
         )
-        requests = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]
+        requests = ENGINE_REQUESTS
         for prompt, name in requests:  # one at a time: each switch goes back to the disk tier
             handle = engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS))
             engine.run_until_idle(max_steps=200)
