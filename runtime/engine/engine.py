@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapter_manager import AdapterError, AdapterManager, AdapterNotFoundError, SlotsExhaustedError
-from adapter_manager.tiers.allocator import SlotLease
+from adapter_manager import AdapterError, AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
 from kernels import KernelConfig, LoRAKernelMeta, select_backend
 from kernels.active_table import bucket_for
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from ..model.llama import Llama
-from .request import Request, RequestHandle
+from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
 from .step_sampling import plan_sampling, record_sampling
@@ -136,20 +135,7 @@ class Engine:
         """Queue a request. Raises `AdapterNotFoundError` for an unregistered adapter and ValueError for a prompt
         that cannot fit; the request's own later failure is reported through its handle."""
         params = params or SamplingParams()
-        prompt = tuple(int(t) for t in prompt)
-        if not prompt:
-            raise ValueError("the prompt must hold at least one token")
-        if len(prompt) + params.max_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
-                f"{self.config.max_seq_len}"
-            )
-        vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
-        outside = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias / stop_ids token ids must lie in [0, {vocab}), got {sorted(outside)}")
+        prompt = checked_prompt(prompt, params, self.model.config.vocab_size, self.config.max_seq_len)
         if adapter_id is not None:
             self.manager.registry.get(adapter_id)
         self.manager.note_request(adapter_id)

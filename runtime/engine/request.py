@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, TokenLogprobs
+from .sampling import SamplingParams, SamplingParamsError, TokenLogprobs
 
 _DONE = object()
 
@@ -21,6 +21,29 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {request_id} failed: {cause}")
         self.request_id = request_id
         self.cause = cause
+
+
+def checked_prompt(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_seq_len: int) -> tuple[int, ...]:
+    """The prompt as a tuple of ints if the request can be served, else `SamplingParamsError` (a ValueError) naming
+    the offending field: ``prompt`` (empty, too long with max_tokens, token ids outside the vocabulary),
+    ``logit_bias`` or ``stop_ids`` (token ids outside the vocabulary)."""
+    prompt = tuple(int(t) for t in prompt)
+    if not prompt:
+        raise SamplingParamsError("prompt", "the prompt must hold at least one token")
+    if len(prompt) + params.max_tokens > max_seq_len:
+        raise SamplingParamsError(
+            "prompt",
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len {max_seq_len}",
+        )
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise SamplingParamsError(
+            "prompt", f"token ids must lie in [0, {vocab_size}), got [{min(prompt)}, {max(prompt)}]"
+        )
+    for param, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_ids", params.stop_ids)):
+        outside = sorted(t for t in ids if t >= vocab_size)
+        if outside:
+            raise SamplingParamsError(param, f"{param} token ids must lie in [0, {vocab_size}), got {outside}")
+    return prompt
 
 
 @dataclass(eq=False)
