@@ -81,7 +81,8 @@ def to_api_error(err: BaseException, param: str | None = None) -> APIError:
         err = err.cause
     for kind, status, code in _STATUS:
         if isinstance(err, kind):
-            return APIError(status, str(err), param if kind is AdapterNotFoundError else None, code)
+            named = param if kind is AdapterNotFoundError else getattr(err, "param", None)  # SamplingParamsError's
+            return APIError(status, str(err), named, code)
     log.error("unexpected error while serving a request", exc_info=err)
     return APIError(500, f"internal error: {type(err).__name__}: {err}", None, "internal_error")
 

@@ -81,6 +81,8 @@ def openai_router(state: ServerState) -> APIRouter:
                 raise APIError(400, f"prompt {i} is empty", "prompt")
             prompts.append(prompt)
             texts.append(text)
+        if not prompts:
+            raise APIError(400, "prompt must hold at least one prompt (text or token ids)", "prompt")
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -118,7 +120,8 @@ def openai_router(state: ServerState) -> APIRouter:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         requests = _requests(state, body, prompts, max_tokens, echo=body.echo)
         if body.stream:
-            return await _stream(state, body, requests, adapter_id, chunk, echoed if body.echo else None)
+            opening = echoed if body.echo else None
+            return await _stream(state, body, requests, adapter_id, chunk, opening, every_token=True)
         results, handles, usage = await _complete(state, body, requests, adapter_id)
         choices = []
         for i, (result, handle) in enumerate(zip(results, handles, strict=True)):
@@ -148,14 +151,25 @@ def openai_router(state: ServerState) -> APIRouter:
             return chat_logprobs(state.tokenizer, [lp for _, lp in entries if lp is not None]) if asked else None
 
         def chunk(index: int, text: str, finish: str | None, entries: list[TokenEntry]) -> dict:
-            delta = ChatDelta(role="assistant", content=text) if finish is None else ChatDelta(content=text or None)
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(entries), finish_reason=finish)
+            delta = ChatDelta(content=text) if finish is None else ChatDelta(content=text or None)
+            return chat_chunk(
+                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs(entries), finish_reason=finish)
+            )
+
+        def opening(index: int, handle: RequestHandle) -> dict:
+            """A choice's first chunk, sent once its request is admitted: the role, no text yet (as OpenAI does)."""
+            return chat_chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+
+        def chat_chunk(choice: ChatChunkChoice) -> dict:
             return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[choice]).model_dump()
 
-        requests = _requests(state, body, [prompt], max(max_tokens, 1))
-        if body.stream:
-            return await _stream(state, body, requests, adapter_id, chunk)
-        results, _, usage = await _complete(state, body, requests, adapter_id)
+        try:
+            requests = _requests(state, body, [prompt], max(max_tokens, 1))
+            if body.stream:
+                return await _stream(state, body, requests, adapter_id, chunk, opening)
+            results, _, usage = await _complete(state, body, requests, adapter_id)
+        except APIError as err:
+            raise _chat_param(err) from err
         choices = [
             ChatChoice(
                 index=i,
@@ -168,6 +182,13 @@ def openai_router(state: ServerState) -> APIRouter:
         return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=choices, usage=usage)
 
     return router
+
+
+def _chat_param(err: APIError) -> APIError:
+    """A chat request has no ``prompt``: the engine's prompt refusals name ``messages`` (as OpenAI's do)."""
+    if err.param != "prompt":
+        return err
+    return APIError(err.status, err.message, "messages", err.code)
 
 
 def _admit(state: ServerState, body: SamplingFields) -> str | None:
@@ -240,10 +261,13 @@ async def _stream(
     requests,
     adapter_id: str | None,
     chunk: _ChunkFn,
-    echoed: Callable[[int, RequestHandle], dict] | None = None,
+    opening: Callable[[int, RequestHandle], dict] | None = None,
+    every_token: bool = False,
 ) -> StreamingResponse:
-    """An SSE stream, choice after choice; ``echoed`` gives a choice's first chunk (the prompt) once its prompt is
-    scored. A chunk carries the logprobs of the tokens whose text it brings (held-back text: in a later chunk)."""
+    """An SSE stream, choice after choice; ``opening`` gives a choice's first chunk (chat: the role; an echo: the
+    prompt, once it is scored) before its tokens. A chunk carries the logprobs of the tokens whose text it brings
+    (held-back text: in a later chunk); with ``every_token`` each token brings a chunk even while its text is held
+    back (an incomplete UTF-8 character, a possible stop string), with an empty text and that token's logprobs."""
     generator, stops = state.generator, body.stop_strings()
     stack = AsyncExitStack()
     try:
@@ -262,13 +286,13 @@ async def _stream(
                     decoder = TextDecoder(state.tokenizer, stops, body.min_tokens)
                     tokens = first_tokens if index == 0 else generator.tokens(handle)
                     head = first if index == 0 else await anext(tokens, None)
-                    if echoed is not None:
-                        yield _sse(echoed(index, handle))
+                    if opening is not None:
+                        yield _sse(opening(index, handle))
                     pending: list[TokenEntry] = []
                     async for token, logprobs in _prepend(head, tokens):
                         pending.append((token, logprobs))
                         text = decoder.add(token)
-                        if text:
+                        if text or every_token:
                             yield _sse(chunk(index, text, None, pending))
                             pending = []
                         if decoder.stopped:

@@ -147,7 +147,7 @@ def test_penalties_bias_and_min_tokens_reach_the_engine(server, client):
         ("completions", dict(logprobs=21), "logprobs"),
         ("completions", dict(logit_bias={"abc": 1}), "logit_bias"),
         ("completions", dict(logit_bias={"5": 101}), "logit_bias"),
-        ("completions", dict(logit_bias={"99999": 1}), None),
+        ("completions", dict(logit_bias={"99999": 1}), "logit_bias"),  # was param null: the defect fixed
         ("completions", dict(min_tokens=9, max_tokens=4), "min_tokens"),
         ("completions", dict(presence_penalty=3), "presence_penalty"),
         ("completions", dict(repetition_penalty=0), "repetition_penalty"),

@@ -1,0 +1,85 @@
+"""What OpenAI and vLLM clients expect to the letter, through the official `openai` client: the role in a streamed
+chat's first chunk, a streamed completion's chunk for every token (even while its text is held back), and every
+parameter error naming its parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.engine.engine import EngineConfig
+from runtime.server.state import ServerConfig
+from tests.runtime.server.conftest import NAME, serving_on
+
+openai = pytest.importorskip("openai")
+
+HELD = {"200": 100}  # byte 0xC8 opens a two-byte UTF-8 character that never completes: its text is held back
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_root):
+    from adapter_manager import AdapterManagerConfig
+
+    with serving_on(
+        checkpoint_root / "model",
+        AdapterManagerConfig(max_slots=2, max_rank=16),
+        EngineConfig(max_batch=4, max_seq_len=64),
+        ServerConfig(model_name=NAME, port=0, max_pending=16),
+    ) as started:
+        yield started
+
+
+def _chat(client, **kwargs):
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], **kwargs)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_streamed_chat_sends_the_role_first_even_when_the_text_is_held_back(client, max_tokens):
+    kwargs = dict(max_tokens=max_tokens, temperature=0, logit_bias=HELD)
+    whole = _chat(client, **kwargs)
+    chunks = list(_chat(client, stream=True, **kwargs))
+    first = chunks[0].choices[0].delta
+    assert (first.role, first.content) == ("assistant", "")
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_sends_a_chunk_per_token_while_text_is_held_back(client):
+    kwargs = dict(model=NAME, prompt="hi", max_tokens=3, temperature=0, logit_bias=HELD, logprobs=1)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    running = [c.choices[0] for c in chunks if c.choices[0].finish_reason is None]
+    assert len(running) == 3  # one per generated token, before the stream ends
+    assert all(choice.text == "" and len(choice.logprobs.tokens) == 1 for choice in running)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [lp for choice in running for lp in choice.logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-6)
+
+
+def _refusal(call) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as caught:
+        call()
+    return caught.value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parameter_errors_name_their_parameter(client, stream):
+    complete = lambda **kw: client.completions.create(model=NAME, stream=stream, **kw)  # noqa: E731
+    chat = lambda **kw: _chat(client, stream=stream, **kw)  # noqa: E731
+    cases = [
+        (lambda: complete(prompt=[]), "prompt"),
+        (lambda: complete(prompt=[[]]), "prompt"),
+        (lambda: complete(prompt=[1, 100_000]), "prompt"),  # a token id past the vocabulary
+        (lambda: complete(prompt="x" * 80, max_tokens=4), "prompt"),  # longer than max_seq_len
+        (lambda: complete(prompt="hi", logit_bias={"100000": 5}), "logit_bias"),
+        (lambda: complete(prompt="hi", logit_bias={"x": 5}), "logit_bias"),
+        (lambda: complete(prompt="hi", logit_bias={"5": 500}), "logit_bias"),
+        (lambda: complete(prompt="hi", temperature=9), "temperature"),
+        (lambda: complete(prompt="hi", suffix="!"), "suffix"),
+        (lambda: chat(logit_bias={"100000": 5}), "logit_bias"),
+        (lambda: chat(max_tokens=80), "messages"),  # the prompt and the completion do not fit
+        (lambda: chat(top_logprobs=2), "top_logprobs"),
+    ]
+    for call, param in cases:
+        err = _refusal(call)
+        assert err.param == param, (param, err.body)
