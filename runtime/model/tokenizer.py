@@ -1,14 +1,22 @@
-"""Text <-> token ids: the checkpoint's ``tokenizer.json`` through `tokenizers`, or a byte-level fallback."""
+"""Text <-> token ids: the checkpoint's ``tokenizer.json`` through `tokenizers`, or a byte-level fallback.
+
+Both also give one token as logprobs show it: its text decoded alone (a special token's name, as vLLM's logprobs
+show it) and its exact UTF-8 bytes (OpenAI's ``bytes``: a byte token's one byte, where its text alone is U+FFFD)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from .checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE
+from .config import eos_ids
 
 TOKENIZER_FILE = "tokenizer.json"
 _BYTES = 256
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback vocabulary's byte tokens
 
 
 class Tokenizer(Protocol):
@@ -19,24 +27,39 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``; special ids are no text."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """The token decoded alone (U+FFFD for part of a character); a special token's name, or "" if it has none."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's exact UTF-8 bytes (part of a character included); a special token's those of its name."""
+        ...
 
 
 @dataclass(frozen=True)
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then BOS = 256 and EOS = 257: for random-weight demo models without a tokenizer.
 
-    Needs vocab_size >= 258; ids the bytes cannot be (>= 258) decode to nothing.
+    Needs vocab_size >= 258; ids the bytes cannot be (>= 258) and the model's own special ids decode to nothing.
     """
 
     vocab_size: int
     """The model's vocabulary; must hold the 256 bytes and the two specials."""
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+    """The model's own special ids (its config's BOS / EOS, e.g. 1 and 2): no text even where they are byte ids."""
 
     def __post_init__(self) -> None:
         if self.vocab_size < _BYTES + 2:
             raise ValueError(
                 f"the byte tokenizer needs vocab_size >= {_BYTES + 2} (bytes + BOS/EOS), got {self.vocab_size}"
             )
+        outside = sorted(i for i in self.special_ids if not 0 <= i < self.vocab_size)
+        if outside:
+            raise ValueError(f"special_ids {outside} fall outside vocab_size {self.vocab_size}")
 
     @property
     def bos_id(self) -> int:
@@ -51,7 +74,13 @@ class ByteTokenizer:
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < _BYTES).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < _BYTES and token_id not in self.special_ids else b""
 
 
 class HFTokenizer:
@@ -62,6 +91,8 @@ class HFTokenizer:
 
         folder = Path(folder)
         self._tokenizer = FastTokenizer.from_file(str(folder / TOKENIZER_FILE))
+        self._added = frozenset(self._tokenizer.get_added_tokens_decoder())
+        self._pieces = _PieceBytes.of(json.loads(self._tokenizer.to_str()))
         special = _special_tokens(folder)
         self.bos_id = self._id(special.get("bos_token"))
         self.eos_id = self._id(special.get("eos_token"))
@@ -76,25 +107,92 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        exact = self._piece_bytes(token_id)
+        if exact is None:  # added tokens (specials by their names, as vLLM), unknown ids, other decoders
+            return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return exact.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        exact = self._piece_bytes(token_id)
+        return self.token_text(token_id).encode("utf-8") if exact is None else exact
+
+    def _piece_bytes(self, token_id: int) -> bytes | None:
+        """The vocabulary piece's bytes where the decoder's mapping of pieces is known, else None."""
+        piece = None if token_id in self._added else self._tokenizer.id_to_token(token_id)
+        return None if piece is None or self._pieces is None else self._pieces(piece)
+
+
+@dataclass(frozen=True)
+class _PieceBytes:
+    """A vocabulary piece's exact bytes, by what a ``tokenizer.json``'s decoder does to each piece: GPT-2's byte
+    alphabet (ByteLevel), ``<0xNN>`` byte tokens (ByteFallback), replacements such as "▁" -> " " (Replace,
+    Metaspace). A piece's leading space is kept (the decoder strips it only at a text's start)."""
+
+    alphabet: dict[str, int]  # ByteLevel: the printable character standing for each byte -> that byte; else empty
+    byte_tokens: bool
+    replacements: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, saved: dict[str, Any]) -> _PieceBytes | None:
+        """From the parsed ``tokenizer.json``; None for decoders mapping pieces otherwise (WordPiece, none)."""
+        decoder = saved.get("decoder") or {}
+        steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {step.get("type") for step in steps}
+        byte_tokens = "ByteFallback" in kinds or bool((saved.get("model") or {}).get("byte_fallback"))
+        replacements = tuple(
+            (step["pattern"]["String"], step["content"])
+            for step in steps
+            if step.get("type") == "Replace" and "String" in step.get("pattern", {})
+        ) + tuple((step["replacement"], " ") for step in steps if step.get("type") == "Metaspace")
+        if "ByteLevel" not in kinds and not byte_tokens and not replacements:
+            return None
+        return cls(_gpt2_alphabet() if "ByteLevel" in kinds else {}, byte_tokens, replacements)
+
+    def __call__(self, piece: str) -> bytes:
+        if self.alphabet and all(c in self.alphabet for c in piece):
+            return bytes(self.alphabet[c] for c in piece)
+        byte = _BYTE_TOKEN.fullmatch(piece) if self.byte_tokens else None
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        for old, new in self.replacements:
+            piece = piece.replace(old, new)
+        return piece.encode("utf-8")
+
+
+def _gpt2_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable bytes stand for themselves, the others for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(_BYTES) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(_BYTES + n): b for n, b in enumerate(others)}
+
 
 def load_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
-    """The checkpoint's ``tokenizer.json`` if it has one, else :class:`ByteTokenizer` over ``vocab_size``."""
+    """The checkpoint's ``tokenizer.json`` if it has one, else :class:`ByteTokenizer` over ``vocab_size`` with the
+    checkpoint's BOS / EOS ids as its special ids."""
     folder = Path(folder)
     if (folder / TOKENIZER_FILE).is_file():
         return HFTokenizer(folder)
-    return ByteTokenizer(vocab_size)
+    ids = _fields(folder, (CONFIG_FILE, GENERATION_CONFIG_FILE), ("bos_token_id", "eos_token_id"))
+    return ByteTokenizer(vocab_size, frozenset(i for _, value in ids for i in eos_ids(value)))
 
 
 def _special_tokens(folder: Path) -> dict[str, str]:
     """bos_token / eos_token strings from tokenizer_config.json or special_tokens_map.json (either may be absent)."""
     found: dict[str, str] = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+    for key, value in _fields(folder, ("special_tokens_map.json", "tokenizer_config.json"), ("bos_token", "eos_token")):
+        content = value.get("content") if isinstance(value, dict) else value
+        if isinstance(content, str):
+            found[key] = content
+    return found
+
+
+def _fields(folder: Path, files: tuple[str, ...], keys: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(key, value) for each of ``keys`` present in each of the JSON ``files`` in ``folder`` that exist, in order."""
+    found = []
+    for name in files:
         path = folder / name
-        if not path.is_file():
-            continue
-        for key, value in json.loads(path.read_text()).items():
-            if key in ("bos_token", "eos_token"):
-                content = value.get("content") if isinstance(value, dict) else value
-                if isinstance(content, str):
-                    found[key] = content
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            found.extend((key, saved[key]) for key in keys if key in saved)
     return found

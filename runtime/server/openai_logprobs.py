@@ -1,8 +1,9 @@
 """Engine logprobs in OpenAI's two response shapes: the completions API's parallel lists (tokens, token_logprobs,
 top_logprobs, text_offset) and the chat API's ``content`` entries (token, logprob, bytes, top_logprobs).
 
-A token's text is the tokenizer's decoding of that token alone (as vLLM does), its bytes that text's UTF-8. Logprobs
-are clamped to -9999 (as vLLM does) so the JSON never holds -Infinity."""
+A token's text is the tokenizer's decoding of that token alone, a special token's name (as vLLM does: U+FFFD for a byte
+token that is part of a character); its bytes are the token's exact UTF-8 bytes (as OpenAI's: that byte). Logprobs are
+clamped to -9999 (as vLLM does) so the JSON never holds -Infinity."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ class CompletionLogprobsFormat:
     def __call__(self, entries: Iterable[TokenEntry]) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for token, logprobs in entries:
-            text = self._tokenizer.decode([token])
+            text = self._tokenizer.token_text(token)
             out.tokens.append(text)
             out.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._tokenizer.decode([token]))  # what the token adds to the text: specials none
             if logprobs is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -42,7 +43,7 @@ class CompletionLogprobsFormat:
             out.token_logprobs.append(_clamp(logprobs.logprob))
             top: dict[str, float] = {}
             for alternative, value in logprobs.top:  # tokens with the same text: the most likely one's logprob
-                top.setdefault(self._tokenizer.decode([alternative]), _clamp(value))
+                top.setdefault(self._tokenizer.token_text(alternative), _clamp(value))
             top.setdefault(text, _clamp(logprobs.logprob))  # OpenAI: the sampled token is always among them
             out.top_logprobs.append(top)
         return out
@@ -52,8 +53,8 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Iterable[TokenLogprobs]) -> Cha
     """Generated tokens' logprobs as the chat API's ``logprobs.content``."""
 
     def top(token: int, logprob: float) -> TopLogprob:
-        text = tokenizer.decode([token])
-        return TopLogprob(token=text, logprob=_clamp(logprob), bytes=list(text.encode("utf-8")))
+        text = tokenizer.token_text(token)
+        return TopLogprob(token=text, logprob=_clamp(logprob), bytes=list(tokenizer.token_bytes(token)))
 
     content = []
     for entry in entries:

@@ -177,6 +177,9 @@ class AssistantMessage(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """One token of the chat API's logprobs: its text decoded alone, a special token's name (vLLM's; U+FFFD for a
+    byte token that is part of a character) and its exact UTF-8 bytes (OpenAI's; always sent here)."""
+
     token: str
     logprob: float
     bytes: list[int] | None

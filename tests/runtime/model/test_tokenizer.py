@@ -37,3 +37,76 @@ def test_tokenizer_json_is_used_when_present(tmp_path: Path) -> None:
     assert (loaded.bos_id, loaded.eos_id) == (0, 1)
     assert loaded.encode("hello world nope") == [0, 2, 3, 4]
     assert loaded.decode([0, 2, 3, 1]) == "hello world"
+
+
+def test_byte_fallback_gives_exact_token_bytes_and_never_writes_the_models_specials(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    tok = load_tokenizer(tmp_path, vocab_size=512)
+    assert tok.special_ids == {1, 2, 3}
+    assert tok.decode([72, 2, 105, 1, 3, tok.eos_id]) == "Hi"  # the model's eos (2) is no "\x02"
+    assert [tok.token_bytes(i) for i in (0xE2, 0x9C, 0x93)] == [b"\xe2", b"\x9c", b"\x93"]  # "✓", byte by byte
+    assert tok.token_text(0xE2) == "\ufffd" and tok.token_text(65) == "A"  # alone, as vLLM shows it
+    for special in (1, 2, 256, 257, 400):  # no name in a byte vocabulary: "" (vLLM's text for a nameless id)
+        assert tok.token_text(special) == "" and tok.token_bytes(special) == b""
+    with pytest.raises(ValueError, match=r"special_ids .*\[600\].*vocab_size 512"):
+        ByteTokenizer(512, frozenset({600}))
+
+
+def _saved(tok, folder: Path, bos: str, eos: str) -> HFTokenizer:
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
+    return HFTokenizer(folder)
+
+
+def test_byte_level_bpe_token_bytes_undo_gpt2s_byte_alphabet(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello world", "hello there"] * 20, trainer)
+    loaded = _saved(tok, tmp_path, "<|endoftext|>", "<|endoftext|>")
+    text = "hello ✓ wörld"
+    ids = loaded.encode(text, add_bos=False)
+    assert b"".join(loaded.token_bytes(i) for i in ids) == text.encode("utf-8")
+    check = tok.token_to_id("â")  # byte 0xE2 in GPT-2's alphabet: the lead byte of "✓"
+    assert loaded.token_bytes(check) == b"\xe2" and loaded.token_text(check) == "\ufffd"
+    assert loaded.token_bytes(tok.token_to_id("Ġ")) == b" "
+    eos = loaded.eos_id
+    assert loaded.token_text(eos) == "<|endoftext|>" and loaded.decode([*ids, eos]) == text  # vLLM: its name
+
+
+def test_byte_fallback_bpe_token_bytes_read_the_byte_tokens(tmp_path: Path) -> None:
+    """A Llama 2 / Mistral style tokenizer.json: SentencePiece BPE, "▁" for spaces, <0xNN> byte-fallback tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "h", "i", "▁h", "▁hi"):
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [("▁", "h"), ("▁h", "i")], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    loaded = _saved(tok, tmp_path, "<s>", "</s>")
+    ids = loaded.encode("hi ✓", add_bos=False)
+    assert ids == [vocab["▁hi"], vocab["▁"], vocab["<0xE2>"], vocab["<0x9C>"], vocab["<0x93>"]]
+    assert [loaded.token_bytes(i) for i in ids] == [b" hi", b" ", b"\xe2", b"\x9c", b"\x93"]
+    assert loaded.token_text(vocab["<0xE2>"]) == "\ufffd" and loaded.token_text(vocab["▁hi"]) == " hi"
+    assert loaded.decode([1, *ids, 2]) == "hi ✓" and loaded.token_text(2) == "</s>"
+
+
+def test_other_tokenizer_json_models_give_their_texts_bytes(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "héllo": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    loaded = _saved(tok, tmp_path, "<s>", "</s>")
+    assert loaded.token_bytes(2) == "héllo".encode() and loaded.token_text(2) == "héllo"
+    assert loaded.token_text(1) == "</s>" and loaded.token_bytes(1) == b"</s>"

@@ -50,6 +50,18 @@ def serving_on(
         serving.close()
 
 
+@pytest.fixture(scope="module")
+def server(checkpoint_root):
+    """A plain tiny server (no adapter, 2 slots of rank 16); modules that need more define their own."""
+    with serving_on(
+        checkpoint_root / "model",
+        AdapterManagerConfig(max_slots=2, max_rank=16),
+        EngineConfig(max_batch=4, max_seq_len=64),
+        ServerConfig(model_name=NAME, port=0, max_pending=16),
+    ) as started:
+        yield started
+
+
 @pytest.fixture
 def client(server):
     """The official `openai` client on the module's `server` (serving, background)."""

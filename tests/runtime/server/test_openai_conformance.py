@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.engine import EngineConfig
-from runtime.server.state import ServerConfig
-from tests.runtime.server.conftest import NAME, serving_on
+from tests.runtime.server.conftest import NAME
 
 openai = pytest.importorskip("openai")
 
 HELD = {"200": 100}  # byte 0xC8 opens a two-byte UTF-8 character that never completes: its text is held back
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint_root):
-    from adapter_manager import AdapterManagerConfig
-
-    with serving_on(
-        checkpoint_root / "model",
-        AdapterManagerConfig(max_slots=2, max_rank=16),
-        EngineConfig(max_batch=4, max_seq_len=64),
-        ServerConfig(model_name=NAME, port=0, max_pending=16),
-    ) as started:
-        yield started
 
 
 def _chat(client, **kwargs):
