@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     hub_serve = hub_commands.add_parser(
         "serve",
         help="serve a folder of PEFT adapters (<org>/<name>/ subfolders) over the hub HTTP API on loopback",
-        description="Point huggingface_hub at it with HF_ENDPOINT=http://127.0.0.1:PORT.",
+        description="Point huggingface_hub at it with HF_ENDPOINT=http://127.0.0.1:PORT. Stop with Ctrl-C or SIGTERM "
+        "(exit 0).",
     )
     hub_serve.add_argument("root", type=Path, help="folder holding <org>/<name>/ adapter repositories")
     hub_serve.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
@@ -138,7 +139,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="serve a model with the OpenAI-compatible API, adapter admin API and metrics",
         description="Load a Llama checkpoint (HF format, safetensors) and serve /v1/completions, "
         "/v1/chat/completions, /v1/models, the adapter admin API (/v1/adapters), vLLM's /v1/load_lora_adapter, "
-        "/metrics and /health. Stop with Ctrl-C.",
+        "/metrics and /health. Stop with Ctrl-C or SIGTERM (exit 0).",
     )
     _add_serving_options(serve, replica=False)
     serve.add_argument(

@@ -128,11 +128,10 @@ def replay(engine: Engine, trace: Trace, adapters: list[str | None], closed: boo
         engine.step()
         now = time.perf_counter() - start
         for i, handle in list(handles.items()):
-            if i not in first and handle._request.output:  # the benchmark reads the request's tokens so far
-                first[i] = now - arrivals[i]
             if handle.done:
                 done[i] = now - arrivals[i]
                 handle.result(timeout=0)
+                first[i] = handle.first_token_at - start - arrivals[i]  # max_tokens >= 1: a token was produced
                 del handles[i]
                 if len(done) % progress == 0:
                     print(f"    {len(done)}/{n} requests done ({now:.0f}s)", file=sys.stderr, flush=True)

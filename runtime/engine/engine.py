@@ -6,8 +6,9 @@ chunks and decode tokens together -> sample -> release the pins -> hand the wait
 A request whose adapter cannot be loaded fails alone; everyone else goes on.
 
 On a traced (XLA) device every step has a static shape: its tokens are padded up to a token bucket (padding goes to
-a spare KV cache row, with slot -1), its logits rows to ``max_batch``; ``warm_up`` compiles each bucket's graph once,
-after which steps, slot swaps and changing adapter mixes compile nothing. Eager devices (cpu, cuda) never pad.
+a spare KV cache row, with slot -1), its logits rows to ``max_batch`` (to the bucket in an echo step: prompt_logprobs);
+``warm_up`` compiles each of those graphs once, after which steps, echoes, slot swaps and changing adapter mixes
+compile nothing. Eager devices (cpu, cuda) never pad.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 
 from adapter_manager import AdapterError, AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
 from kernels import KernelConfig, LoRAKernelMeta, select_backend
-from kernels.active_table import bucket_for
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from ..model.llama import Llama
@@ -32,6 +32,7 @@ from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
 from .step_sampling import plan_sampling, record_sampling
+from .warm_up import echo_logits_rows, warm_up_batches
 
 log = logging.getLogger(__name__)
 
@@ -156,34 +157,21 @@ class Engine:
         return self._buckets
 
     def warm_up(self) -> int:
-        """Compile the step graph of every (token bucket, active-adapter bucket) pair once; returns the graphs run
-        (0 on eager devices).
+        """Compile the step graph of every (token bucket, active-adapter bucket, logits rows) once; returns the
+        graphs run (0 on eager devices).
 
-        Each warm-up step is padding only (spare cache row, no sequence touched) with tokens on k distinct slots and
-        on -1, so it traces the exact graph a real step of that shape traces: the graph depends on the token bucket
-        and on the width of the step's compact active-adapter table, never on which slots or ranks. The pool compiles
-        its load graphs when made; afterwards steps, swaps, ranks and adapter mixes compile nothing.
+        The logits rows are ``max_batch``, and one per token for a step that scores prompt tokens (echo,
+        ``prompt_logprobs``). Each warm-up step is padding only and traces the exact graph a real step of its shape
+        traces (see `warm_up_batches`): the graph never depends on which slots or ranks. The pool compiles its load
+        graphs when made; afterwards steps, echoes, swaps, ranks and adapter mixes compile nothing.
         """
         if self._sync is None:
             return 0
-        device, meta, runs = self.model.device, self._meta, 0
-        for bucket in self._buckets:
-            for width in meta.active_buckets:
-                active = min(width, bucket - 1)  # leave one -1 token; a step of T tokens has at most T adapters
-                if active < 1 or bucket_for(active, meta.active_buckets) != width:
-                    continue  # no real step of this token bucket has this table width
-                zeros = torch.zeros(bucket, dtype=torch.long)
-                slots = torch.arange(bucket, dtype=torch.int32) % (active + 1) - 1  # -1, 0, .., k-1, -1, ..
-                batch = ForwardBatch(
-                    tokens=zeros.to(device),
-                    positions=zeros.to(device),
-                    cache_rows=torch.full((bucket,), self._padding_row, dtype=torch.long).to(device),
-                    logits_index=torch.zeros(self.config.max_batch, dtype=torch.long).to(device),
-                    spans=None,
-                    slot_indices=slots,
-                )
-                self._run_model(batch, dict.fromkeys(range(active), 1))
-                runs += 1
+        runs = 0
+        shapes = (self._buckets, self._meta.active_buckets, self.config.max_batch, self._padding_row)
+        for batch, active in warm_up_batches(*shapes, self.model.device):
+            self._run_model(batch, dict.fromkeys(range(active), 1))
+            runs += 1
         return runs
 
     @property
@@ -318,7 +306,7 @@ class Engine:
         # traced: the batch's host -> device transfers must not interleave with a slot load in a prefetch thread
         with self._device_lock:
             batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
-            pad_logits = max(batch.num_tokens, self.config.max_batch) if traced else None
+            pad_logits = echo_logits_rows(batch.num_tokens, self.config.max_batch) if traced else None
             device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
             batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
             logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)

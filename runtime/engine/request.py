@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # params.prompt_logprobs: [None, ..]
+    first_token_at: float | None = None  # time.perf_counter() when the first output token was emitted
     finish_reason: str | None = None  # "length", "stop", "cancelled" or "error"
     error: BaseException | None = None
     _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
@@ -78,6 +80,8 @@ class Request:
         return self.prefilled + max(len(self.output) - 1, 0) if not self.in_prefill else self.prefilled
 
     def emit(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        if not self.output:
+            self.first_token_at = time.perf_counter()
         self.output.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)
@@ -90,7 +94,9 @@ class Request:
 
 
 class RequestHandle:
-    """What `Engine.submit` returns: stream tokens as they are produced, or wait for the whole result."""
+    """What `Engine.submit` returns: stream tokens as they are produced, or wait for the whole result. Its properties
+    may be read from any thread while the engine steps: each is one read of state the engine sets once or appends to
+    (``first_token_at`` is set before the first token counts in ``num_tokens``)."""
 
     def __init__(self, request: Request) -> None:
         self._request = request
@@ -106,6 +112,17 @@ class RequestHandle:
     @property
     def finish_reason(self) -> str | None:
         return self._request.finish_reason
+
+    @property
+    def first_token_at(self) -> float | None:
+        """`time.perf_counter()` when the first output token was produced; None before, and for a request that ends
+        without one. Time to first token: this minus the caller's own perf_counter() at submit."""
+        return self._request.first_token_at
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens produced so far (all of them once done); never fewer than the tokens streamed."""
+        return len(self._request.output)
 
     @property
     def logprobs(self) -> list[TokenLogprobs]:

@@ -16,13 +16,20 @@ from adapter_manager import write_synthetic_adapter
 from runtime.cli import main
 
 
+def _ignore_sigint() -> None:
+    """Launch a child as ``nohup cmd &`` does from a non-interactive shell: SIGINT ignored, inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_hub_serve_serves_a_folder_to_huggingface_hub(tmp_path, tiny_spec):
+    """Stopped by SIGTERM, although started ignoring SIGINT: exit 0."""
     write_synthetic_adapter(tmp_path / "hub" / "org" / "a", tiny_spec, r=2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime.cli", "hub", "serve", str(tmp_path / "hub"), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ignore_sigint,
     )
     try:
         line = proc.stdout.readline()
@@ -31,8 +38,16 @@ def test_hub_serve_serves_a_folder_to_huggingface_hub(tmp_path, tiny_spec):
         folder = snapshot_download("org/a", endpoint=endpoint, cache_dir=tmp_path / "cache")
         assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        proc.send_signal(signal.SIGTERM)
+        assert _wait(proc, 30) == 0, proc.stderr.read()
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    """The child's exit code; a child still running after ``timeout`` is killed and fails the test."""
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
 
 
 def test_hub_serve_refuses_a_non_loopback_host(tmp_path):
@@ -83,7 +98,8 @@ def test_help_explains_every_command():
 
 
 def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
-    """The server runs as a subprocess; the client commands run in-process through `main` (same exit codes)."""
+    """The server runs as a subprocess (started ignoring SIGINT, stopped by SIGTERM: exit 0); the client commands run
+    in-process through `main` (same exit codes)."""
     from runtime.model.config import LlamaConfig
 
     adapter = write_synthetic_adapter(tmp_path / "my-adapter", LlamaConfig.tiny().to_spec("random-tiny"), r=4)
@@ -116,6 +132,7 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        preexec_fn=_ignore_sigint,
     )
     try:
         lines = [proc.stdout.readline(), proc.stdout.readline()]
@@ -148,8 +165,8 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
         missing = in_process(capsys, "unregister", "team/x", *auth)
         assert missing.code == 2 and "404" in missing.err
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        assert _wait(proc, 60) == 0, proc.stderr.read()
 
 
 def test_client_commands_exit_1_when_the_server_is_unreachable():

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -345,14 +346,6 @@ class LocalHub:
         logger.info("local hub serving %s at %s", self.root, self.endpoint)
         return self
 
-    def serve_forever(self) -> None:
-        """Serve in the calling thread until interrupted (KeyboardInterrupt), then close the socket."""
-        try:
-            self._server.serve_forever()
-        finally:
-            self._state.stopping.set()
-            self._server.server_close()
-
     def stop(self) -> None:
         """Stop serving and close the socket; in-flight delayed requests end without an answer."""
         self._state.stopping.set()
@@ -385,15 +378,23 @@ def serve(
     port: int = 8000,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve `root` as a Hub mirror until interrupted (the `hub serve DIR` command); `on_ready` gets the endpoint."""
+    """Serve `root` as a Hub mirror in the calling thread until SIGINT or SIGTERM, then close the socket (the `hub
+    serve DIR` command); `on_ready` gets the endpoint. From the main thread both signals stop it, also when it was
+    launched ignoring SIGINT (as ``nohup cmd &`` launches it); their handlers are restored on return."""
     hub = LocalHub(root, host=host, port=port)
+    stops = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in stops}  # raise KeyboardInterrupt
     logger.info("local hub serving %s at %s", hub.root, hub.endpoint)
-    if on_ready is not None:
-        on_ready(hub.endpoint)
     try:
-        hub.serve_forever()
+        if on_ready is not None:
+            on_ready(hub.endpoint)
+        hub._server.serve_forever()
     except KeyboardInterrupt:
         logger.info("local hub at %s interrupted; stopped", hub.endpoint)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        hub.stop()
 
 
 __all__ = ["HubFault", "HubRequest", "LocalHub", "serve"]

@@ -330,17 +330,31 @@ def test_fault_validation_and_bad_root(tmp_path: Path) -> None:
         LocalHub(tmp_path / "missing")
 
 
-def test_serve_cli_entry(root: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_cli_entry_stops_cleanly_on_a_signal_even_when_launched_ignoring_sigint(
+    root: Path, stop: signal.Signals
+) -> None:
+    """Started as ``nohup cmd &`` starts it (SIGINT ignored, inherited): either signal still ends it with exit 0."""
     script = (
         "import sys\nfrom adapter_manager.sources.local_hub import serve\n"
         f"serve({str(root)!r}, port=0, on_ready=lambda endpoint: print(endpoint, flush=True))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         endpoint = proc.stdout.readline().decode().strip()
         assert endpoint.startswith("http://127.0.0.1:")
         assert HfApi(endpoint=endpoint, token=False).model_info(REPO).id == REPO
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        proc.send_signal(stop)
+        try:
+            code = proc.wait(timeout=10)
+        finally:
+            proc.kill()
+    assert code == 0, proc.stderr.read().decode()

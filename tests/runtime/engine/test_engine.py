@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -126,6 +127,29 @@ def test_cancel_frees_the_request_and_the_engine_restarts(make_engine):
     engine.start()  # a stopped engine starts again
     try:
         assert len(queued.result(timeout=60)) == 2
+    finally:
+        engine.stop()
+        manager.close()
+
+
+def test_handle_reports_first_token_time_and_tokens_so_far(make_engine):
+    """Read from this thread while the engine steps in its own: no first-token time and no tokens before the first
+    token, then a perf_counter timestamp taken between submit and that token's arrival, and the count so far."""
+    engine, manager = make_engine()
+    submitted = time.perf_counter()
+    handle = engine.submit([5, 6, 7], "qv", SamplingParams(max_tokens=6))
+    assert handle.first_token_at is None and handle.num_tokens == 0
+    engine.start()
+    try:
+        counts = []
+        for _ in handle.stream(timeout=60):
+            counts.append(handle.num_tokens)
+            if len(counts) == 1:
+                first_seen = time.perf_counter()
+                assert handle.first_token_at is not None and submitted < handle.first_token_at <= first_seen
+        assert all(seen >= streamed for streamed, seen in enumerate(counts, 1)), counts
+        assert handle.num_tokens == len(handle.result(timeout=60)) == 6
+        assert submitted < handle.first_token_at <= first_seen  # set once, by the first token
     finally:
         engine.stop()
         manager.close()

@@ -2,7 +2,8 @@
 
 Tolerance: fp32 on the XLA CPU device, each row's logits within ``FP32_TOL`` (1e-4, as on CPU) of `PeftModel` with
 that row's adapter alone. The engine pads each step's tokens to a bucket; after ``warm_up`` (every bucket, every slot
-filled) a 200-step trace with arrivals, departures, swaps and changing adapter mixes compiles nothing.
+filled) a 200-step trace with arrivals, departures, swaps and changing adapter mixes, then echo (prompt_logprobs)
+requests, compile nothing.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def test_padding_goes_to_the_spare_row():
 
 
 def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected):
-    """Warm-up over every (token bucket, active width) with every slot filled, then 200 steps with arrivals,
-    departures, swaps (5 adapters through 2 slots) and changing mixes: no compile, and every greedy generation equals
-    HF `generate`."""
+    """Warm-up over every (token bucket, active width, logits rows) with every slot filled, then 200 steps with
+    arrivals, departures, swaps (5 adapters through 2 slots) and changing mixes, then echo (prompt_logprobs) requests:
+    no compile, and every greedy generation equals HF `generate`."""
     device = torch_xla.device()
     model = load_model(written[None][0], dtype=torch.float32, device=device)
     spec = model.config.to_spec(TINY_NAME)
@@ -100,7 +101,9 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
     engine = Engine(model, manager, config)
     try:
         manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
-        assert engine.warm_up() == 2 * len(BUCKETS)  # active tables of width 1 and 2 (two units, rank <= granule)
+        # active tables of width 1 and 2 (two units, rank <= granule), each with logits rows for max_batch and for
+        # an echo step (one per token: every bucket exceeds max_batch 4)
+        assert engine.warm_up() == 2 * 2 * len(BUCKETS)
         warmed = compile_count()
         loads_before = manager.metrics().moves["host_to_slot"].count
         combos = sorted(expected, key=str)
@@ -123,6 +126,14 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
         assert len(mixes) >= 4 and len(buckets_seen) >= 2, (mixes, buckets_seen)
         for handle, prompt, name, max_tokens in handles:
             assert handle.result(timeout=0) == expected[(tuple(prompt), name)][:max_tokens], (prompt, name)
+
+        # echo (prompt_logprobs): a prefill step asks for one logits row per token, padded to the token bucket
+        echoes = [(engine.submit(p, a, SamplingParams(max_tokens=2, prompt_logprobs=2)), p, a) for p, a in combos]
+        engine.run_until_idle(max_steps=100)
+        assert compile_count() == warmed, "an echo (prompt_logprobs) step after warm-up compiled"
+        for handle, prompt, name in echoes:
+            assert handle.result(timeout=0) == expected[(tuple(prompt), name)][:2], (prompt, name)
+            assert len(handle.prompt_logprobs) == len(prompt), (prompt, name)
     finally:
         manager.close()
 
