@@ -26,7 +26,8 @@ from ..sources.hub import AdapterFiles, AdapterRef, HubResolver
 from ..sources.peft_format import LoraAdapterConfig
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
-from ..tiers.prepare import PreparedAdapter, prepare_adapter
+from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
+from ..tiers.row_layout import RowLayout
 from .records import AdapterRecord, RegisterResult, RegistryConfig, check_adapter_id
 from .state_store import Registration, StateStore, UnrestoredAdapter
 
@@ -54,10 +55,12 @@ class AdapterRegistry:
         self._unrestored: dict[str, UnrestoredAdapter] = {}
         self._lock = threading.Lock()
         self._id_locks: dict[str, threading.Lock] = {}
+        self._row_bytes = RowLayout.of(spec).width * self.config.dtype.itemsize  # one prepared row
+        self.store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
         self.disk: DiskTier | None = None
         if self.config.disk_cache_bytes is not None:
-            self.disk = DiskTier(self._resolver.cache_dir, self.config.disk_cache_bytes, self.metrics, self._needed)
-        self.store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
+            cache, bound = self._resolver.cache_dir, self.config.disk_cache_bytes
+            self.disk = DiskTier(cache, bound, self.metrics, self._needed, self.store)
 
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
         """Register `ref` under `adapter_id` (default: the repo id, or the local directory's name).
@@ -91,6 +94,7 @@ class AdapterRegistry:
                     self._persist(record)
                     with self._lock:
                         self._records[adapter_id] = record
+                    self._used(record, files.downloaded_bytes > 0)
                     return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
                 record, prepared, prepare_s = self._load(adapter_id, parsed, files)
                 self._persist(record, keep_pin=previous is not None)
@@ -133,7 +137,13 @@ class AdapterRegistry:
     def restore(self) -> list[Registration]:
         """Register again every durable registration at its recorded sha, from the HF cache without contacting the
         hub (files that left the cache are downloaded again at that sha). One that fails is logged, counted and
-        listed by `unrestored()`; the others go on. Returns the registrations restored."""
+        listed by `unrestored()`; the others go on. Returns the registrations restored.
+
+        Restoring prepares nothing: each record is rebuilt from its files (both present, the config validated as at
+        registration, the weights file's header checked: whole, keys, shapes, dtypes), and the adapter is prepared
+        on first use through the host tier, as after a host eviction. What only reading every value finds (NaN or
+        infinity) is found then, and fails that request as a cold load's would; the adapter stays registered.
+        """
         restored = []
         for row in self.store.load() if self.store is not None else []:
             try:
@@ -221,13 +231,15 @@ class AdapterRegistry:
             files = AdapterFiles(Path(), Path(), row.sha, 0)
             stand_in = AdapterRecord(row.adapter_id, ref, files, {}, 0, None, row.registered_at)
             files = self._files(stand_in)
-            record, prepared, _ = self._load(row.adapter_id, ref, files)
-            record = replace(record, registered_at=row.registered_at)
+            config, warnings, modules = self._read_config(row.adapter_id, files)
+            check_weights(row.adapter_id, files.weights_path, modules, self.spec)
+            nbytes = max(m.rank for m in modules.values()) * self._row_bytes
+            base = config.base_model_name_or_path
+            record = AdapterRecord(row.adapter_id, ref, files, modules, nbytes, base, row.registered_at, warnings)
             with self._lock:
                 self._records[row.adapter_id] = record
                 self._unrestored.pop(row.adapter_id, None)
-        self.host.put((row.adapter_id, record.sha), prepared)
-        self._used(record, grew=False)  # the bound is enforced once all are restored
+        self._used(record, files.downloaded_bytes > 0, enforce=False)  # the bound is enforced once all are restored
 
     def _persist(self, record: AdapterRecord, keep_pin: bool = True) -> None:
         """Commit the registration to the durable store (before it is published or answered)."""
@@ -254,15 +266,18 @@ class AdapterRegistry:
         with self.disk.using(repo_id):
             yield
 
-    def _used(self, record: AdapterRecord, grew: bool) -> None:
+    def _used(self, record: AdapterRecord, grew: bool, enforce: bool = True) -> None:
         """A hub adapter's files were just used: refresh their LRU position and, if a download `grew` the cache,
-        bring the disk tier back under its bound (a disk hit scans nothing)."""
+        count the repo's new size and (`enforce`) bring the disk tier back under its bound (a disk hit reads
+        nothing)."""
         if self.disk is None or record.ref.repo_id is None:
             return
         self.disk.touch(record.ref.repo_id, record.sha)
         if grew:
             try:
-                self.disk.enforce()
+                self.disk.landed(record.ref.repo_id)
+                if enforce:
+                    self.disk.enforce()
             except OSError as err:
                 log.error("disk tier: eviction failed: %s", err)
 
@@ -274,11 +289,15 @@ class AdapterRegistry:
         if self.store is not None:
             self.store.close()
 
-    def _load(self, adapter_id: str, ref: AdapterRef, files: AdapterFiles):
-        start = time.perf_counter()
+    def _read_config(self, adapter_id: str, files: AdapterFiles):
+        """The adapter's validated config, its base-model warnings and the modules it targets."""
         config = LoraAdapterConfig.from_file(files.config_path, adapter_id)
         warnings = self._check_base_model(adapter_id, config.base_model_name_or_path)
-        modules = config.resolve(self.spec, adapter_id, self.config.max_rank)
+        return config, warnings, config.resolve(self.spec, adapter_id, self.config.max_rank)
+
+    def _load(self, adapter_id: str, ref: AdapterRef, files: AdapterFiles):
+        start = time.perf_counter()
+        config, warnings, modules = self._read_config(adapter_id, files)
         prepared, _ = self._prepare(adapter_id, files, modules, start)
         record = AdapterRecord(
             adapter_id, ref, files, modules, prepared.nbytes, config.base_model_name_or_path, time.time(), warnings

@@ -1,8 +1,12 @@
-"""Durable registrations: one row per registered adapter in a sqlite3 database under a state directory.
+"""Durable registrations: one row per registered adapter in a sqlite3 database under a state directory, beside the
+hub repositories the disk tier owns in each HF cache (so a restart still evicts the repos of adapters unregistered
+before it).
 
     store = StateStore(Path("/var/lib/adapter-manager"))     # creates registrations.sqlite3 (WAL mode)
     store.put(Registration("org/a", "org/a", "v2", "3f2c...", pinned=False, registered_at=time.time()))
     store.load()                                              # every row, sorted by id
+    store.set_owned(cache_dir, "org/a", True)                 # the disk tier downloads into org/a
+    store.owned_repos(cache_dir)                              # {"org/a"}
 
 Every write is one committed transaction before the call returns, so a caller that answers a client after `put` or
 `delete` has made that answer durable. The journal is WAL with ``synchronous=FULL``: each commit fsyncs the WAL, so a
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DB_NAME = "registrations.sqlite3"
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS registrations (
     adapter_id    TEXT PRIMARY KEY,
     ref           TEXT NOT NULL,     -- hub repo id, or the resolved local directory
@@ -28,7 +33,15 @@ CREATE TABLE IF NOT EXISTS registrations (
     pinned        INTEGER NOT NULL DEFAULT 0,
     registered_at REAL NOT NULL
 )
-"""
+""",
+    """
+CREATE TABLE IF NOT EXISTS disk_owned (
+    cache_dir     TEXT NOT NULL,     -- the HF cache, as an absolute path
+    repo_id       TEXT NOT NULL,     -- a model repo this manager downloads into it (the disk tier may evict it)
+    PRIMARY KEY (cache_dir, repo_id)
+)
+""",
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,8 @@ class StateStore:
         if mode.lower() != "wal":
             raise OSError(f"state store {self.path}: the file system refused WAL mode (journal_mode={mode})")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
+        for statement in _SCHEMA:
+            self._db.execute(statement)
 
     def put(self, row: Registration, keep_pin: bool = True) -> None:
         """Insert or replace the registration of `row.adapter_id`; an update keeps a stored pin if `keep_pin`."""
@@ -98,6 +112,26 @@ class StateStore:
             ).fetchall()
         return [Registration(a, ref, rev, sha, bool(pinned), at) for a, ref, rev, sha, pinned, at in rows]
 
+    def owned_repos(self, cache_dir: Path) -> set[str]:
+        """The repos the disk tier of `cache_dir` owns."""
+        with self._lock:
+            rows = self._db.execute("SELECT repo_id FROM disk_owned WHERE cache_dir = ?", (_key(cache_dir),))
+            return {repo_id for (repo_id,) in rows.fetchall()}
+
+    def set_owned(self, cache_dir: Path, repo_id: str, owned: bool) -> None:
+        """Record (before the disk tier downloads into it) or forget (once it left the cache) an owned repo."""
+        with self._lock:
+            if owned:
+                self._db.execute("INSERT OR IGNORE INTO disk_owned VALUES (?, ?)", (_key(cache_dir), repo_id))
+            else:
+                self._db.execute(
+                    "DELETE FROM disk_owned WHERE cache_dir = ? AND repo_id = ?", (_key(cache_dir), repo_id)
+                )
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _key(cache_dir: Path) -> str:
+    return str(Path(cache_dir).resolve())

@@ -1,10 +1,15 @@
 """The disk tier: the adapter repositories this manager downloaded into the HF cache, kept under a byte bound.
 
 Only repositories the manager itself resolved are counted and evicted (`own`); anything else in the cache, such as
-the base model's checkpoint, is never touched. Eviction goes through huggingface_hub's own cache API
-(`scan_cache_dir` and `HFCacheInfo.delete_revisions(...).execute()`), least recently used revision first, revisions
-no registration needs before any that one does. A repository is pinned while one of its revisions is downloaded or
-prepared (`using`), and a pinned repository is never evicted, so a preparation never loses its files mid-read.
+the base model's checkpoint, is never touched. With a `store` (the state directory's `StateStore`) ownership is
+durable: a tier built after a restart still owns, and evicts, the repos of adapters unregistered before it. Eviction
+goes through huggingface_hub's own cache API (its per-repo scan and `HFCacheInfo.delete_revisions(...).execute()`),
+least recently used revision first, revisions no registration needs before any that one does. A repository is
+pinned while one of its revisions is downloaded or prepared (`using`), and a pinned repository is never evicted, so a
+preparation never loses its files mid-read.
+
+Sizes are kept incrementally: each owned repo's folder is read when the tier starts or first owns it, again when a
+download lands in it (`landed`) and after an eviction from it; the rest of the cache is never walked.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from huggingface_hub import CachedRepoInfo, CachedRevisionInfo, HFCacheInfo, scan_cache_dir
-from huggingface_hub.errors import CacheNotFound
+from huggingface_hub import CachedRepoInfo, CachedRevisionInfo, HFCacheInfo
+from huggingface_hub.errors import CorruptedCacheException
+from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import _cache_manager  # _scan_cached_repo: scan_cache_dir's reading of one repo
 
 from ..metrics import SwapMetrics, Tier
 
@@ -34,10 +42,19 @@ class DiskUsage:
     revisions: int  # cached revisions of owned repositories
 
 
+class OwnershipStore(Protocol):
+    """Where a disk tier keeps the repos it owns across restarts (`registry.StateStore`)."""
+
+    def owned_repos(self, cache_dir: Path) -> set[str]: ...
+
+    def set_owned(self, cache_dir: Path, repo_id: str, owned: bool) -> None: ...
+
+
 class DiskTier:
     """Bounds the bytes of owned adapter repositories in one HF cache directory; thread-safe.
 
-    `needed` tells which (repo_id, sha) revisions registrations point at: revisions nobody needs go first.
+    `needed` tells which (repo_id, sha) revisions registrations point at: revisions nobody needs go first. `store`
+    keeps ownership durable; without one it lives as long as the tier.
     """
 
     def __init__(
@@ -46,6 +63,7 @@ class DiskTier:
         capacity_bytes: int,
         metrics: SwapMetrics,
         needed: Callable[[], set[tuple[str, str]]] = set,
+        store: OwnershipStore | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"disk_cache_bytes must be positive, got {capacity_bytes}")
@@ -53,22 +71,29 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self._metrics = metrics
         self._needed = needed
+        self._store = store
         self._lock = threading.Lock()
         self._owned: set[str] = set()
+        self._repos: dict[str, CachedRepoInfo] = {}  # owned repo -> its folder as last read; absent: not cached
         self._pins: dict[str, int] = {}
         self._last_used: dict[tuple[str, str], float] = {}
         self.evicted_bytes = 0
+        with self._lock:
+            for repo_id in sorted(store.owned_repos(self.cache_dir)) if store is not None else ():
+                self._owned.add(repo_id)
+                if not self._read(repo_id):
+                    self._disown(repo_id)  # left the cache while the manager was down
 
     def own(self, repo_id: str) -> None:
         """Count `repo_id` as one of the manager's adapter repositories (evictable)."""
         with self._lock:
-            self._owned.add(repo_id)
+            self._own(repo_id)
 
     @contextmanager
     def using(self, repo_id: str) -> Iterator[None]:
         """Pin every revision of `repo_id` while the block runs (a download or a preparation)."""
         with self._lock:
-            self._owned.add(repo_id)
+            self._own(repo_id)
             self._pins[repo_id] = self._pins.get(repo_id, 0) + 1
         try:
             yield
@@ -78,6 +103,12 @@ class DiskTier:
                 if not self._pins[repo_id]:
                     del self._pins[repo_id]
 
+    def landed(self, repo_id: str) -> None:
+        """A download into `repo_id` finished: read that repo's folder again (its new size), nothing else."""
+        with self._lock:
+            self._own(repo_id)
+            self._read(repo_id)
+
     def touch(self, repo_id: str, sha: str) -> None:
         """Mark a revision used now (LRU order)."""
         with self._lock:
@@ -85,7 +116,7 @@ class DiskTier:
 
     def usage(self) -> DiskUsage:
         with self._lock:
-            repos = self._owned_repos(self._scan())
+            repos = list(self._repos.values())
         return DiskUsage(sum(r.size_on_disk for r in repos), self.capacity_bytes, sum(len(r.revisions) for r in repos))
 
     def enforce(self) -> int:
@@ -94,11 +125,10 @@ class DiskTier:
         freed, kept = 0, set()
         with self._lock:
             while True:
-                info = self._scan()
-                repos = self._owned_repos(info)
+                repos = list(self._repos.values())
                 used = sum(r.size_on_disk for r in repos)
                 candidates = [
-                    (r.repo_id, rev)
+                    (r, rev)
                     for r in repos
                     if r.repo_id not in self._pins
                     for rev in r.revisions
@@ -107,22 +137,29 @@ class DiskTier:
                 if used <= self.capacity_bytes or not candidates:
                     break
                 needed = self._needed()
-                repo_id, revision = min(
-                    candidates, key=lambda c: ((c[0], c[1].commit_hash) in needed, self._used_at(c[0], c[1]))
+                repo, revision = min(
+                    candidates, key=lambda c: ((c[0].repo_id, c[1].commit_hash) in needed, self._used_at(*c))
                 )
-                holders = [r for r in info.repos for rev in r.revisions if rev.commit_hash == revision.commit_hash]
-                if len(holders) > 1:  # delete_revisions would delete it from every holder, owned or not
-                    log.warning(
-                        "disk tier: %s@%s shares its sha with another repo; kept", repo_id, revision.commit_hash
-                    )
-                    kept.add(revision.commit_hash)
+                sha = revision.commit_hash
+                if self._shared(repo, sha):
+                    log.warning("disk tier: %s@%s shares its sha with another repo; kept", repo.repo_id, sha)
+                    kept.add(sha)
                     continue
-                strategy = info.delete_revisions(revision.commit_hash)
+                info = HFCacheInfo(
+                    size_on_disk=repo.size_on_disk,
+                    repos=frozenset({repo}),
+                    incomplete_files=frozenset(),
+                    warnings=[],
+                    cache_dir=self.cache_dir,
+                )
+                strategy = info.delete_revisions(sha)  # within this one repo
                 strategy.execute()
                 freed += strategy.expected_freed_size
-                self._last_used.pop((repo_id, revision.commit_hash), None)
+                self._last_used.pop((repo.repo_id, sha), None)
+                if not self._read(repo.repo_id):
+                    self._disown(repo.repo_id)
                 self._metrics.evicted(Tier.DISK)
-                log.info("disk tier: evicted %s@%s (%d bytes)", repo_id, revision.commit_hash[:12], freed)
+                log.info("disk tier: evicted %s@%s (%d bytes)", repo.repo_id, sha[:12], strategy.expected_freed_size)
             self.evicted_bytes += freed
             self._metrics.disk_usage(used, self.capacity_bytes, self.evicted_bytes)
             if used > self.capacity_bytes:
@@ -131,16 +168,37 @@ class DiskTier:
                 )
         return freed
 
-    def _scan(self) -> HFCacheInfo | None:
+    def _own(self, repo_id: str) -> None:
+        """Own `repo_id` (durably, before anything is downloaded into it) and read its folder if new. Lock held."""
+        if repo_id in self._owned:
+            return
+        if self._store is not None:
+            self._store.set_owned(self.cache_dir, repo_id, True)
+        self._owned.add(repo_id)
+        self._read(repo_id)
+
+    def _disown(self, repo_id: str) -> None:
+        """`repo_id` has left the cache: own it no more (it is owned again when downloaded again). Lock held."""
+        if self._store is not None:
+            self._store.set_owned(self.cache_dir, repo_id, False)
+        self._owned.discard(repo_id)
+
+    def _read(self, repo_id: str) -> bool:
+        """Read one owned repo's folder into `_repos`; False when the repo is not in the cache. Lock held."""
+        path = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+        self._repos.pop(repo_id, None)
+        if not path.is_dir():
+            return False
         try:
-            return scan_cache_dir(self.cache_dir)
-        except CacheNotFound:
-            return None
+            self._repos[repo_id] = _cache_manager._scan_cached_repo(path)
+        except CorruptedCacheException as err:  # a download under way, or broken by hand: counted as empty
+            log.warning("disk tier: %s not counted: %s", repo_id, err)
+        return True
 
-    def _owned_repos(self, info: HFCacheInfo | None) -> list[CachedRepoInfo]:
-        if info is None:
-            return []
-        return [r for r in info.repos if r.repo_type == "model" and r.repo_id in self._owned]
+    def _shared(self, repo: CachedRepoInfo, sha: str) -> bool:
+        """Whether another repo in the cache holds the same commit sha (a mirror, a copy of the base model); such a
+        revision is kept, as `delete_revisions` over the whole cache would delete it from every holder."""
+        return any(path.parent.parent != repo.repo_path for path in self.cache_dir.glob(f"*/snapshots/{sha}"))
 
-    def _used_at(self, repo_id: str, revision: CachedRevisionInfo) -> float:
-        return self._last_used.get((repo_id, revision.commit_hash), revision.last_modified)
+    def _used_at(self, repo: CachedRepoInfo, revision: CachedRevisionInfo) -> float:
+        return self._last_used.get((repo.repo_id, revision.commit_hash), revision.last_modified)

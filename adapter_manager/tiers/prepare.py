@@ -7,9 +7,11 @@ slot pool by one contiguous copy. Modules it does not target, and rows past a mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -68,12 +70,27 @@ def prepare_adapter(
     Every key must be the lora_A/lora_B of a targeted module, every targeted module must have both, shapes must be
     `A [r, in]`, `B [out, r]`, values finite. Nothing is kept if any check fails.
     """
+    with _opened(adapter_id, weights_path) as handle:
+        tensors = _match_keys(adapter_id, list(handle.keys()), modules)
+        _check_shapes(adapter_id, handle, tensors, modules, spec)
+        return _build(adapter_id, sha, handle, tensors, modules, RowLayout.of(spec), dtype, pin_memory)
+
+
+def check_weights(
+    adapter_id: str, weights_path: Path, modules: Mapping[ModuleKey, ModuleLora], spec: BaseModelSpec
+) -> None:
+    """Every check of `prepare_adapter` that needs only the file's header: a whole safetensors file (its length
+    covers every tensor), the keys, every shape and dtype. Reads no tensor, so it cannot find non-finite values."""
+    with _opened(adapter_id, weights_path) as handle:
+        _check_shapes(adapter_id, handle, _match_keys(adapter_id, list(handle.keys()), modules), modules, spec)
+
+
+@contextmanager
+def _opened(adapter_id: str, weights_path: Path) -> Iterator[Any]:
+    """The safetensors handle of `weights_path`; a missing or malformed file raises `CorruptWeightsError`."""
     try:
         with safe_open(weights_path, framework="pt") as handle:
-            keys = list(handle.keys())
-            tensors = _match_keys(adapter_id, keys, modules)
-            _check_shapes(adapter_id, handle, tensors, modules, spec)
-            return _build(adapter_id, sha, handle, tensors, modules, RowLayout.of(spec), dtype, pin_memory)
+            yield handle
     except FileNotFoundError:
         raise CorruptWeightsError(adapter_id, f"{weights_path.name} is missing") from None
     except SafetensorError as err:

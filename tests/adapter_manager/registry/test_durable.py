@@ -10,6 +10,7 @@ import time
 import pytest
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir
+from safetensors.torch import load_file, save_file
 
 from adapter_manager import (
     AdapterManager,
@@ -18,6 +19,7 @@ from adapter_manager import (
     HubConfig,
     LocalHub,
     Move,
+    NonFiniteWeightsError,
     Registration,
     StateStore,
     write_synthetic_adapter,
@@ -143,3 +145,67 @@ def test_rows_without_a_state_dir_are_not_written(hub_root, tmp_path, tiny_spec)
         assert manager.registry.store is None and manager.restored == []
     assert not (tmp_path / "state").exists()
     assert {r.repo_id for r in scan_cache_dir(tmp_path / "cache").repos} == {"org/a"}
+
+
+def _cache_repos(cache) -> set[str]:
+    return {r.repo_id for r in scan_cache_dir(cache).repos}
+
+
+def test_a_restart_restores_records_and_prepares_each_adapter_only_on_first_use(hub_root, tmp_path, tiny_spec):
+    with LocalHub(hub_root) as hub:
+        with manager_for(tiny_spec, tmp_path, hub.endpoint) as first:
+            first.register("org/a")
+            first.register("org/b")
+        with manager_for(tiny_spec, tmp_path, hub.endpoint) as second:
+            assert sorted(second.restored) == ["org/a", "org/b"]
+            assert Move.DISK_TO_HOST.value not in second.metrics().moves  # nothing prepared yet
+            assert second.registry.host.keys() == set()
+            assert {r.tier for r in second.residency().values()} == {"disk"}
+            second.release(second.acquire(["org/a"]))  # the first request prepares it, as a cold load does
+            assert second.metrics().moves[Move.DISK_TO_HOST.value].count == 1
+            record = second.registry.get("org/a")
+            assert second.registry.host.keys() == {("org/a", record.sha)}
+            assert record.nbytes == second.registry.prepared("org/a").nbytes  # known before it was prepared
+
+
+def _cached_weights(cache, repo: str):
+    (snapshot,) = (cache / f"models--{repo.replace('/', '--')}" / "snapshots").iterdir()
+    return (snapshot / "adapter_model.safetensors").resolve()  # the blob itself
+
+
+def test_weights_broken_after_registration_are_found_at_restore_or_at_first_use(hub_root, tmp_path, tiny_spec):
+    """Restore reads each weights file's header (keys, shapes, dtypes, length); values are read on first use."""
+    with LocalHub(hub_root) as hub:
+        with manager_for(tiny_spec, tmp_path, hub.endpoint) as first:
+            first.register("org/a")
+            first.register("org/b")
+        endpoint = hub.endpoint
+    truncated = _cached_weights(tmp_path / "cache", "org/a")
+    truncated.write_bytes(truncated.read_bytes()[:-64])
+    nan = _cached_weights(tmp_path / "cache", "org/b")
+    tensors = load_file(nan)
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    save_file(tensors, nan)
+    with manager_for(tiny_spec, tmp_path, endpoint) as second:
+        assert second.restored == ["org/b"]
+        (unrestored,) = second.registry.unrestored()
+        assert unrestored.registration.adapter_id == "org/a" and "CorruptWeightsError" in unrestored.error
+        assert second.metrics().restore == {"restored": 1, "failed": 1}
+        with pytest.raises(NonFiniteWeightsError, match="NaN"):  # that request's failure, as a cold load's
+            second.acquire(["org/b"])
+        assert "org/b" in second.registry and second.registry.host.keys() == set()
+
+
+def test_repos_of_adapters_unregistered_before_a_restart_are_still_evicted(hub_root, tmp_path, tiny_spec):
+    with LocalHub(hub_root) as hub:
+        with manager_for(tiny_spec, tmp_path, hub.endpoint, disk_cache_bytes=1 << 30) as first:
+            first.register("org/a")
+            first.register("org/b")
+            first.unregister("org/a")  # its files stay in the HF cache, owned by the disk tier
+        one = max(r.size_on_disk for r in scan_cache_dir(tmp_path / "cache").repos)
+        endpoint = hub.endpoint
+    assert _cache_repos(tmp_path / "cache") == {"org/a", "org/b"}
+    with manager_for(tiny_spec, tmp_path, endpoint, disk_cache_bytes=one) as second:
+        assert _cache_repos(tmp_path / "cache") == {"org/b"}  # the restart still knew it owned org/a
+        assert second.metrics().evictions["disk"] == 1 and second.metrics().disk["used_bytes"] <= one
+        second.release(second.acquire(["org/b"]))

@@ -6,8 +6,19 @@ from __future__ import annotations
 import pytest
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir, snapshot_download
+from huggingface_hub.utils import _cache_manager as cache_manager
 
-from adapter_manager import DiskTier, LocalHub, SwapMetrics, write_synthetic_adapter
+from adapter_manager import (
+    AdapterRegistry,
+    DiskTier,
+    DiskUsage,
+    HubConfig,
+    LocalHub,
+    RegistryConfig,
+    StateStore,
+    SwapMetrics,
+    write_synthetic_adapter,
+)
 
 
 @pytest.fixture
@@ -81,3 +92,67 @@ def test_a_sha_shared_with_a_repo_not_owned_is_kept(tmp_path, tiny_spec, monkeyp
     tier.own("org/twin")
     assert tier.enforce() == 0
     assert set(_repos(tmp_path / "cache")) == {"org/twin", "other/twin"}
+
+
+def test_ownership_is_kept_in_the_state_store_across_tiers(cache, tmp_path):
+    """A new tier on the same store (a restart) still owns what the old one did, and evicts it under its bound;
+    a repo wholly evicted is owned no more."""
+    store, restarted = StateStore(tmp_path / "state"), StateStore(tmp_path / "state")
+    first = DiskTier(cache, 1 << 30, SwapMetrics(), store=store)
+    first.own("org/a")
+    with first.using("org/b"):
+        pass
+    assert DiskTier(cache, 1, SwapMetrics()).usage() == DiskUsage(0, 1, 0)  # no store: nothing owned at start
+    second = DiskTier(cache, 1, SwapMetrics(), store=restarted)
+    assert second.usage().revisions == 2
+    second.enforce()
+    assert set(_repos(cache)) == {"org/c", "other/model"}  # never owned: kept
+    assert DiskTier(cache, 1, SwapMetrics(), store=store).usage() == DiskUsage(0, 1, 0)
+    assert store.owned_repos(cache) == set()
+    store.close()
+    restarted.close()
+
+
+def test_after_start_only_the_repo_a_download_landed_in_is_read(tmp_path, tiny_spec, monkeypatch):
+    """Sizes are kept incrementally: a download reads its own repo's folder, never the rest of the cache (the base
+    model, other adapters), and the kept figure equals a full scan's."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    for i, name in enumerate(("org/a", "org/b", "org/c", "other/model")):
+        write_synthetic_adapter(tmp_path / "hub" / name, tiny_spec, r=4, seed=i)
+    read: list[str] = []
+    scan_repo = cache_manager._scan_cached_repo
+
+    def counting(repo_path):
+        read.append(repo_path.name)
+        return scan_repo(repo_path)
+
+    with LocalHub(tmp_path / "hub") as hub:
+        snapshot_download("other/model", endpoint=hub.endpoint, cache_dir=tmp_path / "cache")
+        hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "cache", retries=0)
+        registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, hub=hub_config, disk_cache_bytes=1 << 30))
+        registry.restore()
+        monkeypatch.setattr(cache_manager, "_scan_cached_repo", counting)
+        for name in ("org/a", "org/b", "org/c"):
+            registry.register(name)
+    assert "models--other--model" not in read
+    assert read.count("models--org--a") <= 2  # when first owned, and when its download landed
+    owned = [r for r in scan_cache_dir(tmp_path / "cache").repos if r.repo_id.startswith("org/")]
+    assert registry.disk.usage() == DiskUsage(sum(r.size_on_disk for r in owned), 1 << 30, 3)
+
+
+def test_a_refresh_that_downloads_the_same_sha_again_is_bounded_too(tmp_path, tiny_spec, monkeypatch):
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    for i, name in enumerate(("org/a", "org/b")):
+        write_synthetic_adapter(tmp_path / "hub" / name, tiny_spec, r=4, seed=i)
+    with LocalHub(tmp_path / "hub") as hub:
+        hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "cache", retries=0)
+        snapshot_download("org/a", endpoint=hub.endpoint, cache_dir=tmp_path / "sizes")
+        one = scan_cache_dir(tmp_path / "sizes").size_on_disk
+        registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, hub=hub_config, disk_cache_bytes=one))
+        registry.register("org/a")
+        registry.register("org/b")  # org/a, least recently used, leaves the cache
+        assert set(_repos(tmp_path / "cache")) == {"org/b"}
+        again = registry.register("org/a", refresh=True)  # the same sha, downloaded again
+        assert again.action == "unchanged" and again.downloaded_bytes > 0
+    assert set(_repos(tmp_path / "cache")) == {"org/a"}
+    assert registry.disk.usage().used_bytes <= one
