@@ -3,9 +3,11 @@
 A ref is local when it starts with `/`, `./`, `../`, `~` or `file://`; anything else is a hub ID `org/name`,
 optionally pinned `org/name@revision` (branch, tag or 40-hex sha). Hub downloads fetch only adapter_config.json and
 adapter_model.safetensors into the HF cache (HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE and HF_ENDPOINT are honoured by
-huggingface_hub itself; `HubConfig` overrides them per manager). Transient failures (5xx, 429, timeouts, broken
-connections, truncated bodies) are retried with exponential backoff, then raised as `HubUnavailableError`; a failed
-download leaves no partial blob in the cache.
+huggingface_hub itself; `HubConfig` overrides them per manager), through one `HfApi` on huggingface_hub's shared
+session (one connection pool). A cold registration costs five requests: the revision's commit sha
+(`HfApi.resolve_revision`; none for a sha), then a HEAD + GET per file pinned to that sha (none for a file already
+cached). Transient failures (5xx, 429, timeouts, broken connections, truncated bodies) are retried with exponential
+backoff, then raised as `HubUnavailableError`; a failed download leaves no partial blob in the cache.
 """
 
 from __future__ import annotations
@@ -18,21 +20,21 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
+from huggingface_hub import HfApi, constants, try_to_load_from_cache
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
+    RevisionResolutionError,
 )
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from ..errors import (
@@ -133,13 +135,25 @@ class HubResolver:
     """Resolves refs to local files. One download per repository at a time, so cleanup never races a download."""
 
     config: HubConfig = field(default_factory=HubConfig)
+    _api: HfApi = field(init=False, repr=False)  # every hub call: config's endpoint and token, the shared session
     _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        # huggingface_hub's user agent would otherwise ask {HF_ENDPOINT}/api/agent-harnesses (huggingface.co by
+        # default) which agent runs it: traffic to a host other than this resolver's endpoint. Nothing else reads it.
+        constants.HF_HUB_DISABLE_TELEMETRY = True
+        self._api = HfApi(endpoint=self.config.endpoint, token=self.config.token)
 
     @property
     def cache_dir(self) -> Path:
         """The HF cache hub refs are downloaded into."""
         return Path(self.config.cache_dir or constants.HF_HUB_CACHE)
+
+    @property
+    def offline(self) -> bool:
+        """Whether to use the HF cache alone: `HubConfig.offline` or HF_HUB_OFFLINE."""
+        return self.config.offline or constants.is_offline_mode()
 
     def cached(self, repo_id: str, sha: str) -> AdapterFiles | None:
         """Both files of `repo_id` at commit `sha` from the HF cache alone (no network), or None if either is gone."""
@@ -163,7 +177,7 @@ class HubResolver:
         delay = self.config.backoff_s
         for attempt in range(self.config.retries + 1):
             try:
-                folder = Path(self._snapshot(ref))
+                sha, config, weights = self._fetch(ref)
                 break
             except Exception as err:  # noqa: BLE001 - classified right below
                 _remove_partial_blobs(blobs)
@@ -178,49 +192,56 @@ class HubResolver:
                 time.sleep(delay)
                 delay *= 2
         downloaded = sum(size for name, size in _blob_sizes(blobs).items() if name not in before)
-        files = AdapterFiles(folder / CONFIG_NAME, folder / WEIGHTS_NAME, folder.name, downloaded)
-        if not files.config_path.is_file():
-            raise AdapterConfigError(adapter, f"{ref} has no {CONFIG_NAME} at revision {files.sha}")
-        if not files.weights_path.is_file():
-            pickles = self._pickles(ref.repo_id, files.sha)
+        if config is None:
+            raise AdapterConfigError(adapter, f"{ref} has no {CONFIG_NAME} at revision {sha}")
+        if weights is None:
+            pickles = self._pickles(ref.repo_id, sha)
             if pickles:
                 raise PickleRefusedError(
                     adapter, f"{ref} ships only pickle weights ({', '.join(pickles)}); need {WEIGHTS_NAME}"
                 )
-            raise CorruptWeightsError(adapter, f"{ref} has no {WEIGHTS_NAME} at revision {files.sha}")
-        return files
+            raise CorruptWeightsError(adapter, f"{ref} has no {WEIGHTS_NAME} at revision {sha}")
+        return AdapterFiles(config, weights, sha, downloaded)
 
-    def _snapshot(self, ref: AdapterRef) -> str:
-        quiet = not (self.config.progress_bars if self.config.progress_bars is not None else sys.stderr.isatty())
-        download = partial(
-            snapshot_download,
-            ref.repo_id,
-            revision=ref.revision,
-            allow_patterns=[CONFIG_NAME, WEIGHTS_NAME],
-            cache_dir=self.config.cache_dir,
-            endpoint=self.config.endpoint,
-            token=self.config.token,
-            local_files_only=self.config.offline,
-            etag_timeout=self.config.timeout_s,
+    def _fetch(self, ref: AdapterRef) -> tuple[str, Path | None, Path | None]:
+        """The commit sha `ref` resolves to and its config and weights in the HF cache (None: not in that revision;
+        the weights are not asked for without a config). Both files come from that one commit."""
+        revision = self._api.resolve_revision(
+            ref.repo_id, revision=ref.revision, cache_dir=self.config.cache_dir, local_files_only=self.offline
         )
-        if quiet and not are_progress_bars_disabled("huggingface_hub"):
-            with disable_progress_bars("huggingface_hub"):
-                return download(tqdm_class=_NoProgress)
-        return download()
+        config = self._file(ref.repo_id, CONFIG_NAME, revision)
+        weights = self._file(ref.repo_id, WEIGHTS_NAME, revision) if config is not None else None
+        return revision.resolved, config, weights
+
+    def _file(self, repo_id: str, name: str, revision: str) -> Path | None:
+        """One file of a resolved revision, downloaded unless cached; None if the hub says it is not there."""
+        quiet = not (self.config.progress_bars if self.config.progress_bars is not None else sys.stderr.isatty())
+        try:
+            path = self._api.hf_hub_download(
+                repo_id,
+                name,
+                revision=revision,
+                cache_dir=self.config.cache_dir,
+                local_files_only=self.offline,
+                etag_timeout=self.config.timeout_s,
+                tqdm_class=_NoProgress if quiet else None,
+            )
+        except RemoteEntryNotFoundError:
+            return None
+        return Path(path)
 
     def _pickles(self, repo_id: str, sha: str) -> list[str]:
         """Pickle weight files at a revision (asked only when the safetensors file is missing)."""
-        if self.config.offline:
+        if self.offline:
             return []
-        api = HfApi(endpoint=self.config.endpoint, token=self.config.token)
         try:
-            return sorted(n for n in api.list_repo_files(repo_id, revision=sha) if n.endswith(PICKLE_SUFFIXES))
+            return sorted(n for n in self._api.list_repo_files(repo_id, revision=sha) if n.endswith(PICKLE_SUFFIXES))
         except (HfHubHTTPError, httpx2.TransportError, OfflineModeIsEnabled):
             return []
 
 
 class _NoProgress(hf_tqdm):
-    """The snapshot-level progress bar, switched off."""
+    """huggingface_hub's per-file download progress bar, switched off."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["disable"] = True
@@ -239,7 +260,7 @@ def _classify(err: Exception, ref: AdapterRef, adapter: str) -> Exception | None
     if status in (401, 403):
         return AdapterAccessError(adapter, f"{ref}: hub answered {status}; check the token")
     cause = err.__cause__ or err.__context__
-    if isinstance(err, LocalEntryNotFoundError):
+    if isinstance(err, LocalEntryNotFoundError | RevisionResolutionError):
         if isinstance(cause, OfflineModeIsEnabled) or cause is None:
             return HubUnavailableError(adapter, f"{ref} is not in the local cache and the hub is offline")
         return _classify(cause, ref, adapter)

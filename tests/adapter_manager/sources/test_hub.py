@@ -26,7 +26,7 @@ from adapter_manager import (
     write_synthetic_adapter,
 )
 from adapter_manager.sources.local_hub import HubFault, LocalHub
-from adapter_manager.sources.peft_format import WEIGHTS_NAME
+from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
 from tests.adapter_manager._malformed import CASES
 
 
@@ -61,6 +61,9 @@ def make_registry(spec, hub: LocalHub, cache: Path, **overrides) -> AdapterRegis
 def cache_leftovers(cache: Path) -> list[str]:
     """What a failed download must not leave: weights in the cache, or partial downloads."""
     return [str(p) for p in cache.rglob("*") if p.name == WEIGHTS_NAME or p.name.endswith(".incomplete")]
+
+
+HEAD_GET = ("HEAD", "GET")
 
 
 def downloads(hub: LocalHub) -> int:
@@ -237,3 +240,40 @@ def test_transient_faults_are_retried_to_success(name, fault, hub, tmp_path, tin
     registry.config.hub.timeout_s = 0.2
     assert registry.register("org/good").action == "registered"
     assert hub.faults == []
+
+
+def requests_of(hub: LocalHub) -> list[tuple[str, str]]:
+    return [(r.method, r.path) for r in hub.requests]
+
+
+def test_a_registration_asks_only_for_the_sha_and_the_two_files(hub, tmp_path, tiny_spec):
+    """Counts, never times: one revision lookup, then a HEAD and a GET of each file pinned to its sha; nothing more
+    for files already cached, no lookup for a ref pinned to a sha."""
+    sha = make_registry(tiny_spec, hub, tmp_path / "cache").register("org/good").record.sha
+    files = [(method, f"/org/good/resolve/{sha}/{name}") for name in (CONFIG_NAME, WEIGHTS_NAME) for method in HEAD_GET]
+    assert len(hub.requests) == 5 and requests_of(hub) == [("GET", "/api/models/org/good"), *files]
+    hub.clear_requests()
+    assert make_registry(tiny_spec, hub, tmp_path / "cache").register("org/good").record.sha == sha
+    assert len(hub.requests) == 1 and requests_of(hub) == [("GET", "/api/models/org/good")]
+    hub.clear_requests()
+    assert make_registry(tiny_spec, hub, tmp_path / "cold").register(f"org/good@{sha}").record.sha == sha
+    assert len(hub.requests) == 4 and requests_of(hub) == files
+
+
+def test_a_registration_sends_nothing_to_any_host_but_the_configured_endpoint(hub, tmp_path, tiny_spec):
+    """huggingface_hub fetches ``{HF_ENDPOINT}/api/agent-harnesses`` (huggingface.co by default) for its user agent
+    unless telemetry is off: a resolver with its own endpoint must not, so HF_ENDPOINT here is a second local hub
+    that must see no request. A fresh process, so huggingface_hub reads its constants and caches nothing before."""
+    (tmp_path / "elsewhere").mkdir()
+    with LocalHub(tmp_path / "elsewhere") as elsewhere:
+        script = (
+            "from adapter_manager import *\n"
+            f"spec = {tiny_spec!r}\n"
+            f"hub = HubConfig(endpoint={hub.endpoint!r}, cache_dir={str(tmp_path / 'cache')!r})\n"
+            "AdapterRegistry(spec, RegistryConfig(hub=hub, max_rank=8)).register('org/good')\n"
+        )
+        env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+        env |= {"HF_ENDPOINT": elsewhere.endpoint, "HF_HOME": str(tmp_path / "home"), "PYTHONPATH": os.getcwd()}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert downloads(hub) == 2 and elsewhere.requests == []
