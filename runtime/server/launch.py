@@ -5,6 +5,8 @@ Used by ``adapter-manager serve``, the demo and the server tests, so all three b
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from ..model.tokenizer import load_tokenizer
 from .app import create_app
 from .chat_template import ChatTemplate
 from .state import ServerConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,14 +45,18 @@ def build_serving(
     dtype: torch.dtype = torch.float32,
 ) -> Serving:
     """Load the checkpoint in `folder` onto `manager_config.device` and build the app around it. The engine's
-    max_seq_len is capped at the model's max_position_embeddings; the chat template is the checkpoint's own if it
-    has one. Adapters are checked against the base model named `server_config.model_name`."""
+    max_seq_len is capped at the model's max_position_embeddings; on a traced device (XLA) the engine is warmed up
+    before the app exists, so requests compile nothing. The chat template is the checkpoint's own if it has one.
+    Adapters are checked against the base model named `server_config.model_name`."""
     folder = Path(folder)
     model = load_model(folder, dtype=dtype, device=manager_config.device)
     max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
     engine_config = replace(engine_config, max_seq_len=max_seq_len)
     manager = AdapterManager(model.config.to_spec(server_config.model_name), manager_config)
     engine = Engine(model, manager, engine_config)
+    started = time.perf_counter()
+    if graphs := engine.warm_up():  # traced devices: every step graph now, none on the first requests
+        log.info("warm-up: %d step graphs compiled in %.1f s", graphs, time.perf_counter() - started)
     tokenizer = load_tokenizer(folder, model.config.vocab_size)
     server_config = replace(server_config, chat_template=ChatTemplate.from_folder(folder))
     return Serving(create_app(engine, manager, tokenizer, server_config), engine, manager)
