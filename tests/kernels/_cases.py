@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, expand, select_backend, shrink
+from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, expand, select_backend, shrink
+from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
+from kernels.torch_eager import TorchEagerBackend
+from kernels.xla_laned import XlaLanedBackend
 
 MIXES = ("none", "single", "single_with_none", "distinct", "uniform", "zipf", "skewed", "empty_slots")
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
@@ -193,3 +196,20 @@ def parts_pool(parts: int, num_slots: int, rank: int, granule: int, in_f: int = 
         a[-1] = 0
         buffer[:, PAD_LEFT + index * in_f : PAD_LEFT + (index + 1) * in_f] = a
     return PartsPool(buffer, pool, parts, in_f)
+
+
+# dispatch tables that force one form, and every eager backend the kernel tests compare with the reference
+ALWAYS_GROUPED = TorchDispatchTable((DispatchEntry(slots=1, rank=1, laned_max_tokens=0),))
+ALWAYS_LANED = TorchDispatchTable((DispatchEntry(slots=1, rank=1, laned_max_tokens=1 << 30),))
+BACKENDS = {
+    "torch_grouped": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=0),
+    "torch_laned": lambda: TorchEagerBackend(ALWAYS_LANED, max_segment_runs=0),
+    "torch_segments": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=1 << 30),
+    "torch_table": lambda: select_backend("cpu"),
+    # forced through the config: the same form for every step with an adapter, single-slot steps included
+    "forced_segments": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.SEGMENTS)),
+    "forced_grouped": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED)),
+    "forced_laned": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.LANED)),
+    "xla_laned_on_cpu": XlaLanedBackend,
+    "reference": lambda: select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE)),
+}

@@ -7,27 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import BackendKind, KernelConfig, LoRAForm, expand, select_backend, shrink
-from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
+from kernels import expand, select_backend, shrink
 from kernels.reference import ReferenceBackend
-from kernels.torch_eager import TorchEagerBackend
-from kernels.xla_laned import XlaLanedBackend
-from tests.kernels._cases import MIXES, TOLERANCE, RowPool, collapse_laned, make_rows, reference_forward
-
-ALWAYS_GROUPED = TorchDispatchTable((DispatchEntry(slots=1, rank=1, laned_max_tokens=0),))
-ALWAYS_LANED = TorchDispatchTable((DispatchEntry(slots=1, rank=1, laned_max_tokens=1 << 30),))
-BACKENDS = {
-    "torch_grouped": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=0),
-    "torch_laned": lambda: TorchEagerBackend(ALWAYS_LANED, max_segment_runs=0),
-    "torch_segments": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=1 << 30),
-    "torch_table": lambda: select_backend("cpu"),
-    # forced through the config: the same form for every step with an adapter, single-slot steps included
-    "forced_segments": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.SEGMENTS)),
-    "forced_grouped": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED)),
-    "forced_laned": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.LANED)),
-    "xla_laned_on_cpu": XlaLanedBackend,
-    "reference": lambda: select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE)),
-}
+from tests.kernels._cases import (
+    BACKENDS,
+    MIXES,
+    TOLERANCE,
+    RowPool,
+    collapse_laned,
+    make_rows,
+    reference_forward,
+)
 
 
 def run_backend(backend, pool: RowPool, x, y, slots, accumulate=True):

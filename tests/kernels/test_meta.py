@@ -10,7 +10,7 @@ from kernels import AdapterRows, LoRAKernelMeta, Segment
 from kernels.reference import ReferenceBackend
 from kernels.torch_eager import TorchEagerBackend
 from kernels.xla_laned import XlaLanedBackend
-from tests.kernels.test_eager_backends import ALWAYS_GROUPED, ALWAYS_LANED
+from tests.kernels._cases import ALWAYS_GROUPED, ALWAYS_LANED
 
 
 def prepared(slots, slot_rows=None, backend=None, num_slots=4, rank=2, **kwargs):

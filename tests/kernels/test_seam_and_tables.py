@@ -22,7 +22,7 @@ from kernels.block_sizes import BlockSizes, BlockSizeTable
 from kernels.reference import ReferenceBackend
 from kernels.torch_eager import TorchEagerBackend
 from kernels.xla_laned import XlaLanedBackend
-from tests.kernels.test_eager_backends import ALWAYS_GROUPED
+from tests.kernels._cases import ALWAYS_GROUPED
 
 
 def prepared(slots, backend=None, num_slots=4, rank=2, granule=None):

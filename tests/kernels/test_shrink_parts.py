@@ -8,8 +8,7 @@ import torch
 
 from kernels import BackendKind, KernelConfig, LoRAForm, select_backend, shrink, shrink_parts
 from kernels.reference import ReferenceBackend
-from tests.kernels._cases import MIXES, PAD_LEFT, TOLERANCE, PartsPool, collapse_laned, parts_pool
-from tests.kernels.test_eager_backends import BACKENDS
+from tests.kernels._cases import BACKENDS, MIXES, PAD_LEFT, TOLERANCE, PartsPool, collapse_laned, parts_pool
 
 FUSED_TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: TOLERANCE[torch.bfloat16]}
 """Fused h[p] against the same backend's per-part shrink."""
