@@ -27,7 +27,7 @@ from ..sources.peft_format import LoraAdapterConfig
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
-from ..tiers.row_layout import RowLayout
+from ..tiers.slot_pool import bytes_needed
 from .records import AdapterRecord, RegisterResult, RegistryConfig, check_adapter_id
 from .state_store import Registration, StateStore, UnrestoredAdapter
 
@@ -55,7 +55,6 @@ class AdapterRegistry:
         self._unrestored: dict[str, UnrestoredAdapter] = {}
         self._lock = threading.Lock()
         self._id_locks: dict[str, threading.Lock] = {}
-        self._row_bytes = RowLayout.of(spec).width * self.config.dtype.itemsize  # one prepared row
         self.store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
         self.disk: DiskTier | None = None
         if self.config.disk_cache_bytes is not None:
@@ -233,7 +232,7 @@ class AdapterRegistry:
             files = self._files(stand_in)
             config, warnings, modules = self._read_config(row.adapter_id, files)
             check_weights(row.adapter_id, files.weights_path, modules, self.spec)
-            nbytes = max(m.rank for m in modules.values()) * self._row_bytes
+            nbytes = bytes_needed(self.spec, max(m.rank for m in modules.values()), self.config.dtype)
             base = config.base_model_name_or_path
             record = AdapterRecord(row.adapter_id, ref, files, modules, nbytes, base, row.registered_at, warnings)
             with self._lock:
