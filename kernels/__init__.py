@@ -5,7 +5,7 @@ from kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.grouping import AdapterRows, Segment, SlotGrouping
 from kernels.meta import LoRAKernelMeta
-from kernels.ops import expand, shrink, shrink_parts
+from kernels.ops import apply_parts, expand, shrink, shrink_parts
 from kernels.protocol import EagerBackend, KernelBackend
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Segment",
     "SlotGrouping",
     "TorchDispatchTable",
+    "apply_parts",
     "expand",
     "select_backend",
     "shrink",

@@ -8,6 +8,7 @@ from kernels.config import BackendKind, KernelConfig, LoRAForm
 from kernels.protocol import KernelBackend
 
 _EAGER_DEVICES = ("cpu", "cuda")
+_TORCH_FORMS = (BackendKind.TORCH, BackendKind.CPU)
 
 
 def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
@@ -20,6 +21,12 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
         from kernels.torch_eager import TorchEagerBackend
 
         return TorchEagerBackend(TorchDispatchTable.load(config.dispatch_table), form=config.torch_form)
+    if kind is BackendKind.CPU:
+        from kernels.cpu_fused import CpuFusedBackend
+        from kernels.dispatch_table import TorchDispatchTable
+
+        table = TorchDispatchTable.load(config.dispatch_table)
+        return CpuFusedBackend(table, form=config.torch_form, fused_max_tokens=config.fused_max_tokens)
     if kind is BackendKind.XLA:
         from kernels.xla_laned import XlaLanedBackend
 
@@ -33,27 +40,42 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
 
 
 def select_backend(device: torch.device | str, config: KernelConfig | None = None) -> KernelBackend:
-    """Pick the backend once, outside the hot path: cpu/cuda -> torch, xla -> ``config.xla_backend``.
+    """Pick the backend once, outside the hot path: cpu -> cpu (the torch forms plus the C++ kernel; torch, with a
+    warning, where the kernel cannot be built), cuda -> torch, xla -> ``config.xla_backend``.
 
-    A forced ``config.backend`` wins, except that eager-only backends (torch, reference) refuse an XLA device and the
-    Pallas backend refuses anything but an XLA device; a forced ``torch_form`` needs the torch backend.
+    A forced ``config.backend`` wins, except that eager-only backends (torch, cpu, reference) refuse an XLA device,
+    the cpu backend refuses anything but a CPU device (and a machine where its kernel cannot be built), and the Pallas
+    backend refuses anything but an XLA device; a forced ``torch_form`` needs the torch or cpu backend (FUSED: cpu).
     """
     config = config or KernelConfig()
     device_type = torch.device(device).type
     kind = config.backend
     if kind is BackendKind.AUTO:
-        if device_type in _EAGER_DEVICES:
+        if device_type == "cpu" and config.torch_form in (LoRAForm.AUTO, LoRAForm.FUSED):
+            from kernels.cpu_kernels import load
+
+            kind = BackendKind.CPU if load() else BackendKind.TORCH
+        elif device_type in _EAGER_DEVICES:
             kind = BackendKind.TORCH
         elif device_type == "xla":
             kind = config.xla_backend
         else:
             raise ValueError(f"no kernel backend for device type {device_type!r}; expected cpu, cuda or xla")
-    if kind in (BackendKind.TORCH, BackendKind.REFERENCE) and device_type == "xla":
+    if kind in (*_TORCH_FORMS, BackendKind.REFERENCE) and device_type == "xla":
         raise ValueError(f"backend {kind.value!r} is eager-only (host syncs per step); device is {device_type!r}")
+    if kind is BackendKind.CPU:
+        from kernels.cpu_kernels import load, unavailable_reason
+
+        if device_type != "cpu":
+            raise ValueError(f"backend 'cpu' runs on CPU tensors only, got device type {device_type!r}")
+        if not load():
+            raise ValueError(f"backend 'cpu': its kernel cannot be built here ({unavailable_reason()})")
     if kind is BackendKind.PALLAS and device_type != "xla":
         raise ValueError(f"backend 'pallas' needs an xla device (torch_xla), got {device_type!r}")
-    if config.torch_form is not LoRAForm.AUTO and kind is not BackendKind.TORCH:
+    if config.torch_form is not LoRAForm.AUTO and kind not in _TORCH_FORMS:
         raise ValueError(
-            f"torch_form={config.torch_form.value!r} applies to the torch backend only; got {kind.value!r}"
+            f"torch_form={config.torch_form.value!r} applies to the torch and cpu backends only; got {kind.value!r}"
         )
+    if config.torch_form is LoRAForm.FUSED and kind is not BackendKind.CPU:
+        raise ValueError(f"torch_form='fused' needs the cpu backend (its C++ kernel); got {kind.value!r}")
     return _build(kind, config)

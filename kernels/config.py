@@ -12,6 +12,8 @@ class BackendKind(StrEnum):
     AUTO = "auto"
     REFERENCE = "reference"
     TORCH = "torch"
+    CPU = "cpu"
+    """The torch forms plus the C++ CPU kernel (kernels/cpu_kernels.py) for steps of few tokens."""
     XLA = "xla"
     PALLAS = "pallas"
 
@@ -19,8 +21,9 @@ class BackendKind(StrEnum):
 class LoRAForm(StrEnum):
     """How the eager torch backend computes one step's LoRA; ``LoRAKernelMeta.form`` records the one each step took.
 
-    ``KernelConfig.torch_form`` may force SEGMENTS, GROUPED or LANED for every step with an adapter (no single-slot
-    fast path then; a step with no adapter still skips LoRA), to compare the forms on the same batches.
+    ``KernelConfig.torch_form`` may force SEGMENTS, GROUPED, LANED (or, on the cpu backend, FUSED) for every step
+    with an adapter (no single-slot fast path then; a step with no adapter still skips LoRA), to compare the forms on
+    the same batches.
     """
 
     AUTO = "auto"
@@ -37,9 +40,13 @@ class LoRAForm(StrEnum):
     LANED = "laned"
     """One dense matmul over the k·R lanes of the step's k active adapters, masked to each token's slot (small
     batches)."""
+    FUSED = "fused"
+    """cpu backend: one kernel call per fused linear (all its parts, all runs of equal slots) reading each active
+    adapter's pool rows in place; its cost follows the active adapters' bytes, its call count does not grow with
+    them (steps of few tokens)."""
 
 
-_FORCIBLE_FORMS = (LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED)
+_FORCIBLE_FORMS = (LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED, LoRAForm.FUSED)
 
 
 class PallasInterpret(StrEnum):
@@ -59,7 +66,8 @@ class KernelConfig:
     """How :func:`kernels.select_backend` picks and configures a backend."""
 
     backend: BackendKind = BackendKind.AUTO
-    """Forced backend, or AUTO: cpu/cuda -> torch, xla -> ``xla_backend``."""
+    """Forced backend, or AUTO: cpu -> cpu (torch where its kernel cannot be built), cuda -> torch,
+    xla -> ``xla_backend``."""
     xla_backend: BackendKind = BackendKind.XLA
     """What AUTO picks on an XLA device: XLA (laned torch ops) or PALLAS (Pallas TPU kernels)."""
     pallas_interpret: PallasInterpret = PallasInterpret.OFF
@@ -69,7 +77,11 @@ class KernelConfig:
     block_size_table: str | None = None
     """Path of a Pallas block-size table JSON; None uses the shipped one."""
     torch_form: LoRAForm = LoRAForm.AUTO
-    """Torch backend only: AUTO picks per step; SEGMENTS, GROUPED or LANED forces that form (to compare forms)."""
+    """Torch and cpu backends: AUTO picks per step; SEGMENTS, GROUPED, LANED (cpu backend: or FUSED) forces that form
+    (to compare forms)."""
+    fused_max_tokens: int = 64
+    """cpu backend: AUTO takes the fused kernel for steps of at most this many tokens (beyond, MKL's matmuls per run
+    win: prefill)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, BackendKind):

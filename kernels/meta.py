@@ -73,6 +73,9 @@ class LoRAKernelMeta:
     """Eager only: one per run of equal slots in token order, when the batch is grouped by slot (an engine that
     orders its batch by adapter gives one run per adapter): plain matmuls on row slices."""
     grouping: SlotGrouping | None = field(init=False, default=None)
+    runs: torch.Tensor | None = field(init=False, default=None)
+    """Eager FUSED form only (with ``segments``). Shape: [runs, 4] int64 on the host: (token start, token count, first
+    pool row, rank) of each run of equal slots, the table the fused kernel walks."""
     lane_onehot: torch.Tensor | None = field(init=False, default=None)
     """Eager laned form only. Shape: [T, k, 1] bool, True where the token's compact id is c."""
     form: LoRAForm | None = field(init=False, default=None)
@@ -207,7 +210,7 @@ class LoRAKernelMeta:
             slot_indices = torch.from_numpy(host).to(self.device, non_blocking=True)
         self.token_slots = slot_indices
         self.all_assigned = sum(counts) == host.shape[0]
-        self.single = self.segments = self.grouping = self.lane_onehot = None
+        self.single = self.segments = self.grouping = self.lane_onehot = self.runs = None
         if not adapters:
             form = LoRAForm.NONE
         else:
@@ -216,8 +219,11 @@ class LoRAKernelMeta:
             assert form is not LoRAForm.SINGLE or len(adapters) == 1, f"single-slot form for {len(adapters)} slots"
             if form is LoRAForm.SINGLE:
                 self.single = adapters[0]
-            elif form is LoRAForm.SEGMENTS:
+            elif form in (LoRAForm.SEGMENTS, LoRAForm.FUSED):
                 self.segments = token_runs(host, {a.slot: a for a in adapters})
+                if form is LoRAForm.FUSED:
+                    runs = [(seg.start, seg.count, seg.adapter.first, seg.adapter.rank) for seg in self.segments]
+                    self.runs = torch.tensor(runs, dtype=torch.int64)
             elif form is LoRAForm.LANED:
                 self._build_table(compact, adapters)
                 assert self.token_compact is not None
@@ -235,6 +241,11 @@ class LoRAKernelMeta:
             _log.debug(
                 "LoRA form %s for steps of %d tokens (%d active slots)", form.value, self.num_tokens, len(adapters)
             )
+
+    @property
+    def fused(self) -> bool:
+        """Whether this step applies each fused linear's LoRA in one backend call (:func:`kernels.ops.apply_parts`)."""
+        return self.form is LoRAForm.FUSED
 
     def active_gather_rows(self) -> torch.Tensor:
         """Shape: [k·R] int64: the compact table's rows of the k active slots (no bucket padding; eager forms)."""

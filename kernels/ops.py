@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels.meta import LoRAKernelMeta
@@ -64,6 +66,11 @@ def shrink_parts(x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -
     eager backends (the torch backend runs one matmul per run of tokens for all P parts), or [P, T, A·R] laned.
     ``h[p]`` is what part p's :func:`expand` takes.
     """
+    _check_parts(x, a_parts, meta)
+    return meta.backend.shrink_parts(x, a_parts, meta)
+
+
+def _check_parts(x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> None:
     _check_tokens("x", x, meta)
     if a_parts.dim() != 3 or a_parts.shape[0] != meta.num_rows or a_parts.shape[1] < 1:
         raise ValueError(
@@ -74,7 +81,6 @@ def shrink_parts(x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -
         raise ValueError(f"a_parts features {a_parts.shape[2]} != x features {x.shape[1]} (x {_shape(x)})")
     if a_parts.dtype != x.dtype or a_parts.device != x.device:
         raise ValueError(f"a_parts is {a_parts.dtype} on {a_parts.device}, expected {x.dtype} on {x.device}")
-    return meta.backend.shrink_parts(x, a_parts, meta)
 
 
 def expand(
@@ -103,3 +109,45 @@ def expand(
     if h.dtype != y.dtype:
         raise ValueError(f"h is {h.dtype}, expected y's dtype {y.dtype}")
     return meta.backend.expand(y, h, bt_rows, meta, accumulate)
+
+
+def apply_parts(
+    y: torch.Tensor, x: torch.Tensor, a_parts: torch.Tensor, bt_parts: Sequence[torch.Tensor], meta: LoRAKernelMeta
+) -> torch.Tensor:
+    """Add the LoRA terms of P parts that share the input x (q/k/v, gate/up; P = 1 for o, down) to their column blocks
+    of y, in place: shrink and expand of a fused linear in one call where the step is :attr:`LoRAKernelMeta.fused`.
+
+    Semantics (s = slot[t], r = r_s, G = granule, part p's columns [o_p, o_p + out_p) of y, o_p = sum of out_q, q < p)::
+
+        y[t, o_p : o_p + out_p] += (x[t] @ a_parts[s·G : s·G + r, p].T) @ bt_parts[p][s·G : s·G + r]   if s >= 0
+        y[t] unchanged                                                                                  if s == -1
+        # == expand(y[:, o_p : o_p + out_p], shrink_parts(x, a_parts, meta)[p], bt_parts[p], meta) for each p
+
+    Shape: y [T, >= sum(out_p)] (a view is fine; unit inner stride); x [T, in]; a_parts [N, P, in] (a view of the
+    pool); bt_parts P tensors [N, out_p] (views of the pool). Eager backends only; returns y.
+    """
+    _check_tokens("y", y, meta)
+    _check_parts(x, a_parts, meta)
+    if meta.backend.traced:
+        raise ValueError("apply_parts updates y in place: eager backends only (traced backends: shrink / expand)")
+    if a_parts.shape[1] != len(bt_parts):
+        raise ValueError(f"a_parts has {a_parts.shape[1]} parts, bt_parts {len(bt_parts)}")
+    outs = [bt.shape[1] if bt.dim() == 2 else -1 for bt in bt_parts]
+    if min(outs, default=0) < 1 or sum(outs) > y.shape[1]:
+        raise ValueError(f"bt_parts must be [N, out] each with sum(out) <= y's {y.shape[1]} columns, got {outs}")
+    for bt in bt_parts:
+        if bt.shape[0] != meta.num_rows or bt.dtype != y.dtype or bt.device != y.device:
+            raise ValueError(
+                f"bt_parts must be [N={meta.num_rows}, out] in {y.dtype} on {y.device}, got {_shape(bt)} "
+                f"{bt.dtype} on {bt.device}"
+            )
+    if meta.no_adapter:
+        return y
+    fused = getattr(meta.backend, "apply_parts", None)
+    if fused is not None:
+        return fused(y, x, a_parts, tuple(bt_parts), meta)
+    h, start = shrink_parts(x, a_parts, meta), 0
+    for part, bt in enumerate(bt_parts):
+        expand(y[:, start : start + bt.shape[1]], h[part], bt, meta)
+        start += bt.shape[1]
+    return y

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_workload, projection_shapes
 
-from kernels import KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
+from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
 from runtime.model import packed as packing
 from runtime.model.batch import ForwardBatch, SequenceChunk
@@ -132,22 +132,22 @@ class Setup:
         self.seqs, self.context, self.max_tokens = seqs, context, max_tokens
         model.setup_caches(seqs, context + max_tokens + 2)
         model.attach_lora(self.manager.stacks)  # "base" runs with no metadata: exactly the base model's path
-        self.metas: dict[LoRAForm, LoRAKernelMeta] = {}
+        self.metas: dict[KernelConfig, LoRAKernelMeta] = {}
         self.leases = [self.manager.acquire(self.adapters(cfg)) for cfg in ("lora_1", "lora_8")]  # pinned for the run
         gen = torch.Generator().manual_seed(0)
         self.prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=gen) for _ in range(seqs)]
         chunks = [SequenceChunk(row, 0, tuple(p.tolist())) for row, p in enumerate(self.prompts)]
         self.forward(chunks, None, None)
 
-    def meta_for(self, form: LoRAForm) -> LoRAKernelMeta:
-        """LoRA metadata whose torch backend takes ``form`` (AUTO: the fast paths, else the measured choice)."""
-        if form not in self.metas:
+    def meta_for(self, kernel: KernelConfig) -> LoRAKernelMeta:
+        """LoRA metadata of the backend ``kernel`` selects (default: the cpu backend, FUSED at decode)."""
+        if kernel not in self.metas:
             pool = self.manager.pool
-            backend = select_backend(self.model.device, KernelConfig(torch_form=form))
-            self.metas[form] = LoRAKernelMeta.make(
+            backend = select_backend(self.model.device, kernel)
+            self.metas[kernel] = LoRAKernelMeta.make(
                 backend, pool.num_slots, pool.max_rank, self.max_tokens, self.model.device, granule=pool.granule
             )
-        return self.metas[form]
+        return self.metas[kernel]
 
     def adapters(self, config: str) -> list[str | None]:
         return self.work.mix(config, self.seqs)
@@ -160,7 +160,9 @@ class Setup:
         with torch.inference_mode():
             return self.model(batch, meta)
 
-    def step_fn(self, config: str, prefill: int | None, form: LoRAForm = LoRAForm.AUTO) -> Callable[[], torch.Tensor]:
+    def step_fn(
+        self, config: str, prefill: int | None, kernel: KernelConfig | None = None
+    ) -> Callable[[], torch.Tensor]:
         """A closure running one decode step (prefill=None) or one prefill of ``prefill`` tokens for ``config``."""
         adapters = self.adapters(config)
         slots, slot_rows = [-1] * self.seqs, {}
@@ -168,7 +170,7 @@ class Setup:
             lease = self.leases[0] if config == "lora_1" else self.leases[1]
             slots = [-1 if a is None else lease.slots[a] for a in adapters]
             slot_rows = lease.slot_rows
-        meta = None if config == "base" else self.meta_for(form)
+        meta = None if config == "base" else self.meta_for(kernel or KernelConfig())
         if prefill is None:
             chunks = [SequenceChunk(row, self.context, (1,), slot) for row, slot in enumerate(slots)]
         else:
@@ -199,6 +201,24 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return {key: 1e3 * statistics.median(ts) for key, ts in times.items()}
 
 
+FORMS = {
+    "torch": KernelConfig(backend=BackendKind.TORCH),  # the torch forms' own choice: the default before the cpu backend
+    "segments": KernelConfig(torch_form=LoRAForm.SEGMENTS),
+    "grouped": KernelConfig(torch_form=LoRAForm.GROUPED),
+    "laned": KernelConfig(torch_form=LoRAForm.LANED),
+    "fused": KernelConfig(torch_form=LoRAForm.FUSED),
+}
+"""The LoRA forms the decode step is compared across (auto: the default backend, FUSED at decode)."""
+
+
+def op_calls(fn: Callable[[], object]) -> int:
+    """Operator calls (profiler events) of one call of ``fn``, after one unprofiled call."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return len(prof.events())
+
+
 def profile_step(fn: Callable[[], object]) -> dict[str, float]:
     """One profiled call: self time per category (ms) and the time outside any op."""
     fn()
@@ -211,7 +231,7 @@ def profile_step(fn: Callable[[], object]) -> dict[str, float]:
         name, ms = event.key, event.self_cpu_time_total / 1e3
         if "scaled_dot_product" in name or "flash_attention" in name:
             cats["attention"] += ms
-        elif any(k in name for k in ("mm", "linear_pointwise", "matmul", "linear")):
+        elif any(k in name for k in ("mm", "linear_pointwise", "matmul", "linear", "lora_apply")):
             cats["matmul"] += ms
         else:
             cats["other_ops"] += ms
@@ -269,8 +289,9 @@ def main() -> None:
         setups = {name: Setup(work, m, args.seqs, args.context, max_tokens) for name, m in models.items()}
         decode_fns = {f"{n}/{c}": setup.step_fn(c, None) for n, setup in setups.items() for c in CONFIGS}
         packed_setup = setups["packed"]
-        for form in (LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED):
-            decode_fns[f"packed/lora_8/{form.value}"] = packed_setup.step_fn("lora_8", None, form)
+        for name, kernel in FORMS.items():
+            for cfg in ("lora_1", "lora_8") if name == "torch" else ("lora_8",):
+                decode_fns[f"packed/{cfg}/{name}"] = packed_setup.step_fn(cfg, None, kernel)
         decode_all = interleaved_ms({**decode_fns, **refs.decode}, args.repeats)
         print(f"decode: {json.dumps({k: round(v, 1) for k, v in decode_all.items()})}", flush=True)
         prefill_fns = {f"{n}/{c}": setup.step_fn(c, args.prefill) for n, setup in setups.items() for c in CONFIGS}
@@ -284,8 +305,14 @@ def main() -> None:
         prefill_ms = {n: {c: prefill_all[f"{n}/{c}"] for c in CONFIGS} for n in setups}
         forms = {k.rsplit("/", 1)[1]: v for k, v in decode_all.items() if k.startswith("packed/lora_8/")}
         forms["auto"] = decode_ms["packed"]["lora_8"]
+        torch_1 = decode_all["packed/lora_1/torch"]
         packed_setup.step_fn("lora_8", None)()
-        results["lora_8_decode_auto_form"] = packed_setup.meta_for(LoRAForm.AUTO).form.value  # type: ignore[union-attr]
+        results["lora_8_decode_auto_form"] = packed_setup.meta_for(KernelConfig()).form.value  # type: ignore[union-attr]
+        calls = {
+            f"{cfg}/{name}": op_calls(packed_setup.step_fn(cfg, None, kernel))
+            for cfg in CONFIGS
+            for name, kernel in (("auto", KernelConfig()), ("torch", FORMS["torch"]))
+        }
         for setup in setups.values():
             setup.close()
         logits = torch.randn(args.seqs, config.vocab_size)
@@ -328,6 +355,8 @@ def main() -> None:
     }
     results.update(
         lora_8_decode_forms=forms,
+        lora_1_decode_torch_ms=torch_1,
+        decode_op_calls=calls,
         decode_ms=decode_ms,
         prefill_ms=prefill_ms,
         profile=profiles,
@@ -349,6 +378,15 @@ def main() -> None:
         bound = 0.01 if c == "lora_none" else 1.25 * floor
         print(f"  {c:9s} cost {100 * cost:+6.1f} %  floor {100 * floor:5.1f} %  target <= {100 * bound:5.1f} %")
     print(f"  lora_8 decode by eager LoRA form (ms): {forms}; auto took {results['lora_8_decode_auto_form']}")
+    base = packed_decode["base"]
+    print(
+        f"  the torch backend (the previous default) in the same run: lora_1 {100 * (torch_1 / base - 1):+.1f} %, "
+        f"lora_8 {100 * (forms['torch'] / base - 1):+.1f} %"
+    )
+    print(
+        "  operator calls per decode step (profiler events; auto / torch backend): "
+        + ", ".join(f"{c} {calls[f'{c}/auto']} / {calls[f'{c}/torch']}" for c in CONFIGS)
+    )
     print(f"\nprefill {prefill_tokens} tokens over {args.seqs} sequences (ms)")
     for name, row in prefill_ms.items():
         print(f"  {name:7s} " + "  ".join(f"{c} {v:7.1f}" for c, v in row.items()))

@@ -127,21 +127,31 @@ def _plot(cells: list[dict], inputs: list[int], outputs: list[int], path: Path) 
     except ImportError:
         print("matplotlib missing (pip install -e .[bench]): no PNG")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    from matplotlib.colors import LinearSegmentedColormap, Normalize
+
+    # one fixed scale for every run: 1.0 = the floor (green), the 1.25x target (yellow), >= 3x red
+    low, target, high = 1.0, 1.25, 3.0
+    cmap = LinearSegmentedColormap.from_list(
+        "x_floor", [(0.0, "#1a9850"), ((target - low) / (high - low), "#fee08b"), (1.0, "#d73027")]
+    )
+    norm = Normalize(vmin=low, vmax=high, clip=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
     for ax, name in zip(axes, ("lora_1", "lora_8"), strict=True):
         grid = [[next(c for c in cells if c["input"] == i and c["output"] == o)[name] for i in inputs] for o in outputs]
-        values = [[cell["slowdown_pct"] for cell in row] for row in grid]
-        image = ax.imshow(values, cmap="RdYlGn_r", aspect="auto")
+        values = [[max(cell["x_floor"], low) for cell in row] for row in grid]
+        image = ax.imshow(values, cmap=cmap, norm=norm, aspect="auto")
         for y, row in enumerate(grid):
             for x, cell in enumerate(row):
-                label = f"{cell['slowdown_pct']:.1f}%\nfloor {cell['floor_pct']:.1f}%\n{cell['x_floor']:.2f}x"
-                ax.text(x, y, label, ha="center", va="center", fontsize=7)
+                label = f"{cell['x_floor']:.2f}x floor\n{cell['slowdown_pct']:+.1f}%\n(floor {cell['floor_pct']:.1f}%)"
+                ax.text(x, y, label, ha="center", va="center", fontsize=10)
         ax.set_xticks(range(len(inputs)), [str(i) for i in inputs])
         ax.set_yticks(range(len(outputs)), [str(o) for o in outputs])
         ax.set_xlabel("input tokens")
         ax.set_ylabel("output tokens")
-        ax.set_title(f"{name}: slowdown vs base (floor, x floor)")
-        fig.colorbar(image, ax=ax, label="slowdown %")
+        ax.set_title(f"{name}: slowdown vs base as x its floor")
+        bar = fig.colorbar(image, ax=ax, label="x floor (1.0 = floor; fixed scale, >= 3 drawn red)")
+        bar.ax.axhline(target, color="black", linewidth=2)
+        bar.set_ticks([1.0, target, 1.5, 2.0, 2.5, 3.0], labels=["1.0", "1.25 target", "1.5", "2.0", "2.5", ">=3"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

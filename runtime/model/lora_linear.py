@@ -7,7 +7,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from kernels import LoRAKernelMeta, expand, shrink, shrink_parts
+from kernels import LoRAKernelMeta, apply_parts, expand, shrink, shrink_parts
 
 from .packed import can_pack, pack_weight, packed_linear, unpack_weight
 
@@ -33,6 +33,17 @@ class _FusedParts(NamedTuple):
     @property
     def parts(self) -> range:
         return range(self.first, self.first + self.a_parts.shape[1])
+
+
+class _Group(NamedTuple):
+    """Consecutive parts with LoRA that one :func:`kernels.apply_parts` call serves (a fused run, or one part)."""
+
+    columns: slice
+    """The group's columns of the layer's output [T, sum(out)]."""
+    a_parts: torch.Tensor
+    """Shape: [N, P, in], a view of the pool."""
+    bt_parts: tuple[torch.Tensor, ...]
+    """P views [N, out_p] of the pool."""
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -79,6 +90,10 @@ class LoRALinear(nn.Module):
     runs one :func:`kernels.shrink_parts` for those parts instead of one shrink each. ``fuse_shrink = False`` forces
     the per-part path (benchmarks compare the two); traced backends always take it.
 
+    Fused apply: on a step whose metadata is ``fused`` (the cpu backend's FUSED form) the base matmul writes the
+    output and each group of parts (a fused run, or one part alone) gets its whole LoRA from one
+    :func:`kernels.apply_parts` call, whatever the number of distinct adapters in the step.
+
     Packed weight: :meth:`pack` replaces the plain ``weight`` by oneDNN's reordered copy (CPU only; one copy in
     memory: ``weight`` becomes None) and every base matmul runs through oneDNN's linear; :meth:`unpack` undoes it.
     ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused; pickling and
@@ -100,6 +115,7 @@ class LoRALinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self._lora: list[Stacks | None] = [None] * len(out_features)
         self._fused: tuple[_FusedParts, ...] = ()
+        self._groups: tuple[_Group, ...] = ()
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
         self.fuse_shrink = True
 
@@ -169,11 +185,31 @@ class LoRALinear(nn.Module):
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
         self._lora[part] = stacks
         self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
+        self._groups = self._apply_groups()
+
+    def _apply_groups(self) -> tuple[_Group, ...]:
+        """The fused runs, and every other part with stacks on its own as a one-part view (eager devices)."""
+        runs = {run.first: run for run in self._fused}
+        groups, part, starts = [], 0, [sum(self.out_features[:p]) for p in range(len(self.out_features) + 1)]
+        while part < len(self._lora):
+            stacks = self._lora[part]
+            if part in runs:
+                run = runs[part]
+                bts = tuple(self._lora[p].bt for p in run.parts)  # type: ignore[union-attr]
+                groups.append(_Group(slice(starts[part], starts[run.parts.stop]), run.a_parts, bts))
+                part = run.parts.stop
+                continue
+            if stacks is not None and stacks.a.device.type != "xla":
+                columns = slice(starts[part], starts[part + 1])
+                groups.append(_Group(columns, stacks.a.unsqueeze(1), (stacks.bt,)))
+            part += 1
+        return tuple(groups)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
         self._lora = [None] * len(self.out_features)
         self._fused = ()
+        self._groups = ()
 
     @property
     def fused_parts(self) -> tuple[tuple[int, ...], ...]:
@@ -213,6 +249,11 @@ class LoRALinear(nn.Module):
                 if stacks is not None:
                     parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
             return parts
+        if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
+            y = self.base(x)
+            for group in self._groups:
+                apply_parts(y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
+            return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         packed = self._packed is not None
         y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]

@@ -205,7 +205,9 @@ BACKENDS = {
     "torch_grouped": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=0),
     "torch_laned": lambda: TorchEagerBackend(ALWAYS_LANED, max_segment_runs=0),
     "torch_segments": lambda: TorchEagerBackend(ALWAYS_GROUPED, max_segment_runs=1 << 30),
-    "torch_table": lambda: select_backend("cpu"),
+    "torch_table": lambda: select_backend("cpu", KernelConfig(backend=BackendKind.TORCH)),
+    "cpu_auto": lambda: select_backend("cpu"),  # the torch forms plus the fused C++ kernel for small steps
+    "cpu_fused": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.FUSED)),
     # forced through the config: the same form for every step with an adapter, single-slot steps included
     "forced_segments": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.SEGMENTS)),
     "forced_grouped": lambda: select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED)),

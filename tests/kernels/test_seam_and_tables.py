@@ -19,6 +19,7 @@ from kernels import (
     shrink,
 )
 from kernels.block_sizes import BlockSizes, BlockSizeTable
+from kernels.cpu_fused import CpuFusedBackend
 from kernels.reference import ReferenceBackend
 from kernels.torch_eager import TorchEagerBackend
 from kernels.xla_laned import XlaLanedBackend
@@ -58,7 +59,13 @@ def test_launchers_name_argument_and_shape():
 
 
 def test_seam_picks_by_device_and_config():
-    assert isinstance(select_backend("cpu"), TorchEagerBackend)
+    assert type(select_backend("cpu")) is CpuFusedBackend  # this machine builds the CPU kernel
+    assert type(select_backend("cpu", KernelConfig(backend=BackendKind.TORCH))) is TorchEagerBackend
+    assert type(select_backend("cpu", KernelConfig(torch_form=LoRAForm.SEGMENTS))) is TorchEagerBackend
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        select_backend("cuda", KernelConfig(backend=BackendKind.CPU))
+    with pytest.raises(ValueError, match="eager-only"):
+        select_backend("xla", KernelConfig(backend=BackendKind.CPU))
     assert isinstance(select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE)), ReferenceBackend)
     assert isinstance(select_backend("cpu", KernelConfig(backend=BackendKind.XLA)), XlaLanedBackend)
     with pytest.raises(ValueError, match="eager-only"):
@@ -81,7 +88,7 @@ def test_seam_picks_by_device_and_config():
 )
 def test_the_form_is_chosen_per_step_or_forced_and_recorded(slots, auto, forced, caplog):
     with caplog.at_level("DEBUG", logger="kernels.meta"):
-        assert prepared(slots, backend=select_backend("cpu")).form is auto
+        assert prepared(slots, backend=select_backend("cpu", KernelConfig(backend=BackendKind.TORCH))).form is auto
     assert f"LoRA form {auto.value} for steps of {len(slots)} tokens" in caplog.text
     backend = select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED))
     meta = prepared(slots, backend=backend)
@@ -89,14 +96,28 @@ def test_the_form_is_chosen_per_step_or_forced_and_recorded(slots, auto, forced,
     assert meta.single is None and meta.segments is None
 
 
+def test_the_cpu_backend_fuses_steps_of_few_tokens():
+    """FUSED up to fused_max_tokens (its runs table set beside the segments), the torch forms beyond."""
+    small = prepared([2, 2, -1, 0, 0], backend=select_backend("cpu"))
+    assert small.form is LoRAForm.FUSED and small.fused and small.segments is not None
+    assert small.runs is not None and small.runs.tolist() == [[0, 2, 4, 2], [3, 2, 0, 2]]  # granule 2
+    big = prepared([2, 2, -1, 0, 0], backend=select_backend("cpu", KernelConfig(fused_max_tokens=4)))
+    assert big.form is LoRAForm.SEGMENTS and not big.fused and big.runs is None
+    assert prepared([-1, -1], backend=select_backend("cpu")).form is LoRAForm.NONE
+    forced = prepared([1] * 9, backend=select_backend("cpu", KernelConfig(torch_form="fused", fused_max_tokens=0)))
+    assert forced.form is LoRAForm.FUSED
+
+
 def test_forced_forms_are_checked():
     with pytest.raises(ValueError, match="none and single are fast paths"):
         KernelConfig(torch_form=LoRAForm.SINGLE)
     with pytest.raises(ValueError, match="torch_form must be one of"):
-        KernelConfig(torch_form="fused")
+        KernelConfig(torch_form="tiled")
     assert KernelConfig(torch_form="laned").torch_form is LoRAForm.LANED
-    with pytest.raises(ValueError, match="applies to the torch backend only"):
+    with pytest.raises(ValueError, match="applies to the torch and cpu backends only"):
         select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE, torch_form=LoRAForm.LANED))
+    with pytest.raises(ValueError, match="needs the cpu backend"):
+        select_backend("cpu", KernelConfig(backend=BackendKind.TORCH, torch_form=LoRAForm.FUSED))
 
 
 def test_dispatch_table_round_trip(tmp_path):

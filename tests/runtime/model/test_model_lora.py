@@ -48,13 +48,14 @@ def serving_setup(written, dtype: torch.dtype, backend: BackendKind = BackendKin
 
 @pytest.mark.parametrize(
     ("backend", "static"),
-    [(BackendKind.TORCH, False), (BackendKind.REFERENCE, False), (BackendKind.TORCH, True)],
-    ids=["torch", "reference", "torch-static-attention"],
+    [(BackendKind.TORCH, False), (BackendKind.REFERENCE, False), (BackendKind.TORCH, True), (BackendKind.CPU, False)],
+    ids=["torch", "reference", "torch-static-attention", "cpu-fused"],
 )
 def test_mixed_batch_logits_equal_peft_per_row(written, backend: BackendKind, static: bool) -> None:
     model, _, _, meta, rows = serving_setup(written, torch.float32, backend)
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, static=static, slot_rows=rows)
+    assert meta.fused == (backend is BackendKind.CPU)
     for logits, prompt, name in zip(ours, prompts, adapters, strict=True):
         assert max_diff(logits, oracle_logits(written, name, prompt)) <= FP32_TOL, name
 
@@ -134,7 +135,7 @@ def test_attach_checks_the_stacks(written) -> None:
 def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypatch) -> None:
     """The pool lays A_q|A_k|A_v and A_gate|A_up side by side: attach finds them adjacent, an eager forward runs one
     shrink_parts per fused linear and one shrink per other linear, and the logits are the per-part path's."""
-    model, _, _, meta, rows = serving_setup(written, torch.float32)
+    model, _, _, meta, rows = serving_setup(written, torch.float32, BackendKind.TORCH)
     for block in model.layers:
         assert block.attention.wqkv.fused_parts == ((0, 1, 2),)
         assert block.feed_forward.w13.fused_parts == ((0, 1),)
@@ -162,6 +163,31 @@ def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypa
     for ours, theirs, prompt, name in zip(fused, per_part, prompts, adapters, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
         assert max_diff(ours, oracle_logits(written, name, prompt)) <= FP32_TOL, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtype) -> None:
+    """The cpu backend's FUSED form: one apply_parts call per group (q/k/v, o, gate/up, down) per layer, no shrink or
+    expand of their own, and the logits those of the torch forms (and PEFT's, within the dtype's tolerance)."""
+    model, _, _, meta, rows = serving_setup(written, dtype, BackendKind.CPU)
+    calls: Counter[str] = Counter()
+    for name in ("apply_parts", "shrink_parts", "shrink", "expand"):
+        op = getattr(lora_linear, name)
+        monkeypatch.setattr(
+            lora_linear, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k)
+        )
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
+    assert meta.fused and calls == {"apply_parts": 4 * len(model.layers)}
+    _, _, _, torch_meta, _ = serving_setup(written, dtype, BackendKind.TORCH)
+    forms = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), torch_meta, slot_rows=rows)
+    for ours, theirs, prompt, name in zip(fused, forms, prompts, adapters, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+            assert max_diff(ours, oracle_logits(written, name, prompt)) <= FP32_TOL, name
+        else:
+            reference = oracle_logits(written, name, prompt)
+            assert max_diff(ours, reference) <= BF16_ATOL + BF16_RTOL * reference.abs().max().item(), name
 
 
 def test_fusion_needs_adjacent_attached_parts(written) -> None:

@@ -1,0 +1,72 @@
+"""The cpu backend: the torch forms, plus one C++ kernel call per fused linear for steps of few tokens.
+
+At decode the LoRA work of a step is a few tokens against each active adapter's rows: bandwidth-bound, but as MKL
+matmuls per run of tokens it is one small call per (run, part, layer), each far from the memory bound (measured:
+2.2× the byte floor with 8 adapters). The FUSED form applies a fused linear's whole LoRA (every part: q/k/v or
+gate/up; every run of equal slots) in one call of ``torch.ops.adapter_manager.lora_apply``
+(:mod:`kernels.cpu_kernels`), which reads each active adapter's pool rows once, in place: the call count per step does
+not grow with the number of distinct adapters, and its bytes are the active adapters' bytes. Steps of more tokens
+(prefill) take the torch forms, whose matmuls per run are compute-efficient there.
+
+``shrink`` / ``expand`` on a FUSED step run the torch segments path over the same runs (the metadata sets both), so
+every op keeps its semantics whichever form the step took.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.config import LoRAForm
+from kernels.cpu_kernels import load, lora_apply, unavailable_reason
+from kernels.dispatch_table import TorchDispatchTable
+from kernels.meta import LoRAKernelMeta
+from kernels.torch_eager import TorchEagerBackend
+
+
+class CpuFusedBackend(TorchEagerBackend):
+    """:class:`TorchEagerBackend` whose steps of ≤ ``fused_max_tokens`` tokens take the FUSED form."""
+
+    fused = True
+    """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
+
+    def __init__(
+        self,
+        table: TorchDispatchTable,
+        max_segment_runs: int = 16,
+        form: LoRAForm = LoRAForm.AUTO,
+        fused_max_tokens: int = 64,
+    ) -> None:
+        """``form``: AUTO, or a forced FUSED / SEGMENTS / GROUPED / LANED for every step with an adapter.
+        ``fused_max_tokens``: AUTO takes FUSED for steps of at most this many tokens (0: never)."""
+        if fused_max_tokens < 0:
+            raise ValueError(f"fused_max_tokens must be >= 0, got {fused_max_tokens}")
+        if not load():
+            raise ValueError(f"the CPU LoRA kernel cannot be built here: {unavailable_reason()}")
+        super().__init__(table, max_segment_runs, LoRAForm.AUTO if form is LoRAForm.FUSED else form)
+        self.form = form
+        self.fused_max_tokens = fused_max_tokens
+
+    def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
+        if self.form is LoRAForm.FUSED or (self.form is LoRAForm.AUTO and num_tokens <= self.fused_max_tokens):
+            return LoRAForm.FUSED
+        return super().choose_form(num_tokens, active_slots, rank, runs)
+
+    def apply_parts(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        a_parts: torch.Tensor,
+        bt_parts: Sequence[torch.Tensor],
+        meta: LoRAKernelMeta,
+    ) -> torch.Tensor:
+        """Semantics: :func:`kernels.ops.apply_parts`. FUSED steps: one kernel call; other forms: shrink_parts, then
+        one expand per part. Shape: y [T, sum(out)] (updated in place, returned); x [T, in]; a_parts [N, P, in];
+        bt_parts P × [N, out_p]."""
+        unit = a_parts.stride(2) == 1 and y.stride(1) == 1 and all(bt.stride(1) == 1 for bt in bt_parts)
+        if meta.form is LoRAForm.FUSED and unit:
+            assert meta.runs is not None
+            lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, list(bt_parts), meta.runs)
+            return y
+        return super().apply_parts(y, x, a_parts, bt_parts, meta)

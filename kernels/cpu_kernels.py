@@ -1,0 +1,124 @@
+"""Build (once per machine) and load the CPU LoRA kernel, ``torch.ops.adapter_manager.lora_apply``.
+
+The source is ``kernels/csrc/lora_cpu.cpp``; it is compiled by torch's own extension builder
+(``torch.utils.cpp_extension``: the system C++ compiler and ninja) for this machine's CPU (``-march=native``) on
+first use, about 20 s, into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default ``~/.cache/adapter_manager/kernels``), one
+folder per (source, flags, torch, CPU) hash, so a stale build is never loaded. Later processes load the built
+library in milliseconds. Where it cannot be built (no compiler) :func:`load` returns False and says why once; the
+backend seam then keeps the torch forms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.cpp"
+CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+_reason: str | None = None
+build_seconds: float | None = None
+"""Seconds this process spent building (None: loaded a build already on disk, or not loaded)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode()):
+        digest.update(part)
+    digest.update(_cpu_flags().encode())
+    return f"adapter_manager_lora_cpu_{digest.hexdigest()[:16]}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "adapter_manager" / "kernels")
+
+
+def _build(name: str, folder: Path) -> Path:
+    """Compile the extension into ``folder`` (torch's builder holds a file lock, so concurrent builds are safe)."""
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the pip package: its binary may not be on PATH when the venv is not activated
+
+        bin_dir = getattr(ninja, "BIN_DIR", None)
+    except ImportError:
+        bin_dir = None
+    old_path = os.environ.get("PATH", "")
+    if bin_dir and bin_dir not in old_path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + old_path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = old_path
+    return folder / f"{name}.so"
+
+
+def load() -> bool:
+    """Whether ``torch.ops.adapter_manager.lora_apply`` is available; builds or loads it on the first call."""
+    global _loaded, _reason, build_seconds
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        try:
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+            name = _name()
+            folder = cache_dir() / name
+            library = folder / f"{name}.so"
+            if library.exists():
+                torch.ops.load_library(str(library))
+            else:
+                start = time.perf_counter()
+                _build(name, folder)
+                build_seconds = time.perf_counter() - start
+                _log.info("built the CPU LoRA kernel in %.1f s (%s)", build_seconds, folder)
+            _loaded = hasattr(torch.ops.adapter_manager, "lora_apply")
+            if not _loaded:
+                raise RuntimeError(f"{library} loaded but registers no adapter_manager::lora_apply")
+        except Exception as err:  # noqa: BLE001 - any build failure means: keep the torch forms
+            _loaded, _reason = False, f"{type(err).__name__}: {err}"
+            _log.warning("CPU LoRA kernel unavailable, using the torch forms: %s", _reason)
+        return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned False (None when it did not, or was not called)."""
+    return _reason
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], runs: torch.Tensor) -> None:
+    """``y[:, part p's columns] += (x @ A_p[rows].T) @ Bt_p[rows]`` per run; see the C++ source. :func:`load` first."""
+    torch.ops.adapter_manager.lora_apply(y, x, a, bts, runs)

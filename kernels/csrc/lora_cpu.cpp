@@ -1,0 +1,164 @@
+// The CPU LoRA kernel: one call applies a fused linear's LoRA (every part that shares the input x) to every run of
+// tokens of one step, reading each active adapter's pool rows in place (no gather, no padding past its rank).
+//
+//   y[t, off_p : off_p + out_p] += (x[t] @ A_p[first : first + rank].T) @ Bt_p[first : first + rank]
+//   for every run (start, count, first, rank) and every t in [start, start + count), every part p;
+//   tokens in no run are left alone (slot -1: exactly zero LoRA).
+//
+// Shrink and expand are both bandwidth-bound at decode's few tokens per adapter: each A row is read once per run
+// and dotted with the run's tokens (4 rows at a time, so x is read once per 4 rows); each Bt row chunk is read once
+// per token and accumulated in fp32 before one add into y. h (the rank-space activations) never leaves the call.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 4;     // A / Bt rows per inner loop
+constexpr int64_t kChunk = 256;  // output columns per expand work item
+
+struct Run {
+  int64_t start, count, first, rank;
+};
+
+template <typename scalar_t>
+void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts, const std::vector<Run>& runs) {
+  const int64_t in = x.size(1), parts = a.size(1), xs = x.stride(0), as = a.stride(0), ps = a.stride(1);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* ap = a.data_ptr<scalar_t>();
+  const int64_t nr = static_cast<int64_t>(runs.size());
+  std::vector<int64_t> hoff(nr + 1, 0);  // run k's h: [count, rank] floats at hoff[k] of each part's block
+  for (int64_t k = 0; k < nr; ++k) hoff[k + 1] = hoff[k] + runs[k].count * runs[k].rank;
+  const int64_t hpart = hoff[nr];
+  std::vector<float> h(static_cast<size_t>(parts * hpart));
+
+  std::vector<std::array<int64_t, 3>> shrink_items;  // (run, part, first row of a kRows block)
+  for (int64_t k = 0; k < nr; ++k)
+    for (int64_t p = 0; p < parts; ++p)
+      for (int64_t j = 0; j < runs[k].rank; j += kRows) shrink_items.push_back({k, p, j});
+  at::parallel_for(0, static_cast<int64_t>(shrink_items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const auto [k, p, j0] = shrink_items[w];
+      const Run& run = runs[k];
+      const int64_t rows = std::min(kRows, run.rank - j0);
+      const scalar_t* q0 = ap + (run.first + j0) * as + p * ps;
+      float* hk = h.data() + p * hpart + hoff[k];
+      for (int64_t t = 0; t < run.count; ++t) {
+        const scalar_t* xt = xp + (run.start + t) * xs;
+        float* out = hk + t * run.rank + j0;
+        if (rows == kRows) {
+          const scalar_t *q1 = q0 + as, *q2 = q0 + 2 * as, *q3 = q0 + 3 * as;
+          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          for (int64_t i = 0; i < in; ++i) {
+            const float v = static_cast<float>(xt[i]);
+            s0 += v * static_cast<float>(q0[i]);
+            s1 += v * static_cast<float>(q1[i]);
+            s2 += v * static_cast<float>(q2[i]);
+            s3 += v * static_cast<float>(q3[i]);
+          }
+          out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+        } else {
+          for (int64_t jj = 0; jj < rows; ++jj) {
+            const scalar_t* q = q0 + jj * as;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < in; ++i) s += static_cast<float>(xt[i]) * static_cast<float>(q[i]);
+            out[jj] = s;
+          }
+        }
+      }
+    }
+  });
+
+  scalar_t* yp = y.data_ptr<scalar_t>();
+  const int64_t ys = y.stride(0);
+  std::vector<int64_t> yoff(parts + 1, 0);
+  for (int64_t p = 0; p < parts; ++p) yoff[p + 1] = yoff[p] + bts[p].size(1);
+  std::vector<std::array<int64_t, 3>> expand_items;  // (run, part, first column of a kChunk block)
+  for (int64_t k = 0; k < nr; ++k)
+    for (int64_t p = 0; p < parts; ++p)
+      for (int64_t c = 0; c < bts[p].size(1); c += kChunk) expand_items.push_back({k, p, c});
+  at::parallel_for(0, static_cast<int64_t>(expand_items.size()), 1, [&](int64_t begin, int64_t end) {
+    float acc[kChunk];
+    for (int64_t w = begin; w < end; ++w) {
+      const auto [k, p, c0] = expand_items[w];
+      const Run& run = runs[k];
+      const int64_t cols = std::min(kChunk, bts[p].size(1) - c0), bs = bts[p].stride(0);
+      const scalar_t* b0 = bts[p].data_ptr<scalar_t>() + run.first * bs + c0;
+      const float* hk = h.data() + p * hpart + hoff[k];
+      for (int64_t t = 0; t < run.count; ++t) {
+        const float* ht = hk + t * run.rank;
+        std::fill(acc, acc + cols, 0.f);
+        int64_t j = 0;
+        for (; j + kRows <= run.rank; j += kRows) {
+          const float h0 = ht[j], h1 = ht[j + 1], h2 = ht[j + 2], h3 = ht[j + 3];
+          const scalar_t* q0 = b0 + j * bs;
+          const scalar_t *q1 = q0 + bs, *q2 = q0 + 2 * bs, *q3 = q0 + 3 * bs;
+#pragma omp simd
+          for (int64_t i = 0; i < cols; ++i)
+            acc[i] += h0 * static_cast<float>(q0[i]) + h1 * static_cast<float>(q1[i]) +
+                      h2 * static_cast<float>(q2[i]) + h3 * static_cast<float>(q3[i]);
+        }
+        for (; j < run.rank; ++j) {
+          const float hv = ht[j];
+          const scalar_t* q = b0 + j * bs;
+#pragma omp simd
+          for (int64_t i = 0; i < cols; ++i) acc[i] += hv * static_cast<float>(q[i]);
+        }
+        scalar_t* yt = yp + (run.start + t) * ys + yoff[p] + c0;
+        for (int64_t i = 0; i < cols; ++i) yt[i] = static_cast<scalar_t>(static_cast<float>(yt[i]) + acc[i]);
+      }
+    }
+  });
+}
+
+void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts, const at::Tensor& runs) {
+  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && a.device().is_cpu(), "lora_apply: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lora_apply: x must be [T, in] with unit inner stride");
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.stride(1) == 1,
+              "lora_apply: y must be [T, sum(out)] with unit inner stride, T = ", x.size(0));
+  TORCH_CHECK(a.dim() == 3 && a.size(2) == x.size(1) && a.stride(2) == 1,
+              "lora_apply: a must be [N, P, in] with unit inner stride, in = ", x.size(1));
+  TORCH_CHECK(static_cast<int64_t>(bts.size()) == a.size(1), "lora_apply: one Bt per part: ", a.size(1), " parts, ",
+              bts.size(), " Bt");
+  int64_t out = 0;
+  for (const auto& bt : bts) {
+    TORCH_CHECK(bt.device().is_cpu() && bt.dim() == 2 && bt.size(0) == a.size(0) && bt.stride(1) == 1,
+                "lora_apply: every Bt must be [N, out] with N = ", a.size(0), " and unit inner stride");
+    TORCH_CHECK(bt.scalar_type() == x.scalar_type(), "lora_apply: Bt dtype differs from x");
+    out += bt.size(1);
+  }
+  TORCH_CHECK(out <= y.size(1), "lora_apply: the parts' outputs (", out, ") exceed y's columns (", y.size(1), ")");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type(), "lora_apply: one dtype");
+  TORCH_CHECK(runs.device().is_cpu() && runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(1) == 4,
+              "lora_apply: runs must be an int64 [R, 4] CPU tensor (start, count, first row, rank)");
+  const auto r = runs.contiguous();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  std::vector<Run> list;
+  list.reserve(r.size(0));
+  for (int64_t k = 0; k < r.size(0); ++k) {
+    const Run run{rp[4 * k], rp[4 * k + 1], rp[4 * k + 2], rp[4 * k + 3]};
+    TORCH_CHECK(run.start >= 0 && run.count >= 0 && run.start + run.count <= x.size(0), "lora_apply: run ", k,
+                " covers tokens [", run.start, ", ", run.start + run.count, ") of ", x.size(0));
+    TORCH_CHECK(run.first >= 0 && run.rank >= 0 && run.first + run.rank <= a.size(0), "lora_apply: run ", k,
+                " reads rows [", run.first, ", ", run.first + run.rank, ") of ", a.size(0));
+    if (run.count > 0 && run.rank > 0) list.push_back(run);
+  }
+  if (list.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_apply",
+                                  [&] { apply_impl<scalar_t>(y, x, a, bts, list); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(adapter_manager, m) {
+  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor[] bts, Tensor runs) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("lora_apply", &lora_apply); }

@@ -1,0 +1,124 @@
+"""apply_parts: a fused linear's whole LoRA (P parts sharing x) added to y in one call. The cpu backend's fused C++
+kernel and every eager backend's composition equal the fp32 loop reference over the adversarial mixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, select_backend
+from kernels.cpu_kernels import lora_apply
+from tests.kernels._cases import BACKENDS, MIXES, STALE, TOLERANCE, PartsPool, parts_pool
+
+EAGER = [name for name in BACKENDS if not BACKENDS[name]().traced]
+OUTS = (24, 20, 7)
+"""Each part's out features: not multiples of the kernel's 4-row or 256-column blocks."""
+
+
+def bt_parts(pp: PartsPool, outs: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    """The parts' Bt side by side in one buffer (garbage around them and in every row no adapter owns)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    num_rows, granule, rank = pp.buffer.shape[0], pp.pool.granule, pp.pool.rank
+    buffer = torch.randn(num_rows, 3 + sum(outs) + 5, generator=gen) * STALE
+    views, start = [], 3
+    for out in outs:
+        for slot, r in pp.pool.slot_rows.items():
+            buffer[slot * granule : slot * granule + r, start : start + out] = torch.randn(r, out, generator=gen) / rank
+        buffer[-1, start : start + out] = 0
+        views.append(buffer[:, start : start + out])
+        start += out
+    return views
+
+
+def reference(y: torch.Tensor, x: torch.Tensor, pp: PartsPool, bts: list[torch.Tensor], slots: torch.Tensor):
+    """The fp32 loop, token by token: y[t, part p] += x[t] @ A_p[rows].T @ Bt_p[rows]."""
+    out, granule = y.float().clone(), pp.pool.granule
+    start = 0
+    for part, bt in enumerate(bts):
+        a = pp.part(part).float()
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                rows = slice(slot * granule, slot * granule + pp.pool.slot_rows[slot])
+                out[t, start : start + bt.shape[1]] += (x[t].float() @ a[rows].t()) @ bt[rows].float()
+        start += bt.shape[1]
+    return out
+
+
+def check(backend, pp: PartsPool, num_tokens: int, mix: str, dtype=torch.float32, seed: int = 0, outs=OUTS) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pp = pp.to(dtype)
+    outs = outs[: pp.parts]
+    bts = [bt.to(dtype) for bt in bt_parts(pp, outs, seed)]
+    x = torch.randn(num_tokens, pp.in_features, generator=gen).to(dtype)
+    slots = pp.pool.slots(mix, num_tokens, gen)
+    meta = pp.pool.meta(backend, 128)
+    meta.prepare(slots, pp.pool.slot_rows)
+    wide = torch.randn(num_tokens, 2 + sum(outs) + 3, generator=gen).to(dtype)  # y is a column view of it
+    before = wide.clone()
+    y = wide[:, 2 : 2 + sum(outs)]
+    expected = reference(y, x, pp, [bt.float() for bt in bts], slots)
+    assert apply_parts(y, x, pp.a_parts, bts, meta) is y
+    torch.testing.assert_close(y.float(), expected, **TOLERANCE[dtype])
+    assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 2 + sum(outs) :], before[:, 2 + sum(outs) :])
+    none = slots < 0
+    assert torch.equal(wide[none], before[none]), "slot -1 tokens must get exactly nothing"
+
+
+@pytest.mark.parametrize(("parts", "dtype"), [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("name", EAGER)
+def test_apply_parts_equals_the_loop_over_mixes(name, mix, parts, dtype):
+    """Mixed ranks 1..8, stale garbage past every rank and around every part's columns, y a view of a wider tensor."""
+    check(BACKENDS[name](), parts_pool(parts, 6, 8, 8), num_tokens=37, mix=mix, dtype=dtype)
+
+
+@pytest.mark.parametrize("mix", ["distinct", "zipf", "skewed", "empty_slots"])
+@pytest.mark.parametrize("name", ["cpu_fused", "cpu_auto", "reference"])
+def test_apply_parts_granule_below_rank_large_pool_and_wide_outputs(name, mix):
+    check(BACKENDS[name](), parts_pool(2, 20, 8, 3, seed=1), num_tokens=45, mix=mix, seed=1)
+    check(BACKENDS[name](), parts_pool(3, 300, 16, 16, in_f=32, seed=2), num_tokens=70, mix=mix, seed=2)
+    wide = (600, 257)  # several 256-column chunks, a ragged last one
+    check(BACKENDS[name](), parts_pool(2, 6, 64, 64, in_f=40, seed=3), num_tokens=9, mix=mix, seed=3, outs=wide)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 64, 65])
+def test_auto_takes_the_kernel_up_to_fused_max_tokens(num_tokens):
+    backend = select_backend("cpu")
+    pp = parts_pool(3, 6, 8, 8, seed=4)
+    meta = pp.pool.meta(backend, 128)
+    meta.prepare(pp.pool.slots("uniform", num_tokens, torch.Generator().manual_seed(4)), pp.pool.slot_rows)
+    assert meta.fused == (num_tokens <= 64 and not meta.no_adapter)
+    check(backend, pp, num_tokens, "uniform", seed=4)
+
+
+def test_the_kernel_refuses_bad_operands():
+    """The C++ checks name what is wrong (runs past the rows or tokens, a missing Bt, mixed dtypes)."""
+    x, a, y = torch.randn(4, 8), torch.randn(9, 2, 8), torch.zeros(4, 6)
+    bts = [torch.randn(9, 3), torch.randn(9, 3)]
+    runs = torch.tensor([[0, 4, 6, 2]])
+    lora_apply(y, x, a, bts, runs)
+    torch.testing.assert_close(y[:, :3], x @ a[6:8, 0].t() @ bts[0][6:8])
+    with pytest.raises(RuntimeError, match="reads rows"):
+        lora_apply(y, x, a, bts, torch.tensor([[0, 4, 8, 2]]))
+    with pytest.raises(RuntimeError, match="covers tokens"):
+        lora_apply(y, x, a, bts, torch.tensor([[2, 3, 0, 2]]))
+    with pytest.raises(RuntimeError, match="one Bt per part"):
+        lora_apply(y, x, a, bts[:1], runs)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        lora_apply(y.double(), x, a, bts, runs)
+    with pytest.raises(RuntimeError, match="exceed"):
+        lora_apply(torch.zeros(4, 5), x, a, bts, runs)
+
+
+def test_a_traced_backend_refuses_apply_parts():
+    pp = parts_pool(2, 6, 8, 8)
+    meta = pp.pool.meta(BACKENDS["xla_laned_on_cpu"](), 16)
+    meta.prepare(torch.zeros(3, dtype=torch.int32), pp.pool.slot_rows)
+    with pytest.raises(ValueError, match="eager backends only"):
+        apply_parts(torch.zeros(3, 44), torch.randn(3, 48), pp.a_parts, bt_parts(pp, OUTS[:2], 0), meta)
+
+
+def test_forced_fused_needs_the_cpu_backend():
+    assert select_backend("cpu", KernelConfig(torch_form=LoRAForm.FUSED)).form is LoRAForm.FUSED
+    with pytest.raises(ValueError, match="torch and cpu backends only"):
+        select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE, torch_form=LoRAForm.FUSED))
