@@ -79,7 +79,7 @@ class KernelConfig:
     torch_form: LoRAForm = LoRAForm.AUTO
     """Torch and cpu backends: AUTO picks per step; SEGMENTS, GROUPED, LANED (cpu backend: or FUSED) forces that form
     (to compare forms)."""
-    fused_max_tokens: int = 64
+    fused_max_tokens: int = 128
     """cpu backend: AUTO takes the fused kernel for steps of at most this many tokens (beyond, MKL's matmuls per run
     win: prefill)."""
 

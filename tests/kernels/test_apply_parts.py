@@ -51,7 +51,7 @@ def check(backend, pp: PartsPool, num_tokens: int, mix: str, dtype=torch.float32
     bts = [bt.to(dtype) for bt in bt_parts(pp, outs, seed)]
     x = torch.randn(num_tokens, pp.in_features, generator=gen).to(dtype)
     slots = pp.pool.slots(mix, num_tokens, gen)
-    meta = pp.pool.meta(backend, 128)
+    meta = pp.pool.meta(backend, max(128, num_tokens))
     meta.prepare(slots, pp.pool.slot_rows)
     wide = torch.randn(num_tokens, 2 + sum(outs) + 3, generator=gen).to(dtype)  # y is a column view of it
     before = wide.clone()
@@ -81,13 +81,16 @@ def test_apply_parts_granule_below_rank_large_pool_and_wide_outputs(name, mix):
     check(BACKENDS[name](), parts_pool(2, 6, 64, 64, in_f=40, seed=3), num_tokens=9, mix=mix, seed=3, outs=wide)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 5, 64, 65])
+LIMIT = KernelConfig().fused_max_tokens
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, LIMIT, LIMIT + 1])
 def test_auto_takes_the_kernel_up_to_fused_max_tokens(num_tokens):
     backend = select_backend("cpu")
     pp = parts_pool(3, 6, 8, 8, seed=4)
-    meta = pp.pool.meta(backend, 128)
+    meta = pp.pool.meta(backend, 2 * LIMIT)
     meta.prepare(pp.pool.slots("uniform", num_tokens, torch.Generator().manual_seed(4)), pp.pool.slot_rows)
-    assert meta.fused == (num_tokens <= 64 and not meta.no_adapter)
+    assert meta.fused == (num_tokens <= LIMIT and not meta.no_adapter)
     check(backend, pp, num_tokens, "uniform", seed=4)
 
 
