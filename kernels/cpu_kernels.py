@@ -58,7 +58,8 @@ def cache_dir() -> Path:
 
 
 def _build(name: str, folder: Path) -> Path:
-    """Compile the extension into ``folder`` (torch's builder holds a file lock, so concurrent builds are safe)."""
+    """Compile the extension in a build folder of this process's own, then move the library into ``folder`` with one
+    rename: another process sees either no library or a complete one (never a half-linked file)."""
     from torch.utils import cpp_extension
 
     try:
@@ -70,19 +71,22 @@ def _build(name: str, folder: Path) -> Path:
     old_path = os.environ.get("PATH", "")
     if bin_dir and bin_dir not in old_path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + old_path
+    build = folder / f"build-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(  # builds and loads the library (torch.ops.adapter_manager.*) into this process
             name,
             [str(SOURCE)],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
-            build_directory=str(folder),
+            build_directory=str(build),
             is_python_module=False,
             verbose=False,
         )
+        os.replace(build / f"{name}.so", folder / f"{name}.so")
     finally:
         os.environ["PATH"] = old_path
+        shutil.rmtree(build, ignore_errors=True)
     return folder / f"{name}.so"
 
 

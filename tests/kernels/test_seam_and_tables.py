@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,3 +154,19 @@ def test_form_follows_the_active_slots_not_the_pool():
     for num_slots in (8, 256):
         meta = prepared(slots, backend=TorchEagerBackend(table, max_segment_runs=0), num_slots=num_slots, rank=16)
         assert meta.form is LoRAForm.LANED and meta.lane_onehot.shape == (16, 8, 1)
+
+
+def test_without_a_compiler_cpu_keeps_the_torch_forms(tmp_path):
+    """A machine with no C++ compiler: one warning naming why, the torch backend, and a forced cpu backend refused."""
+    script = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "from kernels import BackendKind, KernelConfig, select_backend\n"
+        "print(type(select_backend('cpu')).__name__)\n"
+        "try:\n    select_backend('cpu', KernelConfig(backend=BackendKind.CPU))\n"
+        "except ValueError as err:\n    print('refused:', err)\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "ADAPTER_MANAGER_KERNEL_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert "CPU LoRA kernel unavailable, using the torch forms: RuntimeError: no C++ compiler" in out
+    assert "\nTorchEagerBackend\n" in out and "refused: backend 'cpu': its kernel cannot be built here" in out
+    assert out.count("unavailable") == 1 and not any(tmp_path.iterdir())
