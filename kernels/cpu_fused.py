@@ -22,6 +22,7 @@ from kernels.config import LoRAForm
 from kernels.cpu_kernels import load, lora_apply, unavailable_reason
 from kernels.dispatch_table import TorchDispatchTable
 from kernels.meta import LoRAKernelMeta
+from kernels.ops import compose_parts
 from kernels.torch_eager import TorchEagerBackend
 
 
@@ -70,4 +71,4 @@ class CpuFusedBackend(TorchEagerBackend):
             assert meta.runs is not None
             lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, list(bt_parts), meta.runs)
             return y
-        return super().apply_parts(y, x, a_parts, bt_parts, meta)
+        return compose_parts(y, x, a_parts, bt_parts, meta)

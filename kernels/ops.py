@@ -146,8 +146,16 @@ def apply_parts(
     fused = getattr(meta.backend, "apply_parts", None)
     if fused is not None:
         return fused(y, x, a_parts, tuple(bt_parts), meta)
-    h, start = shrink_parts(x, a_parts, meta), 0
+    return compose_parts(y, x, a_parts, bt_parts, meta)
+
+
+def compose_parts(
+    y: torch.Tensor, x: torch.Tensor, a_parts: torch.Tensor, bt_parts: Sequence[torch.Tensor], meta: LoRAKernelMeta
+) -> torch.Tensor:
+    """:func:`apply_parts` as the backend's ``shrink_parts`` then one ``expand`` per part (operands already checked):
+    what a backend without a fused form does."""
+    h, start = meta.backend.shrink_parts(x, a_parts, meta), 0
     for part, bt in enumerate(bt_parts):
-        expand(y[:, start : start + bt.shape[1]], h[part], bt, meta)
+        meta.backend.expand(y[:, start : start + bt.shape[1]], h[part], bt, meta, True)
         start += bt.shape[1]
     return y

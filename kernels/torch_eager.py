@@ -18,8 +18,6 @@ one matmul per run (a bmm over the parts) or per gathered table for all P, never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from kernels.config import LoRAForm
@@ -149,21 +147,6 @@ class TorchEagerBackend:
         hg = torch.bmm(xg, table.transpose(1, 2)).mul_(grouping.valid)  # [k, C, R·P], padding rows zero
         h = x.new_zeros(num_tokens, rank * parts).index_add_(0, grouping.gather_index, hg.view(-1, rank * parts))
         return h.view(num_tokens, rank, parts).permute(2, 0, 1).contiguous()
-
-    def apply_parts(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        a_parts: torch.Tensor,
-        bt_parts: Sequence[torch.Tensor],
-        meta: LoRAKernelMeta,
-    ) -> torch.Tensor:
-        """Semantics: :func:`kernels.ops.apply_parts`, as :meth:`shrink_parts` then one :meth:`expand` per part."""
-        h, start = self.shrink_parts(x, a_parts, meta), 0
-        for part, bt_rows in enumerate(bt_parts):
-            self.expand(y[:, start : start + bt_rows.shape[1]], h[part], bt_rows, meta)
-            start += bt_rows.shape[1]
-        return y
 
     def expand(
         self, y: torch.Tensor, h: torch.Tensor, bt_rows: torch.Tensor, meta: LoRAKernelMeta, accumulate: bool = True
