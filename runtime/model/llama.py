@@ -22,7 +22,7 @@ from .batch import ForwardBatch
 from .config import LlamaConfig
 from .kv_cache import AttentionPlan, KVCache, plan_attention
 from .lora_linear import LoRALinear, Stacks
-from .rope import apply_rope, rope_table
+from .rope import apply_rope, rope_factors, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
 
@@ -37,9 +37,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Semantics: ``w · (x / sqrt(mean(x²) + eps))``. Shape: x [T, H]; returns [T, H]."""
+        if x.dtype == torch.float32 and x.device.type != "xla":  # the same sums in one op (no cast to round)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's columns follow a's in one eager tensor (the fused q/k/v output's views), same rows and strides."""
+    return (
+        a.device.type != "xla"
+        and a.dim() == 2
+        and a.stride() == b.stride()
+        and a.stride(1) == 1
+        and a.shape[0] == b.shape[0]
+        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.element_size()
+    )
 
 
 class Attention(nn.Module):
@@ -57,19 +71,26 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: LoRAKernelMeta | None,
         plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        """Shape: x [T, H]; rope [T, 2, D/2]; returns [T, H]. Writes the step's keys/values into the cache.
+        """Shape: x [T, H]; rope (cos, sin) [T, 1, D/2] each; returns [T, H]. Writes the step's keys/values into the
+        cache.
 
         ``plan`` (eager steps): the step's batched attention plan; None with spans runs one call per sequence.
         """
         assert self.kv_cache is not None, "setup_caches() first"
         q, k, v = self.wqkv(x, meta)
-        tokens = x.shape[0]
-        q = apply_rope(q.reshape(tokens, self.num_heads, self.head_dim), rope)  # [T, heads, D]
-        k = apply_rope(k.reshape(tokens, self.num_kv_heads, self.head_dim), rope)  # [T, KV, D]
+        tokens, cos, sin = x.shape[0], rope[0], rope[1]
+        if _adjacent_columns(q, k):  # q|k side by side in the fused output: one rotation for every head
+            heads = self.num_heads + self.num_kv_heads
+            qk = q.as_strided((tokens, heads * self.head_dim), q.stride())
+            qk = apply_rope(qk.view(tokens, heads, self.head_dim), cos, sin)  # [T, heads + KV, D]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = apply_rope(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)  # [T, heads, D]
+            k = apply_rope(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         self.kv_cache.update(batch.cache_rows, batch.positions, k, v)
         if batch.spans is None:
@@ -110,7 +131,7 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         meta: LoRAKernelMeta | None,
         plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
@@ -272,7 +293,7 @@ class Llama(nn.Module):
             raise ValueError(
                 f"lora_meta was prepared for {lora_meta.num_tokens} tokens, the batch has {batch.num_tokens}"
             )
-        rope = self.rope_table[batch.positions]  # [T, 2, D/2]
+        rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
         h = self.tok_embeddings(batch.tokens)  # [T, H]
         plan = None if batch.spans is None or not self.batched_attention else plan_attention(batch.spans, self.device)
         for layer in self.layers:

@@ -48,7 +48,15 @@ def rope_table(config: LlamaConfig, max_seq_len: int, device: torch.device | str
     return torch.stack([angles.cos(), angles.sin()], dim=1).to(device)  # [P, 2, D/2]
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def rope_factors(table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's cos and sin, cast to the model's dtype first as HF does: made once per step, used by every layer.
+
+    Shape: table [T, 2, D/2] (the rope table gathered at the tokens' positions); returns cos, sin [T, 1, D/2].
+    """
+    return table[:, None, 0].to(dtype), table[:, None, 1].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each head of each token by its position's angles (HF's rotate_half pairing: i with i + D/2).
 
     Semantics::
@@ -56,10 +64,8 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., :D/2], x[..., D/2:]
         out = cat(x1·cos - x2·sin, x2·cos + x1·sin)
 
-    Shape: x [T, heads, D]; table [T, 2, D/2] (the rope table gathered at the tokens' positions). Returns a new
-    tensor in x's dtype; the cos/sin are cast to x's dtype first, as HF does.
+    Shape: x [T, heads, D] (any strides); cos, sin [T, 1, D/2] from :func:`rope_factors`. Returns a new tensor in
+    x's dtype.
     """
-    cos = table[:, None, 0].to(x.dtype)  # [T, 1, D/2]
-    sin = table[:, None, 1].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)  # [T, heads, D/2] each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
