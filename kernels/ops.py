@@ -126,6 +126,16 @@ def apply_parts(
     Shape: y [T, >= sum(out_p)] (a view is fine; unit inner stride); x [T, in]; a_parts [N, P, in] (a view of the
     pool); bt_parts P tensors [N, out_p] (views of the pool). Eager backends only; returns y.
     """
+    fused = getattr(meta.backend, "apply_parts", None)
+    if (
+        fused is not None
+        and meta.fused
+        and y.shape[0] == x.shape[0] == meta.num_tokens
+        and a_parts.dim() == 3
+        and a_parts.shape[0] == meta.num_rows
+        and a_parts.shape[1] == len(bt_parts)
+    ):  # the hot path: the kernel itself checks dtypes, strides and every run's rows and tokens against the operands
+        return fused(y, x, a_parts, tuple(bt_parts), meta)
     _check_tokens("y", y, meta)
     _check_parts(x, a_parts, meta)
     if meta.backend.traced:
@@ -143,7 +153,6 @@ def apply_parts(
             )
     if meta.no_adapter:
         return y
-    fused = getattr(meta.backend, "apply_parts", None)
     if fused is not None:
         return fused(y, x, a_parts, tuple(bt_parts), meta)
     return compose_parts(y, x, a_parts, bt_parts, meta)

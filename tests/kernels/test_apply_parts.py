@@ -125,3 +125,17 @@ def test_forced_fused_needs_the_cpu_backend():
     assert select_backend("cpu", KernelConfig(torch_form=LoRAForm.FUSED)).form is LoRAForm.FUSED
     with pytest.raises(ValueError, match="torch and cpu backends only"):
         select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE, torch_form=LoRAForm.FUSED))
+
+
+def test_the_fused_path_still_names_bad_operands():
+    """The hot path skips the Python checks it does not need; a mismatch still gets a named error."""
+    pp = parts_pool(2, 6, 8, 8)
+    meta = pp.pool.meta(BACKENDS["cpu_fused"](), 16)
+    meta.prepare(torch.zeros(3, dtype=torch.int32), pp.pool.slot_rows)
+    bts = bt_parts(pp, OUTS[:2], 0)
+    with pytest.raises(ValueError, match=r"x must have shape \[T=3"):
+        apply_parts(torch.zeros(3, 44), torch.randn(4, 48), pp.a_parts, bts, meta)
+    with pytest.raises(ValueError, match="a_parts has 2 parts, bt_parts 1"):
+        apply_parts(torch.zeros(3, 44), torch.randn(3, 48), pp.a_parts, bts[:1], meta)
+    with pytest.raises(RuntimeError, match="Bt dtype differs"):
+        apply_parts(torch.zeros(3, 44), torch.randn(3, 48), pp.a_parts, [bts[0], bts[1].double()], meta)
