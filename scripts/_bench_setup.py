@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, BaseModelSpec, write_synthetic_adapter
+from kernels import KernelConfig
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.model.checkpoint import load_model, write_random_checkpoint
@@ -70,11 +71,18 @@ def write_adapters(
 
 
 def build_engine(
-    model: Llama, manager: AdapterManager, max_batch: int, max_seq_len: int, token_budget: int | None = None
+    model: Llama,
+    manager: AdapterManager,
+    max_batch: int,
+    max_seq_len: int,
+    token_budget: int | None = None,
+    kernels: KernelConfig | None = None,
 ) -> Engine:
-    """The eager engine over ``model`` and ``manager``; ``token_budget`` None: the scheduler's default."""
+    """The eager engine over ``model`` and ``manager``; ``token_budget`` None: the scheduler's default; ``kernels``
+    None: the backend the device gets by default."""
     scheduler = SchedulerConfig() if token_budget is None else SchedulerConfig(token_budget=token_budget)
-    return Engine(model, manager, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, scheduler=scheduler))
+    config = EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, scheduler=scheduler, kernels=kernels)
+    return Engine(model, manager, config)
 
 
 def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:

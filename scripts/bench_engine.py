@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -188,13 +189,15 @@ class Setup:
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms of each closure, run round-robin (rotated each round) so contention and drift hit all alike."""
+    """Median ms of each closure, every round in a fresh (seeded) random order, so contention, drift and the closure
+    run just before (a read pass over the weights flushes the caches the next step would find warm) hit all alike:
+    a rotation keeps each closure's predecessor fixed and biased the first config (base) by 4-10 %."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {key: [] for key in fns}
-    keys = list(fns)
-    for round_ in range(repeats):
-        for key in keys[round_ % len(keys) :] + keys[: round_ % len(keys)]:
+    keys, order = list(fns), random.Random(0)
+    for _ in range(repeats):
+        for key in order.sample(keys, len(keys)):
             start = time.perf_counter()
             fns[key]()
             times[key].append(time.perf_counter() - start)

@@ -39,6 +39,7 @@ from _bench_setup import build_engine, write_adapters, write_checkpoint
 from huggingface_hub.utils import disable_progress_bars
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
+from kernels import BackendKind, KernelConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
 from runtime.model.checkpoint import load_model
@@ -186,7 +187,8 @@ class Bench:
 
     def engine(self, manager: AdapterManager) -> Engine:
         longest = self.args.prompt_max + self.args.output_max
-        engine = build_engine(self.model, manager, self.args.max_batch, longest + 1, self.args.token_budget)
+        kernels = KernelConfig(backend=BackendKind(self.args.kernels))
+        engine = build_engine(self.model, manager, self.args.max_batch, longest + 1, self.args.token_budget, kernels)
         engine.warm_up()
         return engine
 
@@ -294,6 +296,7 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.8, help="arrival rate / all-resident capacity")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pool-gib", type=float, default=1.0)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch"], help="LoRA backend (torch: its forms)")
     parser.add_argument("--host-gib", type=float, default=2.0)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--token-budget", type=int, default=512)

@@ -12,7 +12,7 @@ from tests.kernels._cases import BACKENDS, MIXES, STALE, TOLERANCE, PartsPool, p
 
 EAGER = [name for name in BACKENDS if not BACKENDS[name]().traced]
 OUTS = (24, 20, 7)
-"""Each part's out features: not multiples of the kernel's 4-row or 256-column blocks."""
+"""Each part's out features: not multiples of the kernel's 4- or 8-row or 1024-column blocks."""
 
 
 def bt_parts(pp: PartsPool, outs: tuple[int, ...], seed: int) -> list[torch.Tensor]:
@@ -77,7 +77,7 @@ def test_apply_parts_equals_the_loop_over_mixes(name, mix, parts, dtype):
 def test_apply_parts_granule_below_rank_large_pool_and_wide_outputs(name, mix):
     check(BACKENDS[name](), parts_pool(2, 20, 8, 3, seed=1), num_tokens=45, mix=mix, seed=1)
     check(BACKENDS[name](), parts_pool(3, 300, 16, 16, in_f=32, seed=2), num_tokens=70, mix=mix, seed=2)
-    wide = (600, 257)  # several 256-column chunks, a ragged last one
+    wide = (2100, 257)  # several 1024-column chunks, a ragged last one
     check(BACKENDS[name](), parts_pool(2, 6, 64, 64, in_f=40, seed=3), num_tokens=9, mix=mix, seed=3, outs=wide)
 
 
