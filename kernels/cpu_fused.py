@@ -2,10 +2,10 @@
 
 At decode the LoRA work of a step is a few tokens against each active adapter's rows: bandwidth-bound, but as MKL
 matmuls per run of tokens it is one small call per (run, part, layer), each far from the memory bound (measured:
-2.2× the byte floor with 8 adapters). The FUSED form applies a fused linear's whole LoRA (every part: q/k/v or
+2.5–2.8× the byte floor with 8 adapters). The FUSED form applies a fused linear's whole LoRA (every part: q/k/v or
 gate/up; every run of equal slots) in one call of ``torch.ops.adapter_manager.lora_apply``
-(:mod:`kernels.cpu_kernels`), which reads each active adapter's pool rows once, in place: the call count per step does
-not grow with the number of distinct adapters, and its bytes are the active adapters' bytes. Steps of more tokens
+(:mod:`kernels.cpu_kernels`), which reads each active adapter's pool rows once, in place: the call count per step
+does not grow with the number of distinct adapters, and its bytes are the active adapters' bytes. Steps of more tokens
 (prefill) take the torch forms, whose matmuls per run are compute-efficient there.
 
 ``shrink`` / ``expand`` on a FUSED step run the torch segments path over the same runs (the metadata sets both), so

@@ -30,6 +30,7 @@ _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: bool | None = None
+_op = None  # torch.ops.adapter_manager.lora_apply.default, once loaded
 _reason: str | None = None
 build_seconds: float | None = None
 """Seconds this process spent building (None: loaded a build already on disk, or not loaded)."""
@@ -125,4 +126,7 @@ def unavailable_reason() -> str | None:
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], runs: torch.Tensor) -> None:
     """``y[:, part p's columns] += (x @ A_p[rows].T) @ Bt_p[rows]`` per run; see the C++ source. :func:`load` first."""
-    torch.ops.adapter_manager.lora_apply(y, x, a, bts, runs)
+    global _op
+    if _op is None:
+        _op = torch.ops.adapter_manager.lora_apply.default  # resolved once: the namespace lookup costs per call
+    _op(y, x, a, bts, runs)

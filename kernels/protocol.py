@@ -15,6 +15,10 @@ class KernelBackend(Protocol):
     ``a_rows [N, in]`` / ``bt_rows [N, out]`` are the row pools (see :class:`kernels.meta.LoRAKernelMeta`). ``meta``
     is the step's :class:`kernels.meta.LoRAKernelMeta`; it is typed ``object`` here because meta.py imports this
     module (the arrows run backends -> meta -> protocol, never back).
+
+    A backend may also provide ``apply_parts(y, x, a_parts, bt_parts, meta)``: a fused linear's whole LoRA in one
+    call (the cpu backend's FUSED form); :func:`kernels.ops.apply_parts` composes ``shrink_parts`` and ``expand``
+    for a backend that does not.
     """
 
     traced: bool

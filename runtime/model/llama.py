@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Semantics: ``w · (x / sqrt(mean(x²) + eps))``. Shape: x [T, H]; returns [T, H]."""
-        if x.dtype == torch.float32 and x.device.type != "xla":  # the same sums in one op (no cast to round)
+        if x.dtype == torch.float32 and x.device.type != "xla":  # fp32: the same math as one fused op
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

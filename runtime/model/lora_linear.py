@@ -44,6 +44,8 @@ class _Group(NamedTuple):
     """Shape: [N, P, in], a view of the pool."""
     bt_parts: tuple[torch.Tensor, ...]
     """P views [N, out_p] of the pool."""
+    whole: bool
+    """The group covers every column of the output (no slice to take)."""
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -196,12 +198,13 @@ class LoRALinear(nn.Module):
             if part in runs:
                 run = runs[part]
                 bts = tuple(self._lora[p].bt for p in run.parts)  # type: ignore[union-attr]
-                groups.append(_Group(slice(starts[part], starts[run.parts.stop]), run.a_parts, bts))
+                columns = slice(starts[part], starts[run.parts.stop])
+                groups.append(_Group(columns, run.a_parts, bts, columns == slice(0, starts[-1])))
                 part = run.parts.stop
                 continue
             if stacks is not None and stacks.a.device.type != "xla":
                 columns = slice(starts[part], starts[part + 1])
-                groups.append(_Group(columns, stacks.a.unsqueeze(1), (stacks.bt,)))
+                groups.append(_Group(columns, stacks.a.unsqueeze(1), (stacks.bt,), columns == slice(0, starts[-1])))
             part += 1
         return tuple(groups)
 
@@ -252,7 +255,8 @@ class LoRALinear(nn.Module):
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
             y = self.base(x)
             for group in self._groups:
-                apply_parts(y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
+                columns = y if group.whole else y[:, group.columns]
+                apply_parts(columns, x, group.a_parts, group.bt_parts, meta)
             return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         packed = self._packed is not None
         y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
