@@ -2,8 +2,9 @@
 
 The source is ``kernels/csrc/lora_cpu.cpp``; it is compiled by torch's own extension builder
 (``torch.utils.cpp_extension``: the system C++ compiler and ninja) for this machine's CPU (``-march=native``) on
-first use, about 20 s, into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default ``~/.cache/adapter_manager/kernels``), one
-folder per (source, flags, torch, CPU) hash, so a stale build is never loaded. Later processes load the built
+first use, about 10 s (logged at INFO), into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default
+``~/.cache/adapter_manager/kernels``), one folder per (source, flags, torch, CPU) hash, so a stale build is never
+loaded. Later processes load the built
 library in milliseconds. Where it cannot be built (no compiler) :func:`load` returns False and says why once; the
 backend seam then keeps the torch forms.
 """
