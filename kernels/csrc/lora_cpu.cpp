@@ -23,15 +23,9 @@
 
 namespace {
 
-#ifndef LORA_CPU_CHUNK
-#define LORA_CPU_CHUNK 1024
-#endif
-#ifndef LORA_CPU_SHRINK_ROWS
-#define LORA_CPU_SHRINK_ROWS 8
-#endif
-constexpr int64_t kRows = 4;                           // Bt rows per expand inner loop
-constexpr int64_t kShrinkRows = LORA_CPU_SHRINK_ROWS;  // A rows per shrink work item (4 or 8), one pass over x
-constexpr int64_t kChunk = LORA_CPU_CHUNK;             // output columns per expand work item
+constexpr int64_t kRows = 4;        // Bt rows per expand inner loop
+constexpr int64_t kShrinkRows = 8;  // A rows per shrink work item, one pass over x (a short last block: row by row)
+constexpr int64_t kChunk = 1024;    // output columns per expand work item
 
 struct Run {
   int64_t start, count, first, rank;
@@ -75,7 +69,7 @@ void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::Ten
       for (int64_t t = 0; t < run.count; ++t) {
         const scalar_t* xt = xp + (run.start + t) * xs;
         float* out = hk + t * run.rank + j0;
-        if (rows == 8) {
+        if (rows == kShrinkRows) {
           const scalar_t *q1 = q0 + as, *q2 = q0 + 2 * as, *q3 = q0 + 3 * as, *q4 = q0 + 4 * as, *q5 = q0 + 5 * as,
                          *q6 = q0 + 6 * as, *q7 = q0 + 7 * as;
           float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, s4 = 0.f, s5 = 0.f, s6 = 0.f, s7 = 0.f;
@@ -92,18 +86,6 @@ void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::Ten
             s7 += v * static_cast<float>(q7[i]);
           }
           out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3, out[4] = s4, out[5] = s5, out[6] = s6, out[7] = s7;
-        } else if (rows == 4) {
-          const scalar_t *q1 = q0 + as, *q2 = q0 + 2 * as, *q3 = q0 + 3 * as;
-          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-          for (int64_t i = 0; i < in; ++i) {
-            const float v = static_cast<float>(xt[i]);
-            s0 += v * static_cast<float>(q0[i]);
-            s1 += v * static_cast<float>(q1[i]);
-            s2 += v * static_cast<float>(q2[i]);
-            s3 += v * static_cast<float>(q3[i]);
-          }
-          out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
         } else {
           for (int64_t jj = 0; jj < rows; ++jj) {
             const scalar_t* q = q0 + jj * as;
