@@ -19,8 +19,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _bench_setup import projection_shapes, write_adapters, write_checkpoint
+from _bench_setup import write_adapters, write_checkpoint
 from bench_engine import interleaved_ms, op_calls
+from bench_slowdown import floors
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
@@ -86,10 +87,7 @@ def main() -> None:
             manager.release(lease)
         finally:
             manager.close()
-    per_row = sum(i + o for i, o in projection_shapes(config)) * config.num_layers * 4
-    base_bytes = sum(i * o for i, o in projection_shapes(config)) * config.num_layers * 4
-    base_bytes += config.vocab_size * config.hidden_size * 4  # lm_head (bench_engine's base bytes: every weight once)
-    floor = sum(RANKS) * per_row / base_bytes
+    floor = sum(floors(config, rank, 1)[1] for rank in RANKS)  # the 16 adapters' bytes / the base's
     cost = {name: ms[name] / ms["base"] - 1 for name in ("mixed16", "mixed16_torch")}
     result = {"ms": ms, "cost": cost, "floor": floor, "x_floor": cost["mixed16"] / floor, "op_calls": calls}
     result["op_calls_torch"] = calls_torch
