@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import torch
 
 from kernels.config import BackendKind, KernelConfig, LoRAForm
@@ -36,16 +39,45 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
         from kernels.pallas_backend import PallasBackend
 
         return PallasBackend(BlockSizeTable.load(config.block_size_table), interpret=config.pallas_interpret)
+    if kind is BackendKind.TRITON:
+        from kernels.dispatch_table import TorchDispatchTable
+        from kernels.triton_backend import TritonBackend
+        from kernels.triton_block_sizes import TritonBlockTable
+
+        blocks = TritonBlockTable.load(config.triton_block_size_table)
+        return TritonBackend(TorchDispatchTable.load(config.dispatch_table), blocks, config.bgmv_max_tokens)
     raise ValueError(f"no backend for {kind!r}")
+
+
+def triton_unavailable_reason() -> str | None:
+    """Why the triton backend cannot run here (triton not importable), or None."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as err:  # the optional extra is not installed
+        return f"triton cannot be imported ({err}); install the 'triton' extra"
+    return None
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton would decorate kernels for its interpreter now (``TRITON_INTERPRET=1``); needs triton. The
+    backend's build also checks that triton was imported in the same mode."""
+    from kernels.triton_kernels import interpret_mode
+
+    return interpret_mode()
 
 
 def select_backend(device: torch.device | str, config: KernelConfig | None = None) -> KernelBackend:
     """Pick the backend once, outside the hot path: cpu -> cpu (the torch forms plus the C++ kernel; torch, with a
-    warning, where the kernel cannot be built), cuda -> torch, xla -> ``config.xla_backend``.
+    warning, where the kernel cannot be built), cuda -> triton (torch, with one warning naming why, where triton cannot
+    be imported), xla -> ``config.xla_backend``.
 
-    A forced ``config.backend`` wins, except that eager-only backends (torch, cpu, reference) refuse an XLA device,
-    the cpu backend refuses anything but a CPU device (and a machine where its kernel cannot be built), and the Pallas
-    backend refuses anything but an XLA device; a forced ``torch_form`` needs the torch or cpu backend (FUSED: cpu).
+    A forced ``config.backend`` wins, except that eager-only backends (torch, cpu, reference, triton) refuse an XLA
+    device, the cpu backend refuses anything but a CPU device (and a machine where its kernel cannot be built), the
+    triton backend refuses a machine without triton and a CPU device unless Triton interprets (``TRITON_INTERPRET=1``
+    before triton is first imported and when the backend is built: its kernels then run in numpy on CPU tensors), and
+    the Pallas backend refuses anything
+    but an XLA device; a forced ``torch_form`` needs the torch or cpu backend (FUSED: cpu). AUTO never picks triton
+    on a CPU device.
     """
     config = config or KernelConfig()
     device_type = torch.device(device).type
@@ -55,13 +87,18 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
             from kernels.cpu_kernels import load
 
             kind = BackendKind.CPU if load() else BackendKind.TORCH
+        elif device_type == "cuda" and config.torch_form is LoRAForm.AUTO:
+            reason = triton_unavailable_reason()
+            if reason is not None:
+                warnings.warn(f"cuda: the torch LoRA forms, not the Triton kernels: {reason}", stacklevel=2)
+            kind = BackendKind.TORCH if reason else BackendKind.TRITON
         elif device_type in _EAGER_DEVICES:
             kind = BackendKind.TORCH
         elif device_type == "xla":
             kind = config.xla_backend
         else:
             raise ValueError(f"no kernel backend for device type {device_type!r}; expected cpu, cuda or xla")
-    if kind in (*_TORCH_FORMS, BackendKind.REFERENCE) and device_type == "xla":
+    if kind in (*_TORCH_FORMS, BackendKind.REFERENCE, BackendKind.TRITON) and device_type == "xla":
         raise ValueError(f"backend {kind.value!r} is eager-only (host syncs per step); device is {device_type!r}")
     if kind is BackendKind.CPU:
         from kernels.cpu_kernels import load, unavailable_reason
@@ -70,6 +107,15 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
             raise ValueError(f"backend 'cpu' runs on CPU tensors only, got device type {device_type!r}")
         if not load():
             raise ValueError(f"backend 'cpu': its kernel cannot be built here ({unavailable_reason()})")
+    if kind is BackendKind.TRITON:
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"backend 'triton': {reason}")
+        if device_type == "cpu" and not triton_interpreting():
+            raise ValueError(
+                "backend 'triton' runs on CUDA tensors; on a CPU device only in Triton's interpret mode "
+                "(TRITON_INTERPRET=1, set before triton is first imported)"
+            )
     if kind is BackendKind.PALLAS and device_type != "xla":
         raise ValueError(f"backend 'pallas' needs an xla device (torch_xla), got {device_type!r}")
     if config.torch_form is not LoRAForm.AUTO and kind not in _TORCH_FORMS:

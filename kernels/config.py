@@ -16,6 +16,9 @@ class BackendKind(StrEnum):
     """The torch forms plus the C++ CPU kernel (kernels/cpu_kernels.py) for steps of few tokens."""
     XLA = "xla"
     PALLAS = "pallas"
+    TRITON = "triton"
+    """The cuda backend: Triton BGMV / SGMV kernels for every step with an adapter (kernels/triton_backend.py);
+    on a CPU device only in Triton's interpret mode (``TRITON_INTERPRET=1``, tests)."""
 
 
 class LoRAForm(StrEnum):
@@ -41,9 +44,10 @@ class LoRAForm(StrEnum):
     """One dense matmul over the k·R lanes of the step's k active adapters, masked to each token's slot (small
     batches)."""
     FUSED = "fused"
-    """cpu backend: one kernel call per fused linear (all its parts, all runs of equal slots) reading each active
-    adapter's pool rows in place; its cost follows the active adapters' bytes, its call count does not grow with
-    them (steps of few tokens)."""
+    """cpu and triton backends: one kernel call (triton: one shrink and one expand launch) per fused linear (all its
+    parts, all runs of equal slots) reading each active adapter's pool rows in place; its cost follows the active
+    adapters' bytes, its call count does not grow with them (cpu: steps of few tokens; triton: every step with an
+    adapter)."""
 
 
 _FORCIBLE_FORMS = (LoRAForm.AUTO, LoRAForm.SEGMENTS, LoRAForm.GROUPED, LoRAForm.LANED, LoRAForm.FUSED)
@@ -66,8 +70,8 @@ class KernelConfig:
     """How :func:`kernels.select_backend` picks and configures a backend."""
 
     backend: BackendKind = BackendKind.AUTO
-    """Forced backend, or AUTO: cpu -> cpu (torch where its kernel cannot be built), cuda -> torch,
-    xla -> ``xla_backend``."""
+    """Forced backend, or AUTO: cpu -> cpu (torch where its kernel cannot be built), cuda -> triton (torch where
+    triton cannot be imported), xla -> ``xla_backend``."""
     xla_backend: BackendKind = BackendKind.XLA
     """What AUTO picks on an XLA device: XLA (laned torch ops) or PALLAS (Pallas TPU kernels)."""
     pallas_interpret: PallasInterpret = PallasInterpret.OFF
@@ -82,12 +86,19 @@ class KernelConfig:
     fused_max_tokens: int = 128
     """cpu backend: AUTO takes the fused kernel for steps of at most this many tokens (beyond, MKL's matmuls per run
     win: prefill)."""
+    triton_block_size_table: str | None = None
+    """Path of a Triton block-size table JSON (scripts/bench_kernels.py --device cuda --tune); None: the shipped one."""
+    bgmv_max_tokens: int = 64
+    """triton backend: steps of at most this many tokens take the BGMV kernels (one token per program: decode, and
+    the only form a captured step may take), longer ones the SGMV kernels over runs of equal slots (prefill)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, BackendKind):
             raise ValueError(f"backend must be a BackendKind, got {self.backend!r}")
         if self.xla_backend not in (BackendKind.XLA, BackendKind.PALLAS):
             raise ValueError(f"xla_backend must be BackendKind.XLA or BackendKind.PALLAS, got {self.xla_backend!r}")
+        if self.bgmv_max_tokens < 0:
+            raise ValueError(f"bgmv_max_tokens must be >= 0, got {self.bgmv_max_tokens}")
         if not isinstance(self.pallas_interpret, PallasInterpret):
             raise ValueError(f"pallas_interpret must be a PallasInterpret, got {self.pallas_interpret!r}")
         if self.torch_form in set(LoRAForm):  # a plain string ("laned") becomes the enum member

@@ -76,6 +76,10 @@ class LoRAKernelMeta:
     runs: torch.Tensor | None = field(init=False, default=None)
     """Eager FUSED form only (with ``segments``). Shape: [runs, 4] int64 on the host: (token start, token count, first
     pool row, rank) of each run of equal slots, the table the fused kernel walks."""
+    step_tables: object | None = field(init=False, default=None)
+    """Eager FUSED form only: the backend's own per-step device tables (the triton backend's token or runs table),
+    built by the backend on first use from ``runs``; every prepare resets it. A captured step sets it to tables in
+    static buffers (:mod:`runtime.model.cuda_graphs`)."""
     lane_onehot: torch.Tensor | None = field(init=False, default=None)
     """Eager laned form only. Shape: [T, k, 1] bool, True where the token's compact id is c."""
     form: LoRAForm | None = field(init=False, default=None)
@@ -210,7 +214,7 @@ class LoRAKernelMeta:
             slot_indices = torch.from_numpy(host).to(self.device, non_blocking=True)
         self.token_slots = slot_indices
         self.all_assigned = sum(counts) == host.shape[0]
-        self.single = self.segments = self.grouping = self.lane_onehot = self.runs = None
+        self.single = self.segments = self.grouping = self.lane_onehot = self.runs = self.step_tables = None
         if not adapters:
             form = LoRAForm.NONE
         else:

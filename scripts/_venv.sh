@@ -17,7 +17,8 @@ ensure_venv() {
         "$PY" -m pip install -q -e "$root[dev,xla]"
     else
         "$PY" -m pip install -q torch==2.13.0
-        "$PY" -m pip install -q -e "$root[dev,cluster]"  # cluster: ray[serve] for tests/runtime/cluster (~25 s)
+        # cluster: ray[serve] for tests/runtime/cluster (~25 s); triton: a 286 MB wheel, its kernels' interpret-mode tests
+        "$PY" -m pip install -q -e "$root[dev,cluster,triton]"
     fi
     echo "$want" > "$stamp"
 }

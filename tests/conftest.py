@@ -7,6 +7,11 @@ import os
 # No test may reach a real hub: anything that falls back to the default endpoint hits a closed loopback port.
 os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
 os.environ.pop("HF_TOKEN", None)
+# Triton's interpreter (numpy on CPU tensors) where no GPU can run its kernels: Triton decorates its own helpers
+# (tl.sum...) when first imported, so the mode is set here, before anything imports it; only the triton backend reads
+# it (AUTO never picks that backend on a CPU device). With a GPU the kernels are compiled (tests/*/test_cuda.py).
+if "TRITON_INTERPRET" not in os.environ and not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from collections.abc import Callable
 from pathlib import Path
@@ -73,3 +78,15 @@ def write_peft_adapter(tmp_path: Path) -> Callable[..., tuple[Path, object]]:
         return folder, model
 
     return write
+
+
+@pytest.fixture
+def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter for the Triton backends a test builds (``TRITON_INTERPRET=1`` while it runs). Skips where
+    triton is not installed (the 'triton' extra) or was imported for a GPU (the compiled kernels' tests run there)."""
+    pytest.importorskip("triton", reason="triton is not installed (the 'triton' extra)")
+    from kernels.triton_kernels import imported_interpreting
+
+    if not imported_interpreting():
+        pytest.skip("triton was imported compiled (a GPU is present): its kernels are tested in test_cuda.py")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

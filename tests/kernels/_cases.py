@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, expand, select_backend, shrink
+from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, apply_parts, expand, select_backend, shrink
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.torch_eager import TorchEagerBackend
 from kernels.xla_laned import XlaLanedBackend
@@ -196,6 +196,63 @@ def parts_pool(parts: int, num_slots: int, rank: int, granule: int, in_f: int = 
         a[-1] = 0
         buffer[:, PAD_LEFT + index * in_f : PAD_LEFT + (index + 1) * in_f] = a
     return PartsPool(buffer, pool, parts, in_f)
+
+
+OUTS = (24, 20, 7)
+"""Each part's out features: not multiples of the kernel's 4- or 8-row or 1024-column blocks."""
+
+
+def bt_parts(pp: PartsPool, outs: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    """The parts' Bt side by side in one buffer (garbage around them and in every row no adapter owns)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    num_rows, granule, rank = pp.buffer.shape[0], pp.pool.granule, pp.pool.rank
+    buffer = torch.randn(num_rows, 3 + sum(outs) + 5, generator=gen) * STALE
+    views, start = [], 3
+    for out in outs:
+        for slot, r in pp.pool.slot_rows.items():
+            buffer[slot * granule : slot * granule + r, start : start + out] = torch.randn(r, out, generator=gen) / rank
+        buffer[-1, start : start + out] = 0
+        views.append(buffer[:, start : start + out])
+        start += out
+    return views
+
+
+def reference_apply_parts(
+    y: torch.Tensor, x: torch.Tensor, pp: PartsPool, bts: list[torch.Tensor], slots: torch.Tensor
+):
+    """The fp32 loop, token by token: y[t, part p] += x[t] @ A_p[rows].T @ Bt_p[rows]."""
+    out, granule = y.float().clone(), pp.pool.granule
+    start = 0
+    for part, bt in enumerate(bts):
+        a = pp.part(part).float()
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                rows = slice(slot * granule, slot * granule + pp.pool.slot_rows[slot])
+                out[t, start : start + bt.shape[1]] += (x[t].float() @ a[rows].t()) @ bt[rows].float()
+        start += bt.shape[1]
+    return out
+
+
+def check_apply_parts(
+    backend, pp: PartsPool, num_tokens: int, mix: str, dtype=torch.float32, seed: int = 0, outs=OUTS
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pp = pp.to(dtype)
+    outs = outs[: pp.parts]
+    bts = [bt.to(dtype) for bt in bt_parts(pp, outs, seed)]
+    x = torch.randn(num_tokens, pp.in_features, generator=gen).to(dtype)
+    slots = pp.pool.slots(mix, num_tokens, gen)
+    meta = pp.pool.meta(backend, max(128, num_tokens))
+    meta.prepare(slots, pp.pool.slot_rows)
+    wide = torch.randn(num_tokens, 2 + sum(outs) + 3, generator=gen).to(dtype)  # y is a column view of it
+    before = wide.clone()
+    y = wide[:, 2 : 2 + sum(outs)]
+    expected = reference_apply_parts(y, x, pp, [bt.float() for bt in bts], slots)
+    assert apply_parts(y, x, pp.a_parts, bts, meta) is y
+    torch.testing.assert_close(y.float(), expected, **TOLERANCE[dtype])
+    assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 2 + sum(outs) :], before[:, 2 + sum(outs) :])
+    none = slots < 0
+    assert torch.equal(wide[none], before[none]), "slot -1 tokens must get exactly nothing"
 
 
 # dispatch tables that force one form, and every eager backend the kernel tests compare with the reference

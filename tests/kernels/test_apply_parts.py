@@ -8,60 +8,9 @@ import torch
 
 from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, select_backend
 from kernels.cpu_kernels import lora_apply
-from tests.kernels._cases import BACKENDS, MIXES, STALE, TOLERANCE, PartsPool, parts_pool
+from tests.kernels._cases import BACKENDS, MIXES, OUTS, bt_parts, check_apply_parts, parts_pool
 
 EAGER = [name for name in BACKENDS if not BACKENDS[name]().traced]
-OUTS = (24, 20, 7)
-"""Each part's out features: not multiples of the kernel's 4- or 8-row or 1024-column blocks."""
-
-
-def bt_parts(pp: PartsPool, outs: tuple[int, ...], seed: int) -> list[torch.Tensor]:
-    """The parts' Bt side by side in one buffer (garbage around them and in every row no adapter owns)."""
-    gen = torch.Generator().manual_seed(seed + 7)
-    num_rows, granule, rank = pp.buffer.shape[0], pp.pool.granule, pp.pool.rank
-    buffer = torch.randn(num_rows, 3 + sum(outs) + 5, generator=gen) * STALE
-    views, start = [], 3
-    for out in outs:
-        for slot, r in pp.pool.slot_rows.items():
-            buffer[slot * granule : slot * granule + r, start : start + out] = torch.randn(r, out, generator=gen) / rank
-        buffer[-1, start : start + out] = 0
-        views.append(buffer[:, start : start + out])
-        start += out
-    return views
-
-
-def reference(y: torch.Tensor, x: torch.Tensor, pp: PartsPool, bts: list[torch.Tensor], slots: torch.Tensor):
-    """The fp32 loop, token by token: y[t, part p] += x[t] @ A_p[rows].T @ Bt_p[rows]."""
-    out, granule = y.float().clone(), pp.pool.granule
-    start = 0
-    for part, bt in enumerate(bts):
-        a = pp.part(part).float()
-        for t, slot in enumerate(slots.tolist()):
-            if slot >= 0:
-                rows = slice(slot * granule, slot * granule + pp.pool.slot_rows[slot])
-                out[t, start : start + bt.shape[1]] += (x[t].float() @ a[rows].t()) @ bt[rows].float()
-        start += bt.shape[1]
-    return out
-
-
-def check(backend, pp: PartsPool, num_tokens: int, mix: str, dtype=torch.float32, seed: int = 0, outs=OUTS) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    pp = pp.to(dtype)
-    outs = outs[: pp.parts]
-    bts = [bt.to(dtype) for bt in bt_parts(pp, outs, seed)]
-    x = torch.randn(num_tokens, pp.in_features, generator=gen).to(dtype)
-    slots = pp.pool.slots(mix, num_tokens, gen)
-    meta = pp.pool.meta(backend, max(128, num_tokens))
-    meta.prepare(slots, pp.pool.slot_rows)
-    wide = torch.randn(num_tokens, 2 + sum(outs) + 3, generator=gen).to(dtype)  # y is a column view of it
-    before = wide.clone()
-    y = wide[:, 2 : 2 + sum(outs)]
-    expected = reference(y, x, pp, [bt.float() for bt in bts], slots)
-    assert apply_parts(y, x, pp.a_parts, bts, meta) is y
-    torch.testing.assert_close(y.float(), expected, **TOLERANCE[dtype])
-    assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 2 + sum(outs) :], before[:, 2 + sum(outs) :])
-    none = slots < 0
-    assert torch.equal(wide[none], before[none]), "slot -1 tokens must get exactly nothing"
 
 
 @pytest.mark.parametrize(("parts", "dtype"), [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
@@ -69,16 +18,18 @@ def check(backend, pp: PartsPool, num_tokens: int, mix: str, dtype=torch.float32
 @pytest.mark.parametrize("name", EAGER)
 def test_apply_parts_equals_the_loop_over_mixes(name, mix, parts, dtype):
     """Mixed ranks 1..8, stale garbage past every rank and around every part's columns, y a view of a wider tensor."""
-    check(BACKENDS[name](), parts_pool(parts, 6, 8, 8), num_tokens=37, mix=mix, dtype=dtype)
+    check_apply_parts(BACKENDS[name](), parts_pool(parts, 6, 8, 8), num_tokens=37, mix=mix, dtype=dtype)
 
 
 @pytest.mark.parametrize("mix", ["distinct", "zipf", "skewed", "empty_slots"])
 @pytest.mark.parametrize("name", ["cpu_fused", "cpu_auto", "reference"])
 def test_apply_parts_granule_below_rank_large_pool_and_wide_outputs(name, mix):
-    check(BACKENDS[name](), parts_pool(2, 20, 8, 3, seed=1), num_tokens=45, mix=mix, seed=1)
-    check(BACKENDS[name](), parts_pool(3, 300, 16, 16, in_f=32, seed=2), num_tokens=70, mix=mix, seed=2)
+    check_apply_parts(BACKENDS[name](), parts_pool(2, 20, 8, 3, seed=1), num_tokens=45, mix=mix, seed=1)
+    check_apply_parts(BACKENDS[name](), parts_pool(3, 300, 16, 16, in_f=32, seed=2), num_tokens=70, mix=mix, seed=2)
     wide = (2100, 257)  # several 1024-column chunks, a ragged last one
-    check(BACKENDS[name](), parts_pool(2, 6, 64, 64, in_f=40, seed=3), num_tokens=9, mix=mix, seed=3, outs=wide)
+    check_apply_parts(
+        BACKENDS[name](), parts_pool(2, 6, 64, 64, in_f=40, seed=3), num_tokens=9, mix=mix, seed=3, outs=wide
+    )
 
 
 LIMIT = KernelConfig().fused_max_tokens
@@ -91,7 +42,7 @@ def test_auto_takes_the_kernel_up_to_fused_max_tokens(num_tokens):
     meta = pp.pool.meta(backend, 2 * LIMIT)
     meta.prepare(pp.pool.slots("uniform", num_tokens, torch.Generator().manual_seed(4)), pp.pool.slot_rows)
     assert meta.fused == (num_tokens <= LIMIT and not meta.no_adapter)
-    check(backend, pp, num_tokens, "uniform", seed=4)
+    check_apply_parts(backend, pp, num_tokens, "uniform", seed=4)
 
 
 def test_the_kernel_refuses_bad_operands():
