@@ -202,8 +202,11 @@ OUTS = (24, 20, 7)
 """Each part's out features: not multiples of the kernel's 4- or 8-row or 1024-column blocks."""
 
 
-def bt_parts(pp: PartsPool, outs: tuple[int, ...], seed: int) -> list[torch.Tensor]:
-    """The parts' Bt side by side in one buffer (garbage around them and in every row no adapter owns)."""
+def bt_parts(
+    pp: PartsPool, outs: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """The parts' Bt side by side in one ``dtype`` buffer on ``device`` (garbage around them and in every row no
+    adapter owns): views with one row stride, as the pool's Bt blocks are."""
     gen = torch.Generator().manual_seed(seed + 7)
     num_rows, granule, rank = pp.buffer.shape[0], pp.pool.granule, pp.pool.rank
     buffer = torch.randn(num_rows, 3 + sum(outs) + 5, generator=gen) * STALE
@@ -212,6 +215,9 @@ def bt_parts(pp: PartsPool, outs: tuple[int, ...], seed: int) -> list[torch.Tens
         for slot, r in pp.pool.slot_rows.items():
             buffer[slot * granule : slot * granule + r, start : start + out] = torch.randn(r, out, generator=gen) / rank
         buffer[-1, start : start + out] = 0
+        start += out
+    buffer, start = buffer.to(dtype=dtype, device=device), 3
+    for out in outs:
         views.append(buffer[:, start : start + out])
         start += out
     return views
@@ -239,7 +245,7 @@ def check_apply_parts(
     gen = torch.Generator().manual_seed(seed)
     pp = pp.to(dtype)
     outs = outs[: pp.parts]
-    bts = [bt.to(dtype) for bt in bt_parts(pp, outs, seed)]
+    bts = bt_parts(pp, outs, seed, dtype)
     x = torch.randn(num_tokens, pp.in_features, generator=gen).to(dtype)
     slots = pp.pool.slots(mix, num_tokens, gen)
     meta = pp.pool.meta(backend, max(128, num_tokens))

@@ -1,15 +1,28 @@
-"""The eager torch forms on a CUDA device, on row pools, against the fp32 loop reference on CPU.
+"""The eager torch forms and the triton backend's compiled kernels on a CUDA device, on row pools, against the fp32
+loop reference on CPU.
 
 Skipped where no CUDA device is present (CI); run on a GPU machine with ``pytest tests/kernels/test_cuda.py``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, expand, select_backend, shrink, shrink_parts
-from tests.kernels._cases import MIXES, TOLERANCE, PartsPool, make_rows, parts_pool, reference_forward
+from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, expand, select_backend, shrink, shrink_parts
+from tests.kernels._cases import (
+    MIXES,
+    OUTS,
+    TOLERANCE,
+    PartsPool,
+    bt_parts,
+    make_rows,
+    parts_pool,
+    reference_apply_parts,
+    reference_forward,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -67,3 +80,45 @@ def test_fused_shrink_on_cuda_matches_per_part_and_the_reference(pool_name, form
         expected = shrink(x.float(), pp.part(p).float(), ref_meta)
         torch.testing.assert_close(h[p].cpu().float(), expected, **TOLERANCE[dtype])
         assert torch.equal(h[p][slots.cuda() < 0], torch.zeros_like(h[p][slots.cuda() < 0]))
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+TRITON = {"bgmv": KernelConfig(), "sgmv": KernelConfig(bgmv_max_tokens=0)}
+"""AUTO on cuda is the triton backend; bgmv_max_tokens=0 sends every step to the SGMV kernels."""
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "pool", [(6, 8, 8), (20, 8, 3), (30, 64, 8)], ids=["dense", "granule_below_rank", "ranks_1_64"]
+)
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize(
+    ("parts", "dtype"), [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16), (3, torch.float16)]
+)
+@pytest.mark.parametrize("kind", list(TRITON))
+def test_triton_kernels_on_cuda_equal_the_loop(kind, mix, parts, dtype, pool):
+    """The compiled BGMV / SGMV kernels (one shrink and one expand launch per call) against the fp32 loop on CPU;
+    slot -1 rows and the columns around y bit for bit."""
+    from kernels.triton_backend import TritonBackend
+
+    pp = parts_pool(parts, *pool, in_f=48, seed=1).to(dtype)
+    bts = bt_parts(pp, OUTS[:parts], 1, dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 48, generator=gen).to(dtype)
+    slots = pp.pool.slots(mix, 37, gen)
+    wide = torch.randn(37, 2 + sum(OUTS[:parts]) + 3, generator=gen).to(dtype)
+    y = wide[:, 2 : 2 + sum(OUTS[:parts])]
+    expected = reference_apply_parts(y, x, pp, [bt.float() for bt in bts], slots)
+    backend = select_backend("cuda", TRITON[kind])
+    assert isinstance(backend, TritonBackend)
+    meta = pp.pool.meta(backend, 64, "cuda")
+    meta.prepare(slots, pp.pool.slot_rows)
+    on_cuda = PartsPool(pp.buffer.cuda(), pp.pool, parts, 48)
+    bts_cuda = bt_parts(pp, OUTS[:parts], 1, dtype, "cuda")  # the same values, one buffer on the device
+    wide_cuda = wide.cuda()
+    apply_parts(wide_cuda[:, 2 : 2 + sum(OUTS[:parts])], x.cuda(), on_cuda.a_parts, bts_cuda, meta)
+    tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(wide_cuda[:, 2 : 2 + sum(OUTS[:parts])].cpu().float(), expected, **tolerance)
+    untouched = torch.ones_like(wide, dtype=torch.bool)
+    untouched[:, 2 : 2 + sum(OUTS[:parts])] = (slots < 0)[:, None]
+    assert torch.equal(wide_cuda.cpu()[untouched], wide[untouched]), "slot -1 rows and other columns bit for bit"

@@ -11,19 +11,22 @@ import sys
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, expand, select_backend, shrink, shrink_parts
+from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, expand, select_backend, shrink, shrink_parts
 from kernels.triton_block_sizes import OPS, TritonBlockEntry, TritonBlockTable
 from tests.kernels._cases import (
     MIXES,
+    OUTS,
     PAD_LEFT,
     PAD_RIGHT,
     STALE,
     TOLERANCE,
     PartsPool,
     RowPool,
+    bt_parts,
     check_apply_parts,
     make_rows,
     parts_pool,
+    reference_apply_parts,
     reference_forward,
 )
 
@@ -166,6 +169,27 @@ def test_steps_up_to_bgmv_max_tokens_take_bgmv_and_longer_ones_sgmv():
     assert tables.tokens is None and tables.longest_run == 2 and tables.runs.shape == (3, 4)
     meta.prepare(torch.full((3,), -1, dtype=torch.int32), pp.pool.slot_rows)
     assert meta.no_adapter and not meta.fused
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_parts_in_separate_tensors_take_one_expand_launch_each(kind):
+    """Bt parts that are not views of one tensor: the expand runs part by part, same result."""
+    pp = parts_pool(3, 6, 8, 8, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    x, slots = torch.randn(13, 48, generator=gen), pp.pool.slots("zipf", 13, gen)
+    meta = pp.pool.meta(backend(kind), 16)
+    meta.prepare(slots, pp.pool.slot_rows)
+    shared = bt_parts(pp, OUTS, 4)
+    separate = [bt.clone() for bt in shared]
+    assert len({bt.untyped_storage().data_ptr() for bt in separate}) == 3
+    y = torch.randn(13, sum(OUTS), generator=gen)
+    expected = reference_apply_parts(y, x, pp, shared, slots)
+    torch.testing.assert_close(
+        apply_parts(y.clone(), x, pp.a_parts, separate, meta), expected, **TOLERANCE[torch.float32]
+    )
+    torch.testing.assert_close(
+        apply_parts(y.clone(), x, pp.a_parts, shared, meta), expected, **TOLERANCE[torch.float32]
+    )
 
 
 def test_operands_the_kernels_do_not_take_fall_back_to_the_torch_forms():
