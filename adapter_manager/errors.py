@@ -113,6 +113,16 @@ class SlotsExhaustedError(AdapterError, RuntimeError):
         return self.needed <= self.available
 
 
+class DiskTierFullError(AdapterError, RuntimeError):
+    """The bounded disk tier has no room for the adapter's download: the rest is held by repos being read or
+    downloaded. Nothing was downloaded; a later attempt may find room."""
+
+
+class AdapterNotReadyError(AdapterError, RuntimeError):
+    """The adapter is not prepared on the host: placing it now would mean a download or a preparation inside the
+    engine step. The engine puts its request back to wait while the prefetcher prepares it; it never fails one."""
+
+
 class SlotLoadError(AdapterError, RuntimeError):
     """Copying prepared weights into a device slot failed; the slot was left free, never published."""
 

@@ -15,7 +15,7 @@ tiers and the prefetcher act on, and the per-adapter request counts of the metri
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -102,12 +102,19 @@ class AdapterManager:
         self.popularity = FrequencySketch(self.config.sketch) if self.config.admission == "tinylfu" else None
         frequency = self.popularity.estimate if self.popularity is not None else None
         self.allocator = SlotAllocator(
-            self.pool, self.registry.prepared, self.rank_of, self.swap_metrics, frequency=frequency
+            self.pool,
+            self.registry.prepared,
+            self.rank_of,
+            self.swap_metrics,
+            frequency=frequency,
+            peek=self.registry.peek,
         )
         if frequency is not None:
             self.registry.host.frequency = lambda key: frequency(key[0])  # host keys are (adapter id, sha)
         popular = self._popular if self.popularity is not None else None
-        self.prefetcher = Prefetcher(self.registry.prepared, self.allocator, self.config.prefetch_config(), popular)
+        self.prefetcher = Prefetcher(
+            self.registry.stage, self.allocator, self.config.prefetch_config(), popular, frequency
+        )
         self.restored = self._restore()
 
     @property
@@ -165,15 +172,25 @@ class AdapterManager:
             self.popularity.record(adapter_id)
         self.swap_metrics.requested(adapter_id)
 
-    def acquire(self, adapter_ids: Iterable[str | None]) -> SlotLease:
+    def is_ready(self, adapter_id: str) -> bool:
+        """Whether a batch could place the adapter now without a download or a preparation: resident in a slot,
+        or prepared in the host tier (a host -> slot copy away). Always True with prefetching off, where `acquire`
+        itself brings adapters up the tiers."""
+        if not self.prefetcher.enabled:
+            return True
+        return self.allocator.slot_of(adapter_id) is not None or self.registry.is_prepared(adapter_id)
+
+    def acquire(self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = ()) -> SlotLease:
         """Pin the slots of one batch (one entry per request or token, None = no adapter); see
-        `SlotAllocator.acquire`. A recorded prefetch failure of one of them is raised here, once."""
+        `SlotAllocator.acquire`. A recorded prefetch failure of one of them is raised here, once. An adapter in
+        `prepared_only` is placed only from the host tier: if it is not prepared there, `AdapterNotReadyError`
+        (nothing pinned) instead of a download or a preparation inside the caller's step."""
         adapter_ids = list(adapter_ids)
         for adapter_id in dict.fromkeys(a for a in adapter_ids if a is not None):
             error = self.prefetcher.take_error(adapter_id)
             if error is not None:
                 raise error
-        return self.allocator.acquire(adapter_ids)
+        return self.allocator.acquire(adapter_ids, prepared_only)
 
     def release(self, lease: SlotLease) -> None:
         self.allocator.release(lease)
@@ -210,7 +227,7 @@ class AdapterManager:
         return residency
 
     def metrics(self) -> MetricsSnapshot:
-        """A plain snapshot: per-tier moves with latency percentiles, hits, misses, evictions, exposed wait and
+        """A plain snapshot: per-tier moves with latency percentiles, hits, misses, evictions, stall and
         per-adapter residency (`.to_dict()` for JSON)."""
         return self.swap_metrics.snapshot(self.residency())
 

@@ -1,5 +1,5 @@
-"""Timing of every move between tiers, per-tier hit counts, the exposed wait of batches for their adapters, and
-(given by the manager) each adapter's residency.
+"""Timing of every move between tiers, per-tier hit counts, the stall of batches (engine steps) on moves, each
+request's adapter wait, and (given by the manager) each adapter's residency.
 
 One vocabulary everywhere (Python snapshot, JSON endpoint, Prometheus labels, CLI, README): a **tier** is where an
 adapter lives — ``hub``, ``disk`` (the HF cache or a local directory), ``host`` (prepared weights), ``slot`` (a device
@@ -92,7 +92,9 @@ class MoveStats(LatencyStats):
 
 @dataclass(frozen=True)
 class WaitStats(LatencyStats):
-    """Exposed wait: how long `acquire` calls (runnable batches) waited for their adapters (0 when all hit)."""
+    """A wait for adapters: ``stall`` — how long each `acquire` (an engine step, with everyone in it) was blocked
+    on moves (0 when every adapter was resident); ``adapter_wait`` — how long each request waited from submit until
+    its adapter was ready (resident, or prepared on the host), alone."""
 
 
 class _Latencies:
@@ -162,13 +164,14 @@ class MetricsSnapshot:
     hits: dict[str, int]  # by Tier value: "host", "slot"
     misses: dict[str, int]  # by Tier value
     evictions: dict[str, int]  # by Tier value
-    exposed_wait: WaitStats | None = None  # None until a batch has acquired its slots
+    stall: WaitStats | None = None  # per acquire (engine step): time blocked on moves; None until a batch acquired
     prefetch: dict[str, int] = field(default_factory=dict)  # "host_to_slot" loads done, "skipped_no_room" jobs
     rejections: dict[str, int] = field(default_factory=dict)  # by Tier value: newcomers admission did not keep
     requests: dict[str, int] = field(default_factory=dict)  # requests submitted per adapter id (registered ones)
     residency: dict[str, AdapterResidency] = field(default_factory=dict)  # by adapter id (from the manager)
     disk: dict[str, int] = field(default_factory=dict)  # bounded disk tier: used_bytes, capacity_bytes, evicted_bytes
     restore: dict[str, int] = field(default_factory=dict)  # durable registrations at start: restored, failed
+    adapter_wait: WaitStats | None = None  # per request: submit -> its adapter ready; None until one was found ready
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,13 +195,15 @@ class SwapMetrics:
     _restore: _Counters = field(default_factory=_Counters, repr=False)  # restored / failed
     _requests: _Counters = field(default_factory=_Counters, repr=False)  # by adapter id
     _recent: deque[AdapterMove] = field(init=False, repr=False)
-    _waits: _Latencies = field(init=False, repr=False)
+    _stalls: _Latencies = field(init=False, repr=False)
+    _adapter_waits: _Latencies = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.window <= 0 or self.history <= 0:
             raise ValueError(f"window ({self.window}) and history ({self.history}) must be positive")
         self._recent = deque(maxlen=self.history)
-        self._waits = _Latencies(self.window)
+        self._stalls = _Latencies(self.window)
+        self._adapter_waits = _Latencies(self.window)
 
     def record(self, move: Move, adapter_id: str, seconds: float, nbytes: int) -> AdapterMove:
         done = AdapterMove(move, adapter_id, seconds, nbytes, time.time())
@@ -252,9 +257,14 @@ class SwapMetrics:
             self._restore.add(key)
 
     def waited(self, seconds: float) -> None:
-        """Record the exposed wait of one batch for its adapters (0.0 when every adapter was resident)."""
+        """Record the stall of one batch: how long its `acquire` was blocked on moves (0.0 when all were resident)."""
         with self._lock:
-            self._waits.add(seconds)
+            self._stalls.add(seconds)
+
+    def adapter_waited(self, seconds: float) -> None:
+        """Record one request's adapter wait: submit -> its adapter ready (resident, or prepared on the host)."""
+        with self._lock:
+            self._adapter_waits.add(seconds)
 
     def moves(self, adapter_id: str | None = None) -> list[AdapterMove]:
         """The most recent moves, oldest first, optionally of one adapter."""
@@ -268,17 +278,19 @@ class SwapMetrics:
                 move.value: latencies.stats(MoveStats, total_bytes=self._bytes.get(move))
                 for move, latencies in self._moves.items()
             }
-            wait = self._waits.stats(WaitStats) if self._waits.count else None
+            stall = self._stalls.stats(WaitStats) if self._stalls.count else None
+            adapter_wait = self._adapter_waits.stats(WaitStats) if self._adapter_waits.count else None
             return MetricsSnapshot(
                 moves,
                 self._hits.snapshot(),
                 self._misses.snapshot(),
                 self._evictions.snapshot(),
-                wait,
+                stall,
                 self._prefetch.snapshot(),
                 self._rejections.snapshot(),
                 self._requests.snapshot(),
                 dict(residency or {}),
                 self._disk.snapshot(),
                 self._restore.snapshot(),
+                adapter_wait,
             )

@@ -12,7 +12,8 @@ histograms in seconds (`metrics.LATENCY_BUCKETS_S`)::
     adapter_manager_move_seconds_sum{move="host_to_slot"}               their total seconds
     adapter_manager_move_bytes_total{move=...}                          bytes moved
     adapter_manager_{hits,misses,evictions}_total{tier="slot"|"host"}
-    adapter_manager_exposed_wait_seconds_bucket{le=...} (+ _count, _sum) time batches waited for adapters
+    adapter_manager_stall_seconds_bucket{le=...} (+ _count, _sum)        engine steps blocked on moves (target 0)
+    adapter_manager_adapter_wait_seconds_bucket{le=...} (+ _count, _sum) each request: submit -> its adapter ready
     adapter_manager_adapters{tier="slot"|"host"|"disk"}                 registered adapters by highest tier
     adapter_manager_adapter_requests{adapter="org/a"|...|"other"}      requests so far (top K by name, the rest summed)
     adapter_manager_admission_rejections_total{tier="host"}             newcomers the host tier served but did not keep
@@ -74,10 +75,15 @@ class AdapterManagerCollector(Collector):
                 family.add_metric([tier], count)
             yield family
 
-        wait = HistogramMetricFamily(f"{ns}_exposed_wait_seconds", "Time runnable batches waited for their adapters")
-        if snapshot.exposed_wait is not None:
-            wait.add_metric([], _buckets(snapshot.exposed_wait), snapshot.exposed_wait.total_seconds)
-        yield wait
+        for name, stats, doc in (
+            ("stall", snapshot.stall, "Time engine steps (everyone in them) were blocked on adapter moves"),
+            ("adapter_wait", snapshot.adapter_wait, "Time each request waited alone from submit until its adapter "
+             "was ready (resident, or prepared on the host)"),
+        ):
+            wait = HistogramMetricFamily(f"{ns}_{name}_seconds", doc)
+            if stats is not None:
+                wait.add_metric([], _buckets(stats), stats.total_seconds)
+            yield wait
 
         requests = GaugeMetricFamily(
             f"{ns}_adapter_requests",

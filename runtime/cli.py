@@ -5,7 +5,7 @@ Commands:
   register    register an adapter (hub id or local directory) on a running server
   list        list a running server's adapters and where each lives (slot, host, disk)
   unregister  unregister an adapter from a running server
-  metrics     swap latency, hit rates, evictions and exposed wait of a running server
+  metrics     swap latency, hit rates, evictions and stall of a running server
   hub serve   serve a folder of PEFT adapters as a local Hugging Face Hub mirror
   cluster serve  the same API on Ray Serve: N engine replicas, requests routed to where the adapter is
   demo        the end-to-end demo: 64 adapters, 8 slots, Zipf traffic through a running server
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     client_command("list", "list a running server's adapters")
     unregister = client_command("unregister", "unregister an adapter from a running server")
     unregister.add_argument("adapter_id")
-    metrics = client_command("metrics", "swap latency per tier, hit rates, evictions and exposed wait")
+    metrics = client_command("metrics", "swap latency per tier, hit rates, evictions and stall")
     metrics.add_argument("--prometheus", action="store_true", help="print the Prometheus text of /metrics")
 
     hub = commands.add_parser("hub", help="the local Hugging Face Hub mirror")
@@ -367,12 +367,13 @@ def _metrics_table(snapshot: dict) -> str:
         rate = snapshot["hit_rates"].get(tier, 0.0)
         evictions = snapshot["evictions"].get(tier, 0)
         lines.append(f"{tier} tier: hit rate {rate:.1%} ({hits} hits, {misses} misses), {evictions} evictions")
-    wait = snapshot.get("exposed_wait")
-    if wait:
-        lines.append(
-            f"exposed wait: {wait['count']} batches, total {wait['total_seconds']:.3f}s, "
-            f"p50 {wait['p50_s'] * 1e3:.2f} ms, p99 {wait['p99_s'] * 1e3:.2f} ms, max {wait['max_s'] * 1e3:.2f} ms"
-        )
+    for name, what in (("stall", "steps blocked on moves"), ("adapter_wait", "requests waiting for their adapter")):
+        wait = snapshot.get(name)
+        if wait:
+            lines.append(
+                f"{name.replace('_', ' ')}: {wait['count']} {what}, total {wait['total_seconds']:.3f}s, "
+                f"p50 {wait['p50_s'] * 1e3:.2f} ms, p99 {wait['p99_s'] * 1e3:.2f} ms, max {wait['max_s'] * 1e3:.2f} ms"
+            )
     return "\n".join(lines)
 
 

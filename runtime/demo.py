@@ -153,12 +153,24 @@ def _print_table(config: DemoConfig, snapshot: dict, wall: float, latencies: lis
         rate = snapshot["hit_rates"].get(tier, 0.0)
         evictions = snapshot["evictions"].get(tier, 0)
         print(f"{tier + ' tier':22}{rate:>10.1%} hits   ({hits} hits, {misses} misses, {evictions} evictions)")
-    wait = snapshot.get("exposed_wait")
+    wait = snapshot.get("stall")
     if wait:
         print(
-            f"{'exposed wait':22}{wait['total_seconds']:>9.2f}s total over {wait['count']} steps   "
-            f"p50 {wait['p50_s'] * 1e3:.2f} ms   p99 {wait['p99_s'] * 1e3:.2f} ms   max {wait['max_s'] * 1e3:.2f} ms"
+            f"{'stall':22}{wait['total_seconds']:>9.2f}s total over {wait['count']} steps "
+            f"({wait['total_seconds'] / wall:.1%} of wall, target <= 1%)   p50 {wait['p50_s'] * 1e3:.2f} ms   "
+            f"p99 {wait['p99_s'] * 1e3:.2f} ms   max {wait['max_s'] * 1e3:.2f} ms"
         )
+    wait = snapshot.get("adapter_wait")
+    if wait:
+        print(
+            f"{'adapter wait':22}{wait['count']:>10d} requests   p50 {wait['p50_s'] * 1e3:.2f} ms   "
+            f"p99 {wait['p99_s'] * 1e3:.2f} ms   max {wait['max_s'] * 1e3:.2f} ms   (submit -> adapter ready, alone)"
+        )
+    moves = snapshot["moves"]
+    downloads = moves.get("hub_to_disk", {}).get("count", 0)
+    preparations = moves.get("disk_to_host", {}).get("count", 0)
+    per = max(done, 1)
+    print(f"{'per request':22}{downloads / per:>10.3f} downloads   {preparations / per:.3f} preparations")
     print(
         f"\n{'swap latency by move':22}{'moves':>7} {'MB':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8}"
     )

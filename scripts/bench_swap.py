@@ -8,7 +8,7 @@ host buffer of the same byte count into one of --slots preallocated device buffe
 (b), the one copy the bytes need. Prints a table and writes out/bench_swap.json.
 With --trace: 1000 adapters with Zipf(1) popularity on 8 slots, no model: each step acquires the slots of the next
 --batch queued requests, "runs" for --step-ms, releases them; each host -> slot load takes --load-ms (simulated).
-Hit rate and exposed wait (p50/p99/max), without and with the prefetcher fed the waiting queue.
+Hit rate and stall (p50/p99/max), without and with the prefetcher fed the waiting queue.
 Usage: .venv/bin/python scripts/bench_swap.py [--repeats 15] [--ranks 8 16 64] [--device cpu] [--trace]
 """
 
@@ -105,7 +105,7 @@ def trace(args: argparse.Namespace, prefetch: bool) -> dict:
     metrics = SwapMetrics()
     pool = SimulatedPool(spec, SlotPoolConfig(max_slots=8, max_rank=rank))
     allocator = SlotAllocator(pool, fetch, lambda adapter_id: rank, metrics)
-    prefetcher = Prefetcher(fetch, allocator, PrefetchConfig(workers=2, depth=16))
+    prefetcher = Prefetcher(lambda a, *_: fetch(a) is not None, allocator, PrefetchConfig(workers=2, depth=16))
     try:
         for step in range(args.steps):
             batch = queue[step * args.batch : (step + 1) * args.batch]
@@ -118,13 +118,13 @@ def trace(args: argparse.Namespace, prefetch: bool) -> dict:
         prefetcher.close()
     snapshot = metrics.snapshot()
     hits, misses = snapshot.hits.get("slot", 0), snapshot.misses.get("slot", 0)
-    wait = snapshot.exposed_wait
+    wait = snapshot.stall
     return {
         "prefetch": prefetch,
         "slot_hit_rate": hits / (hits + misses),
         "slot_loads": snapshot.moves["host_to_slot"].count,
-        "exposed_p50_s": wait.p50_s,
-        "exposed_p99_s": wait.p99_s,
+        "stall_p50_s": wait.p50_s,
+        "stall_p99_s": wait.p99_s,
         "exposed_max_s": wait.max_s,
     }
 
@@ -149,10 +149,10 @@ def main() -> None:
         for row in rows:
             print(
                 f"prefetch={row['prefetch']!s:5} slot hit rate {row['slot_hit_rate']:.3f}, {row['slot_loads']} loads, "
-                f"exposed wait p50 {row['exposed_p50_s'] * 1e3:.2f}ms p99 {row['exposed_p99_s'] * 1e3:.2f}ms "
+                f"stall p50 {row['stall_p50_s'] * 1e3:.2f}ms p99 {row['stall_p99_s'] * 1e3:.2f}ms "
                 f"max {row['exposed_max_s'] * 1e3:.2f}ms"
             )
-        ratio = rows[1]["exposed_p99_s"] / max(rows[0]["exposed_p99_s"], 1e-12)
+        ratio = rows[1]["stall_p99_s"] / max(rows[0]["stall_p99_s"], 1e-12)
         print(f"exposed p99 with / without prefetch: {ratio:.3f}")
         out = args.out.with_name("bench_swap_trace.json")
         out.parent.mkdir(parents=True, exist_ok=True)

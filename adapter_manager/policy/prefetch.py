@@ -1,18 +1,25 @@
 """The prefetcher: moves the adapters an engine's waiting queue will need up the tiers before they are scheduled.
 
-hub -> disk -> host always (the registry's `prepared`); host -> slot only into a free slot or in place of an LRU
-victim that nothing queued ahead of the adapter needs, so it never evicts something needed sooner than what it
-brings in. Work is bounded (`depth` adapters per call, `workers` threads), a newer queue cancels the jobs of adapters
-it no longer holds, and a failure is recorded against its adapter until the manager surfaces it at `acquire`.
-Each job's slot outcome is counted in the metrics (``prefetch``: ``host_to_slot`` loads, ``skipped_no_room`` when
-no free or evictable range could take the adapter).
+Every move is budgeted: a job first reserves room in the tier it moves into and only then does the work, so a job
+that finds no room costs nothing. hub -> disk -> host (the registry's `stage`): room in the host tier that evicts no
+adapter queued ahead of this one (the disk tier's bytes, too, are reserved before a download), then the download if
+the files left the disk, then the preparation; host -> slot only into a free slot or in place of an LRU victim that
+nothing queued ahead of the adapter needs, so it never evicts something needed sooner than what it brings in. Work
+is bounded (`depth` adapters per call, `workers` threads), a newer queue cancels the jobs of adapters it no longer
+holds, and a failure is recorded against its adapter until the engine fails its waiting requests with it (or the
+manager raises it at `acquire`). Each job's outcome is counted in the metrics (``prefetch``: ``host_to_slot`` slot
+loads, ``skipped_no_room`` when no free or evictable range could take the adapter, ``host_no_room`` when the host
+tier had no room for it: nothing downloaded or prepared). Listeners (`on_done`) hear of every job that ended, so an
+engine waiting for an adapter wakes as soon as it is prepared.
 
 Popularity: beside the queue, each call also brings up the `popular` most requested adapters (the manager's TinyLFU
 sketch) that are not resident, so a hot adapter evicted by a burst is back before its next request. Such a job evicts
-nothing any queued or running request needs (the whole head of the queue is protected) and only adapters strictly
-less popular than the one it brings in; its outcome counts as ``popular_to_slot`` / ``popular_no_room``, and its
-failure is only logged (no request is waiting for it). Workers run torch ops on one intra-op thread
-(`workers.background_executor`), so a prefetch never slows the engine's own parallel ops.
+nothing any queued or running request needs (the whole head of the queue is protected) and, in both tiers, only
+adapters strictly less popular than the one it brings in; it never waits for disk room. Its outcome counts as
+``popular_to_slot`` / ``popular_no_room`` (no slot room: it may still have been prepared on the host) /
+``popular_no_host_room`` (nothing downloaded or prepared), and its failure is only logged (no request waits for it).
+Workers run torch ops on one intra-op thread (`workers.background_executor`), so a prefetch never slows the engine's
+own parallel ops.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..tiers.allocator import SlotAllocator
-from ..tiers.prepare import PreparedAdapter
 from .workers import background_executor
 
 log = logging.getLogger(__name__)
@@ -52,15 +58,18 @@ class Prefetcher:
 
     def __init__(
         self,
-        fetch: Callable[[str], PreparedAdapter],
+        stage: Callable[[str, frozenset[str], int | None, bool], bool],
         allocator: SlotAllocator,
         config: PrefetchConfig | None = None,
         popular: Callable[[int], Sequence[str]] | None = None,
+        frequency: Callable[[str], int] | None = None,
     ) -> None:
         self.config = config or PrefetchConfig()
         self._popular = popular  # n -> up to n adapter ids, most popular first (None: queue only)
-        self._fetch = fetch
+        self._frequency = frequency  # adapter id -> estimated recent requests: a popular job's eviction ceiling
+        self._stage = stage  # (adapter, keep, ceiling, wait) -> prepared? (the registry's `stage`)
         self._allocator = allocator
+        self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.RLock()  # re-entrant: Future.cancel() runs the done callback, which takes it, at once
         self._jobs: dict[str, Future] = {}
         self._errors: dict[str, BaseException] = {}
@@ -100,6 +109,22 @@ class Prefetcher:
                 job.add_done_callback(lambda _, adapter_id=adapter_id, job=job: self._done(adapter_id, job))
                 started += 1
         return started
+
+    @property
+    def enabled(self) -> bool:
+        """Whether jobs run at all (``workers`` > 0)."""
+        return self._executor is not None
+
+    def on_done(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(adapter_id)` (on a worker thread) whenever a job ends: prepared, no room, or failed."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def take_errors(self) -> dict[str, BaseException]:
+        """Every pending prefetch error, once (the next request for each retries)."""
+        with self._lock:
+            errors, self._errors = self._errors, {}
+        return errors
 
     def take_error(self, adapter_id: str) -> BaseException | None:
         """The error of the adapter's last failed prefetch, once (the next request retries)."""
@@ -155,7 +180,11 @@ class Prefetcher:
             if adapter_id not in self._queue:
                 return
         try:
-            self._fetch(adapter_id)  # hub -> disk -> host
+            # hub -> disk -> host, room first; a popular job evicts only strictly less popular adapters
+            ceiling = self._frequency(adapter_id) - 1 if popular and self._frequency is not None else None
+            if not self._stage(adapter_id, ahead, ceiling, not popular):
+                self._allocator.metrics.prefetched("popular_no_host_room" if popular else "host_no_room")
+                return
             # host -> slot, evicting nothing needed sooner (and for a popular one, nothing as popular as it)
             loaded = self._allocator.preload(adapter_id, protect=ahead, strict=popular)
             if self._allocator.slot_of(adapter_id) is None:
@@ -172,3 +201,6 @@ class Prefetcher:
         with self._lock:
             if self._jobs.get(adapter_id) is job:
                 self._jobs.pop(adapter_id, None)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(adapter_id)

@@ -66,6 +66,7 @@ class AdapterRecord:
     base_model: str | None  # base_model_name_or_path from its config
     registered_at: float  # time.time()
     warnings: tuple[str, ...] = ()  # accepted-with-warning findings (e.g. base model mismatch)
+    disk_bytes: int = 0  # size of its two files (what a download of them again reserves in a bounded disk tier)
 
     @property
     def sha(self) -> str:

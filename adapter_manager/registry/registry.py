@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +19,7 @@ from ..errors import (
     AdapterConflictError,
     AdapterNotFoundError,
     BaseModelMismatchError,
+    DiskTierFullError,
     InvalidAdapterRefError,
 )
 from ..metrics import Move, SwapMetrics, Tier
@@ -89,7 +90,7 @@ class AdapterRegistry:
                     self.metrics.record(Move.HUB_TO_DISK, adapter_id, download_s, files.downloaded_bytes)
                     (self.metrics.miss if files.downloaded_bytes else self.metrics.hit)(Tier.DISK)
                 if previous is not None and previous.sha == files.sha:
-                    record = replace(previous, ref=parsed, files=files)
+                    record = replace(previous, ref=parsed, files=files, disk_bytes=files.nbytes())
                     self._persist(record)
                     with self._lock:
                         self._records[adapter_id] = record
@@ -186,21 +187,60 @@ class AdapterRegistry:
 
     def prepared(self, adapter_id: str) -> PreparedAdapter:
         """The adapter's prepared weights: from the host tier, else prepared again from its local files (fetched
-        again, pinned to the registered sha, only if they have left the disk)."""
-        record = self.get(adapter_id)
+        again, pinned to the registered sha, only if they have left the disk; a bounded disk tier short of room
+        waits up to the hub timeout for it)."""
+        return self._prepared(self.get(adapter_id), self.config.hub.timeout_s)
+
+    def _prepared(self, record: AdapterRecord, disk_wait_s: float) -> PreparedAdapter:
+        adapter_id = record.adapter_id
 
         def load() -> PreparedAdapter:
             with self._on_disk(record.ref.repo_id):
-                files = self._files(record)
+                files = self._files(record, disk_wait_s)
                 prepared = self._prepare(adapter_id, files, record.modules)[0]
             self._used(record, files.downloaded_bytes > 0)
             return prepared
 
         return self.host.get_or_load((adapter_id, record.sha), load)
 
-    def _files(self, record: AdapterRecord) -> AdapterFiles:
+    def peek(self, adapter_id: str) -> PreparedAdapter | None:
+        """The adapter's prepared weights if the host tier holds them now, else None: never a download or a
+        preparation (what an engine step may wait for)."""
+        record = self.get(adapter_id)
+        return self.host.get((adapter_id, record.sha))
+
+    def is_prepared(self, adapter_id: str) -> bool:
+        """Whether the host tier holds the adapter's prepared weights now (no hit or miss counted)."""
+        with self._lock:
+            record = self._records.get(adapter_id)
+        return record is not None and (adapter_id, record.sha) in self.host
+
+    def stage(self, adapter_id: str, keep: Iterable[str] = (), ceiling: int | None = None, wait: bool = True) -> bool:
+        """A prefetch's hub -> disk -> host: room in the host tier first (evicting no adapter in `keep` and, with
+        `ceiling`, none estimated more popular than it), then a download only if the files left the disk (its bytes
+        reserved in a bounded disk tier first; `wait`: for room there, else none), then the preparation. True when
+        the adapter is prepared (now or already); False when there was no room, having downloaded and prepared
+        nothing. A failed download or preparation raises, as in `prepared`."""
+        record = self.get(adapter_id)
+        key = (adapter_id, record.sha)
+        if key in self.host:
+            return True
+        with self._lock:
+            kept = {(a, self._records[a].sha) for a in keep if a in self._records}
+        if not self.host.reserve(key, record.nbytes, kept, ceiling):
+            return key in self.host  # prepared meanwhile by someone else, else no room
+        try:
+            self._prepared(record, self.config.hub.timeout_s if wait else 0.0)
+        except DiskTierFullError:
+            return False
+        finally:
+            self.host.unreserve(key)
+        return True
+
+    def _files(self, record: AdapterRecord, disk_wait_s: float = 0.0) -> AdapterFiles:
         """The record's files on disk now: a local dir unchanged since registration, or the hub revision at the
-        recorded sha, fetched again (a disk miss) only if it left the cache."""
+        recorded sha, fetched again (a disk miss) only if it left the cache, its bytes reserved first in a bounded
+        disk tier (waiting up to `disk_wait_s` for room)."""
         adapter_id = record.adapter_id
         if record.ref.is_local:
             files = self._resolver.resolve(record.ref, adapter_id)
@@ -215,7 +255,8 @@ class AdapterRegistry:
             return cached
         self.metrics.miss(Tier.DISK)
         start = time.perf_counter()
-        files = self._resolver.resolve(AdapterRef(record.ref.repo_id, record.sha, None), adapter_id)
+        with self._download_room(record, disk_wait_s):
+            files = self._resolver.resolve(AdapterRef(record.ref.repo_id, record.sha, None), adapter_id)
         self.metrics.record(Move.HUB_TO_DISK, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
         return files
 
@@ -234,7 +275,9 @@ class AdapterRegistry:
             check_weights(row.adapter_id, files.weights_path, modules, self.spec)
             nbytes = bytes_needed(self.spec, max(m.rank for m in modules.values()), self.config.dtype)
             base = config.base_model_name_or_path
-            record = AdapterRecord(row.adapter_id, ref, files, modules, nbytes, base, row.registered_at, warnings)
+            record = AdapterRecord(
+                row.adapter_id, ref, files, modules, nbytes, base, row.registered_at, warnings, files.nbytes()
+            )
             with self._lock:
                 self._records[row.adapter_id] = record
                 self._unrestored.pop(row.adapter_id, None)
@@ -254,6 +297,15 @@ class AdapterRegistry:
         with self._lock:
             lock = self._id_locks.setdefault(adapter_id, threading.Lock())
         with lock:
+            yield
+
+    @contextmanager
+    def _download_room(self, record: AdapterRecord, wait_s: float) -> Iterator[None]:
+        """Hold the bytes of the record's files in a bounded disk tier while they are downloaded again."""
+        if self.disk is None or record.ref.repo_id is None:
+            yield
+            return
+        with self.disk.downloading(record.ref.repo_id, record.disk_bytes, record.adapter_id, wait_s):
             yield
 
     @contextmanager
@@ -298,8 +350,9 @@ class AdapterRegistry:
         start = time.perf_counter()
         config, warnings, modules = self._read_config(adapter_id, files)
         prepared, _ = self._prepare(adapter_id, files, modules, start)
+        base = config.base_model_name_or_path
         record = AdapterRecord(
-            adapter_id, ref, files, modules, prepared.nbytes, config.base_model_name_or_path, time.time(), warnings
+            adapter_id, ref, files, modules, prepared.nbytes, base, time.time(), warnings, files.nbytes()
         )
         return record, prepared, time.perf_counter() - start
 

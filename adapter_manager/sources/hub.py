@@ -108,6 +108,10 @@ class AdapterFiles:
     sha: str  # hub commit sha; for a local dir "local-" + a digest of the files' sizes and mtimes
     downloaded_bytes: int  # bytes fetched from the hub by this resolution (0 on a warm cache or a local dir)
 
+    def nbytes(self) -> int:
+        """Both files' sizes on disk now."""
+        return self.config_path.stat().st_size + self.weights_path.stat().st_size
+
 
 @dataclass
 class HubConfig:

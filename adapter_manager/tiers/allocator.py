@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping
 
-from ..errors import AdapterError, AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
+from ..errors import AdapterError, AdapterNotPinnedError, AdapterNotReadyError, SlotLoadError, SlotsExhaustedError
 from ..metrics import Move, SwapMetrics, Tier
 from .lease import Residency, SlotLease, SlotState, state_of
 from .placement import Plan, eviction_candidates, plan_placement
@@ -54,7 +54,8 @@ class SlotAllocator:
     """Maps adapters to unit ranges of a `SlotPool`; thread-safe (engine, prefetch workers and admin calls).
 
     `fetch(adapter_id)` returns the adapter's prepared host weights (the registry's `prepared`); `rank_of(adapter_id)`
-    its rank before they are fetched (the registry's record). Both, and the copy, run without the allocator's lock.
+    its rank before they are fetched (the registry's record); `peek(adapter_id)` the prepared weights only if they are
+    at hand without loading (the registry's `peek`). All, and the copy, run without the allocator's lock.
     """
 
     def __init__(
@@ -65,12 +66,14 @@ class SlotAllocator:
         metrics: SwapMetrics | None = None,
         clock: Callable[[], float] = time.time,
         frequency: Callable[[str], int] | None = None,
+        peek: Callable[[str], PreparedAdapter | None] | None = None,
     ) -> None:
         self.pool = pool
         self.num_slots = pool.num_slots
         self.num_units = pool.num_units
         self.metrics = metrics or SwapMetrics()
         self._fetch = fetch
+        self._peek = peek  # adapter id -> its prepared weights if at hand now, else None (no loading); None: fetch
         self._rank_of = rank_of
         self._clock = clock
         self._frequency = frequency  # adapter id -> estimated recent requests (None: pure LRU)
@@ -83,16 +86,17 @@ class SlotAllocator:
         self._last_used: dict[str, float] = {}  # adapter id -> clock() of its last acquire or release
         self._lease_ids = itertools.count()
 
-    def acquire(self, adapter_ids: Iterable[str | None]) -> SlotLease:
-        """Pin one range per distinct adapter of a batch (None = no adapter), loading the missing ones.
+    def acquire(self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = ()) -> SlotLease:
+        """Pin one range per distinct adapter of a batch (None = no adapter), loading the missing ones; a missing
+        one in `prepared_only` is copied only from weights `peek` has at hand, never fetched.
 
         Raises `SlotsExhaustedError` when they cannot all be placed, `rank_of`'s error for an unknown adapter, or the
-        failed adapter's error (an `AdapterError`; `SlotLoadError` for a failed copy) when a load fails — in every
-        case nothing stays pinned.
+        failed adapter's error (an `AdapterError`; `SlotLoadError` for a failed copy, `AdapterNotReadyError` for a
+        `prepared_only` adapter not at hand) when a load fails — in every case nothing stays pinned.
         """
         start = time.perf_counter()
         distinct = list(dict.fromkeys(a for a in adapter_ids if a is not None))
-        entries = self._bring_in(distinct, manual=False)
+        entries = self._bring_in(distinct, manual=False, prepared_only=prepared_only)
         with self._cond:
             lease = SlotLease(
                 next(self._lease_ids),
@@ -214,7 +218,9 @@ class SlotAllocator:
             raise SlotLoadError(adapter_id, f"rank {rank!r} is outside 1..max_rank {self.pool.max_rank}")
         return rank
 
-    def _bring_in(self, distinct: list[str], manual: bool, wait_s: float = 0.0) -> list[Residency]:
+    def _bring_in(
+        self, distinct: list[str], manual: bool, wait_s: float = 0.0, prepared_only: Container[str] = ()
+    ) -> list[Residency]:
         ranks: dict[str, int] = {}
         deadline = time.monotonic() + wait_s
         while True:  # ranks are read without the lock; retried until every missing adapter's rank is known
@@ -234,7 +240,7 @@ class SlotAllocator:
                     break
             ranks.update((a, self._rank(a)) for a in unknown)
         try:
-            self._load_reserved(reserved)
+            self._load_reserved(reserved, prepared_only)
         except BaseException:
             with self._cond:
                 for residency in entries:
@@ -301,11 +307,19 @@ class SlotAllocator:
             reserved.append(residency)
         return reserved
 
-    def _load_reserved(self, reserved: list[Residency]) -> None:
+    def _prepared(self, adapter_id: str, prepared_only: Container[str]) -> PreparedAdapter:
+        if self._peek is None or adapter_id not in prepared_only:
+            return self._fetch(adapter_id)
+        prepared = self._peek(adapter_id)
+        if prepared is None:
+            raise AdapterNotReadyError(adapter_id, "not prepared on the host; it may not be loaded inside this call")
+        return prepared
+
+    def _load_reserved(self, reserved: list[Residency], prepared_only: Container[str] = ()) -> None:
         """Load each reserved range in turn; on the first failure free it and every later one, then re-raise."""
         for i, residency in enumerate(reserved):
             try:
-                prepared = self._fetch(residency.adapter_id)
+                prepared = self._prepared(residency.adapter_id, prepared_only)
                 if prepared.rows != residency.rank:
                     raise SlotLoadError(
                         residency.adapter_id,

@@ -8,6 +8,11 @@ least recently used revision first, revisions no registration needs before any t
 pinned while one of its revisions is downloaded or prepared (`using`), and a pinned repository is never evicted, so a
 preparation never loses its files mid-read.
 
+The bound holds at every moment, downloads in flight included: a download first reserves its bytes (`downloading`),
+evicting what it must then, and the reservation counts against the bound until the download has landed (or failed
+and left nothing). With no room — the rest pinned or reserved — a download that may not wait is refused at once
+(`DiskTierFullError`; a prefetch then costs nothing), one that may waits for pins and reservations to go.
+
 Sizes are kept incrementally: each owned repo's folder is read when the tier starts or first owns it, again when a
 download lands in it (`landed`) and after an eviction from it; the rest of the cache is never walked.
 """
@@ -28,6 +33,7 @@ from huggingface_hub.errors import CorruptedCacheException
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import _cache_manager  # _scan_cached_repo: scan_cache_dir's reading of one repo
 
+from ..errors import DiskTierFullError
 from ..metrics import SwapMetrics, Tier
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,7 @@ class DiskUsage:
     used_bytes: int  # bytes on disk of the owned repositories
     capacity_bytes: int
     revisions: int  # cached revisions of owned repositories
+    reserved_bytes: int = 0  # held for downloads under way (counted against the bound beside used_bytes)
 
 
 class OwnershipStore(Protocol):
@@ -73,6 +80,8 @@ class DiskTier:
         self._needed = needed
         self._store = store
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a pin, reservation or eviction went: room may have come
+        self._reserved: dict[str, int] = {}  # repo -> bytes held for its download under way
         self._owned: set[str] = set()
         self._repos: dict[str, CachedRepoInfo] = {}  # owned repo -> its folder as last read; absent: not cached
         self._pins: dict[str, int] = {}
@@ -102,6 +111,35 @@ class DiskTier:
                 self._pins[repo_id] -= 1
                 if not self._pins[repo_id]:
                     del self._pins[repo_id]
+                self._changed.notify_all()
+
+    @contextmanager
+    def downloading(self, repo_id: str, nbytes: int, adapter: str, wait_s: float = 0.0) -> Iterator[None]:
+        """Hold `nbytes` of the bound for a download into `repo_id` while the block runs, evicting least recently
+        used unpinned revisions first as needed; afterwards the repo's folder is read again (what landed is counted)
+        and the hold given back. Raises `DiskTierFullError` for `adapter` when there is no room within `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            self._own(repo_id)
+            while not self._make_room(nbytes):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DiskTierFullError(
+                        adapter,
+                        f"no room in the disk tier for its {nbytes} B download: {self._used()} B of "
+                        f"{self.capacity_bytes} B are held by repos being read or downloaded",
+                    )
+                self._changed.wait(remaining)
+            self._reserved[repo_id] = self._reserved.get(repo_id, 0) + nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reserved[repo_id] -= nbytes
+                if not self._reserved[repo_id]:
+                    del self._reserved[repo_id]
+                self._read(repo_id)
+                self._changed.notify_all()
 
     def landed(self, repo_id: str) -> None:
         """A download into `repo_id` finished: read that repo's folder again (its new size), nothing else."""
@@ -116,57 +154,72 @@ class DiskTier:
 
     def usage(self) -> DiskUsage:
         with self._lock:
-            repos = list(self._repos.values())
-        return DiskUsage(sum(r.size_on_disk for r in repos), self.capacity_bytes, sum(len(r.revisions) for r in repos))
+            repos, reserved = list(self._repos.values()), sum(self._reserved.values())
+        used = sum(r.size_on_disk for r in repos)
+        return DiskUsage(used, self.capacity_bytes, sum(len(r.revisions) for r in repos), reserved)
 
     def enforce(self) -> int:
         """Evict least recently used unpinned revisions until the owned repositories fit; returns bytes freed.
         Revisions of pinned repositories are kept (logged when they alone exceed the bound)."""
-        freed, kept = 0, set()
         with self._lock:
-            while True:
-                repos = list(self._repos.values())
-                used = sum(r.size_on_disk for r in repos)
-                candidates = [
-                    (r, rev)
-                    for r in repos
-                    if r.repo_id not in self._pins
-                    for rev in r.revisions
-                    if rev.commit_hash not in kept
-                ]
-                if used <= self.capacity_bytes or not candidates:
-                    break
-                needed = self._needed()
-                repo, revision = min(
-                    candidates, key=lambda c: ((c[0].repo_id, c[1].commit_hash) in needed, self._used_at(*c))
-                )
-                sha = revision.commit_hash
-                if self._shared(repo, sha):
-                    log.warning("disk tier: %s@%s shares its sha with another repo; kept", repo.repo_id, sha)
-                    kept.add(sha)
-                    continue
-                info = HFCacheInfo(
-                    size_on_disk=repo.size_on_disk,
-                    repos=frozenset({repo}),
-                    incomplete_files=frozenset(),
-                    warnings=[],
-                    cache_dir=self.cache_dir,
-                )
-                strategy = info.delete_revisions(sha)  # within this one repo
-                strategy.execute()
-                freed += strategy.expected_freed_size
-                self._last_used.pop((repo.repo_id, sha), None)
-                if not self._read(repo.repo_id):
-                    self._disown(repo.repo_id)
-                self._metrics.evicted(Tier.DISK)
-                log.info("disk tier: evicted %s@%s (%d bytes)", repo.repo_id, sha[:12], strategy.expected_freed_size)
-            self.evicted_bytes += freed
-            self._metrics.disk_usage(used, self.capacity_bytes, self.evicted_bytes)
+            before = self.evicted_bytes
+            self._make_room(0)
+            used = self._used()
             if used > self.capacity_bytes:
                 log.warning(
                     "disk tier: %d bytes in use, over the %d byte bound: the rest is in use", used, self.capacity_bytes
                 )
-        return freed
+            return self.evicted_bytes - before
+
+    def _used(self) -> int:
+        """Bytes counted against the bound: owned repos on disk plus reservations. Lock held."""
+        return sum(r.size_on_disk for r in self._repos.values()) + sum(self._reserved.values())
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used revisions of unpinned, unreserved repos (ones no registration needs first)
+        until `nbytes` more fit under the bound; whether they do. Lock held."""
+        kept: set[str] = set()
+        while True:
+            used = self._used()
+            if used + nbytes <= self.capacity_bytes:
+                break
+            busy = self._pins.keys() | self._reserved.keys()
+            candidates = [
+                (r, rev)
+                for r in self._repos.values()
+                if r.repo_id not in busy
+                for rev in r.revisions
+                if rev.commit_hash not in kept
+            ]
+            if not candidates:
+                break
+            needed = self._needed()
+            repo, revision = min(
+                candidates, key=lambda c: ((c[0].repo_id, c[1].commit_hash) in needed, self._used_at(*c))
+            )
+            sha = revision.commit_hash
+            if self._shared(repo, sha):
+                log.warning("disk tier: %s@%s shares its sha with another repo; kept", repo.repo_id, sha)
+                kept.add(sha)
+                continue
+            info = HFCacheInfo(
+                size_on_disk=repo.size_on_disk,
+                repos=frozenset({repo}),
+                incomplete_files=frozenset(),
+                warnings=[],
+                cache_dir=self.cache_dir,
+            )
+            strategy = info.delete_revisions(sha)  # within this one repo
+            strategy.execute()
+            self.evicted_bytes += strategy.expected_freed_size
+            self._last_used.pop((repo.repo_id, sha), None)
+            if not self._read(repo.repo_id):
+                self._disown(repo.repo_id)
+            self._metrics.evicted(Tier.DISK)
+            log.info("disk tier: evicted %s@%s (%d bytes)", repo.repo_id, sha[:12], strategy.expected_freed_size)
+        used = sum(r.size_on_disk for r in self._repos.values())
+        self._metrics.disk_usage(used, self.capacity_bytes, self.evicted_bytes)
+        return self._used() + nbytes <= self.capacity_bytes
 
     def _own(self, repo_id: str) -> None:
         """Own `repo_id` (durably, before anything is downloaded into it) and read its folder if new. Lock held."""

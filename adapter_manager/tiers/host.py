@@ -1,18 +1,32 @@
 """The host tier: a byte-bounded cache of prepared adapters (cachetools does the byte accounting), safe to share
 between threads. Eviction is LRU; with a `frequency` (the manager's TinyLFU sketch, `policy/admission.py`) it takes
 the least valuable entries first, by (estimated frequency, recency), and a new entry is admitted only if it is at
-least as popular as every entry it would evict, so one pass over cold adapters cannot flush the hot ones."""
+least as popular as every entry it would evict, so one pass over cold adapters cannot flush the hot ones.
+
+A prefetch reserves its room before it prepares anything (`reserve`): the victims it may evict are chosen then
+(never one it must keep, with a ceiling never one more popular), the bytes are held by a placeholder that counts
+against the bound and is never evicted, and the `put` of the prepared adapter fills it without a second admission
+decision. No room: nothing is evicted and the caller prepares nothing."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 
 from cachetools import Cache
 
 from ..metrics import SwapMetrics, Tier
 from .prepare import PreparedAdapter
+
+
+class _Reserved:
+    """Room held for an adapter being prepared: counts `nbytes` against the bound, never evicted, never served."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
 
 
 class _ByteCache(Cache):
@@ -38,27 +52,38 @@ class _ByteCache(Cache):
         super().__delitem__(key)
         del self._order[key]
 
+    def reserved(self, key: Hashable) -> bool:
+        return key in self and isinstance(Cache.__getitem__(self, key), _Reserved)  # no LRU refresh
+
     def eviction_order(self) -> list[Hashable]:
-        """Keys, the first to be evicted first."""
+        """Keys of prepared entries (never a reservation), the first to be evicted first."""
+        keys = [k for k in self._order if not self.reserved(k)]
         if self.frequency is None:
-            return list(self._order)
+            return keys
         frequency = self.frequency
-        return [key for _, _, key in sorted((frequency(k), i, k) for i, k in enumerate(self._order))]
+        return [key for _, _, key in sorted((frequency(k), i, k) for i, k in enumerate(keys))]
+
+    def victims(
+        self, nbytes: int, keep: Container[Hashable] = (), ceiling: int | None = None
+    ) -> list[Hashable] | None:
+        """The entries to evict, first to last, so that `nbytes` fit: none in `keep` and, with a `ceiling`, none
+        estimated more popular than it; None when even evicting all of those leaves too little room."""
+        room, chosen = self.maxsize - self.currsize, []
+        hotter = ceiling is not None and self.frequency is not None
+        for victim in self.eviction_order():
+            if room >= nbytes:
+                break
+            if victim in keep or (hotter and self.frequency(victim) > ceiling):
+                continue
+            chosen.append(victim)
+            room += self.getsizeof(Cache.__getitem__(self, victim))
+        return chosen if room >= nbytes else None
 
     def admits(self, key: Hashable, nbytes: int) -> bool:
-        """Whether an entry of `nbytes` for `key` may go in: it fits in free room, or it is at least as popular as
-        every entry that would be evicted for it."""
-        room = self.maxsize - self.currsize
-        if nbytes <= room or self.frequency is None:
-            return True
-        popularity, freed = self.frequency(key), room
-        for victim in self.eviction_order():
-            if self.frequency(victim) > popularity:
-                return False
-            freed += self.getsizeof(Cache.__getitem__(self, victim))
-            if freed >= nbytes:
-                return True
-        return True
+        """Whether an entry of `nbytes` for `key` may go in: it fits in free room, or in room made by evicting
+        prepared entries each at most as popular as it (any, without a frequency)."""
+        ceiling = self.frequency(key) if self.frequency is not None else None
+        return self.victims(nbytes, (), ceiling) is not None
 
     def popitem(self) -> tuple[Hashable, PreparedAdapter]:
         try:
@@ -113,17 +138,29 @@ class HostTier:
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
-            return key in self._cache
+            return key in self._cache and not self._cache.reserved(key)
 
     def keys(self) -> set[Hashable]:
-        """Keys of the resident adapters."""
+        """Keys of the resident adapters (not the reservations)."""
         with self._lock:
-            return set(self._cache.keys())
+            return {key for key in self._cache.keys() if not self._cache.reserved(key)}
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held for adapters being prepared (part of `used_bytes`)."""
+        with self._lock:
+            return sum(Cache.__getitem__(self._cache, k).nbytes for k in self._cache if self._cache.reserved(k))
+
+    def _get(self, key: Hashable) -> PreparedAdapter | None:
+        """The prepared entry (refreshing its LRU position), None for a reservation or a missing key. Lock held."""
+        if key not in self._cache or self._cache.reserved(key):
+            return None
+        return self._cache[key]
 
     def get(self, key: Hashable) -> PreparedAdapter | None:
         """The prepared adapter if resident (counts a hit or a miss and refreshes its LRU position)."""
         with self._lock:
-            prepared = self._cache.get(key)
+            prepared = self._get(key)
         if prepared is None:
             self._metrics.miss(Tier.HOST)
         else:
@@ -140,12 +177,46 @@ class HostTier:
             )
         with self._lock:
             # Replace as remove + insert: cachetools may evict the key being replaced and then miscount its size.
-            self._cache.pop(key, None)
-            if not self._cache.admits(key, prepared.nbytes):
+            # A reservation for the key is its room: filled without a second admission decision.
+            held = self._cache.pop(key, None)
+            if not isinstance(held, _Reserved) and not self._cache.admits(key, prepared.nbytes):
                 self._metrics.rejected(Tier.HOST)
                 return False
+            victims = self._cache.victims(prepared.nbytes)
+            if victims is None:  # larger than its reservation, and the rest is reserved too
+                self._metrics.rejected(Tier.HOST)
+                return False
+            self._evict(victims)
             self._cache[key] = prepared
         return True
+
+    def reserve(self, key: Hashable, nbytes: int, keep: Container[Hashable] = (), ceiling: int | None = None) -> bool:
+        """Hold room for `key` (about to be prepared, `nbytes`) before any work is done, evicting least valuable
+        entries not in `keep` and, with `ceiling`, none estimated more popular than it. False, changing nothing,
+        when there is no such room or `key` is already resident or reserved. `put` fills it; `unreserve` gives it
+        back."""
+        if nbytes > self.capacity_bytes:
+            return False
+        with self._lock:
+            if key in self._cache:
+                return False
+            victims = self._cache.victims(nbytes, keep, ceiling)
+            if victims is None:
+                return False
+            self._evict(victims)
+            self._cache[key] = _Reserved(nbytes)
+        return True
+
+    def unreserve(self, key: Hashable) -> None:
+        """Give back the room `reserve` held for `key` if nothing filled it."""
+        with self._lock:
+            if self._cache.reserved(key):
+                del self._cache[key]
+
+    def _evict(self, victims: list[Hashable]) -> None:
+        for victim in victims:
+            del self._cache[victim]
+            self._metrics.evicted(Tier.HOST)
 
     def discard(self, key: Hashable) -> None:
         with self._lock:
@@ -156,7 +227,7 @@ class HostTier:
         own retry: nothing is cached for a failed load."""
         while True:
             with self._lock:
-                prepared = self._cache.get(key)
+                prepared = self._get(key)
                 if prepared is not None:
                     self._metrics.hit(Tier.HOST)
                     return prepared

@@ -25,8 +25,8 @@ class ReplicaGauges:
         self.evictions = metrics.Gauge("adapter_manager_evictions", "Evictions by tier since start", tag_keys=("tier",))
         self.loaded = metrics.Gauge("adapter_manager_multiplexed_adapters", "Adapters Serve holds loaded (pinned)")
         self.free_units = metrics.Gauge("adapter_manager_free_units", "Pool units holding no adapter")
-        self.exposed_wait = metrics.Gauge(
-            "adapter_manager_exposed_wait_seconds", "Exposed wait by quantile", tag_keys=("quantile",)
+        self.stall = metrics.Gauge(
+            "adapter_manager_stall_seconds", "Engine stall on moves by quantile", tag_keys=("quantile",)
         )
 
     def update(self, snapshot: dict[str, Any]) -> None:
@@ -39,9 +39,9 @@ class ReplicaGauges:
         for gauge, key in ((self.hits, "hits"), (self.misses, "misses"), (self.evictions, "evictions")):
             for tier, count in stats[key].items():
                 gauge.set(count, tags={"tier": tier})
-        wait = stats.get("exposed_wait")
+        wait = stats.get("stall")
         if wait:
             for q in _QUANTILES:
-                self.exposed_wait.set(wait[q], tags={"quantile": q.removesuffix("_s")})
+                self.stall.set(wait[q], tags={"quantile": q.removesuffix("_s")})
         self.loaded.set(len(snapshot["loaded"]))
         self.free_units.set(snapshot["free_units"])

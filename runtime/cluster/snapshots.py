@@ -17,12 +17,12 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("hits", "misses", "evictions"):
             for tier, count in snapshot[key].items():
                 out[key][tier] = out[key].get(tier, 0) + count
-        if snapshot.get("exposed_wait"):
-            out["exposed_wait"] = _add_latency(out.get("exposed_wait"), snapshot["exposed_wait"], ())
-    for stats in [*out["moves"].values(), *([out["exposed_wait"]] if out.get("exposed_wait") else [])]:
+        if snapshot.get("stall"):
+            out["stall"] = _add_latency(out.get("stall"), snapshot["stall"], ())
+    for stats in [*out["moves"].values(), *([out["stall"]] if out.get("stall") else [])]:
         for key, q in _QUANTILES.items():
             stats[key] = _quantile(stats, q)
-    out.setdefault("exposed_wait", None)
+    out.setdefault("stall", None)
     out["hit_rates"] = {
         tier: out["hits"].get(tier, 0) / total
         for tier in sorted(set(out["hits"]) | set(out["misses"]))

@@ -5,6 +5,12 @@ sequences by slot, so every LoRA layer sees one contiguous run of tokens per ada
 chunks and decode tokens together -> sample -> release the pins -> hand the waiting queue to the prefetcher.
 A request whose adapter cannot be loaded fails alone; everyone else goes on.
 
+A step never waits for a move another request needs. With prefetching on, `submit` hands the queue to the
+prefetcher at once (hub -> disk -> host on its workers), a waiting request is admitted only once its adapter is
+ready (`AdapterManager.is_ready`: resident, or prepared on the host), and the step's `acquire` may copy a newly
+admitted adapter from the host but never download or prepare one (``prepared_only``; one the host evicted meanwhile
+puts its requests back to wait). A step with nothing ready to run waits for the prefetcher instead of spinning.
+
 On a traced (XLA) device every step has a static shape: its tokens are padded up to a token bucket (padding goes to
 a spare KV cache row, with slot -1), its logits rows to ``max_batch`` (to the bucket in an echo step: prompt_logprobs);
 ``warm_up`` compiles each of those graphs once, after which steps, echoes, slot swaps and changing adapter mixes
@@ -17,69 +23,32 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from adapter_manager import AdapterError, AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
-from kernels import KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager import (
+    AdapterError,
+    AdapterManager,
+    AdapterNotFoundError,
+    AdapterNotReadyError,
+    SlotLease,
+    SlotsExhaustedError,
+)
+from kernels import LoRAKernelMeta, select_backend
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from ..model.llama import Llama
+from .config import EngineConfig, StepStats
 from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
-from .scheduler import ScheduledChunk, SchedulerConfig, plan_step
+from .scheduler import ScheduledChunk, plan_step
 from .step_sampling import plan_sampling, record_sampling
 from .warm_up import echo_logits_rows, warm_up_batches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    """Sizes and policies of one engine."""
-
-    max_batch: int = 16  # sequences in flight: rows of the KV cache
-    max_seq_len: int = 2048  # prompt + generated tokens of one sequence, at most
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # token budget and fairness bound
-    kernels: KernelConfig | None = None  # shrink/expand backend choice (None: by device)
-    eos_ids: tuple[int, ...] | None = None  # end-of-sequence ids stopping every request; None: the model config's
-    # (generation_config.json, else config.json); () never stops on eos. A request's ignore_eos skips them.
-    token_buckets: tuple[int, ...] | None = None  # traced devices: step token counts padded up to one of these
-    # (ascending; the last >= the token budget); None: powers of two from 16 up to the budget. Eager devices ignore it.
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_seq_len < 2:
-            raise ValueError(f"max_batch ({self.max_batch}) must be >= 1 and max_seq_len ({self.max_seq_len}) >= 2")
-        if self.token_buckets is not None:
-            buckets = self.token_buckets = tuple(self.token_buckets)
-            budget = self.scheduler.token_budget
-            if not buckets or min(buckets) < 1 or list(buckets) != sorted(set(buckets)) or buckets[-1] < budget:
-                raise ValueError(
-                    f"token_buckets {buckets} must be positive, strictly ascending, and end at >= the token budget "
-                    f"({budget})"
-                )
-
-    def buckets(self) -> tuple[int, ...]:
-        """The token buckets a traced step pads to: ``token_buckets``, or powers of two from 16 up to the budget."""
-        if self.token_buckets is not None:
-            return self.token_buckets
-        budget, buckets = self.scheduler.token_budget, [16]
-        while buckets[-1] < budget:
-            buckets.append(buckets[-1] * 2)
-        return tuple(buckets)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one step did."""
-
-    tokens: int  # tokens in the forward pass
-    sequences: int  # sequences in the step
-    adapters: int  # distinct adapters in the step
-    finished: int  # requests that ended in this step
 
 
 class Engine:
@@ -129,6 +98,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._finished_in_step = 0
+        manager.prefetcher.on_done(self._adapter_moved)
 
     def submit(
         self, prompt: Sequence[int], adapter_id: str | None = None, params: SamplingParams | None = None
@@ -149,6 +119,7 @@ class Engine:
             request = Request(next(self._ids), prompt, adapter_id, params, self._step, generator, stops)
             self._waiting.append(request)
             self._work.notify()
+        self._prefetch()  # its adapter starts up the tiers now, not when a step first schedules it
         return RequestHandle(request)
 
     @property
@@ -180,22 +151,24 @@ class Engine:
             return bool(self._waiting or self._running)
 
     def step(self) -> StepStats:
-        """Run one scheduling + forward step (no-op when idle)."""
+        """Run one scheduling + forward step (no-op when idle). With requests waiting but none of them ready to run,
+        it waits (up to `_IDLE_WAIT_S`) for the prefetcher to make one ready: nothing else is running to stall."""
         self._finished_in_step = 0
         self._drop_cancelled()
+        self._fail_prefetch_errors()
+        plan, pinned = self._plan()
+        deadline = time.monotonic() + _IDLE_WAIT_S
+        while not (plan.chunks or plan.unplaceable) and self._waiting_for_adapters():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._stopping:
+                break
+            with self._work:
+                self._work.wait(min(remaining, _IDLE_POLL_S))
+            self._prefetch()  # a job that found no room tries again
+            self._drop_cancelled()
+            self._fail_prefetch_errors()
+            plan, pinned = self._plan()
         with self._lock:
-            pinned = {s.adapter_id: s.units for s in self.manager.allocator.states() if s.manual}
-            plan = plan_step(
-                self.config.scheduler,
-                self._step,
-                self._running,
-                list(self._waiting),
-                len(self._free_rows),
-                self.manager.num_units,
-                lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
-                self._units_of,
-                pinned,
-            )
             if plan.admitted or plan.unplaceable:  # one pass over the queue, not one list scan per request
                 taken = {id(r) for r in (*plan.admitted, *plan.unplaceable)}
                 self._waiting = deque(r for r in self._waiting if id(r) not in taken)
@@ -218,6 +191,63 @@ class Engine:
         self._prefetch()
         adapters = len({c.request.adapter_id for c in chunks} - {None})
         return StepStats(sum(c.count for c in chunks), len(chunks), adapters, self._finished_in_step)
+
+    def _plan(self):
+        """The scheduler's plan for the next step (not yet applied) and the operator pins it counted."""
+        now = time.perf_counter()
+
+        def is_ready(adapter_id: str) -> bool:
+            ready = self.manager.is_ready(adapter_id)
+            if ready:
+                newly_ready.append(adapter_id)
+            return ready
+
+        newly_ready: list[str] = []
+        with self._lock:
+            pinned = {s.adapter_id: s.units for s in self.manager.allocator.states() if s.manual}
+            plan = plan_step(
+                self.config.scheduler,
+                self._step,
+                self._running,
+                list(self._waiting),
+                len(self._free_rows),
+                self.manager.num_units,
+                lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
+                self._units_of,
+                pinned,
+                is_ready,
+            )
+            ready = set(newly_ready)
+            running = {r.adapter_id for r in self._running}
+            for request in self._waiting:
+                if request.adapter_ready_at is None and request.adapter_id is not None:
+                    if request.adapter_id in ready or request.adapter_id in running:
+                        request.adapter_ready_at = now
+                        self.manager.swap_metrics.adapter_waited(now - request.submitted_at)
+        return plan, pinned
+
+    def _waiting_for_adapters(self) -> bool:
+        """Whether requests wait while nothing runs (each for an adapter that is not ready, or for room)."""
+        with self._lock:
+            return bool(self._waiting) and not self._running and self.manager.prefetcher.enabled
+
+    def _adapter_moved(self, adapter_id: str) -> None:
+        """A prefetch job ended (prefetcher thread): a step waiting for an adapter looks again."""
+        with self._work:
+            self._work.notify_all()
+
+    def _fail_prefetch_errors(self) -> None:
+        """Fail the waiting requests whose adapter's prefetch failed (the next request for it retries)."""
+        errors = self.manager.prefetcher.take_errors()
+        if not errors:
+            return
+        with self._lock:
+            failed = [r for r in self._waiting if r.adapter_id in errors]
+            if failed:
+                dropped = {id(r) for r in failed}
+                self._waiting = deque(r for r in self._waiting if id(r) not in dropped)
+        for request in failed:
+            self._finish(request, "error", errors[request.adapter_id])
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         """Step until no request is waiting or running; returns the steps taken."""
@@ -264,11 +294,24 @@ class Engine:
 
     def _acquire(self, chunks: list[ScheduledChunk], admitted: Sequence[Request]) -> SlotLease:
         """Pin the step's adapters. A request whose adapter fails is failed alone and dropped from the step;
-        when slots run out (an operator pinned one meanwhile) the newest admitted requests go back to waiting."""
+        when slots run out (an operator pinned one meanwhile) the newest admitted requests go back to waiting, and
+        so do the admitted requests of an adapter the host tier evicted since it was found ready (placing it now
+        would mean preparing it inside the step)."""
         requeueable = [r for r in admitted if r.adapter_id is not None]
+        running = {r.adapter_id for r in self._running if r not in admitted}
+        gated = self.manager.prefetcher.enabled
         while True:
+            newcomers = {r.adapter_id for r in requeueable} - running if gated else ()
             try:
-                return self.manager.acquire(c.request.adapter_id for c in chunks)
+                return self.manager.acquire((c.request.adapter_id for c in chunks), prepared_only=newcomers)
+            except AdapterNotReadyError as err:
+                back = [r for r in requeueable if r.adapter_id == err.adapter]
+                if not back:
+                    raise
+                for request in reversed(back):
+                    requeueable.remove(request)
+                    chunks[:] = [c for c in chunks if c.request is not request]
+                    self._requeue(request)
             except SlotsExhaustedError:
                 if not requeueable:
                     raise
@@ -359,6 +402,10 @@ class Engine:
             queued = [r.adapter_id for r in self._running] + [r.adapter_id for r in self._waiting]
         if queued:
             self.manager.prefetch(queued)
+
+
+_IDLE_WAIT_S = 1.0  # longest a step with nothing ready waits for the prefetcher before it returns empty
+_IDLE_POLL_S = 0.05  # and how often it looks again without being woken (a job that found no room retries)
 
 
 def _xla_sync() -> None:

@@ -64,6 +64,8 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # params.prompt_logprobs: [None, ..]
     first_token_at: float | None = None  # time.perf_counter() when the first output token was emitted
+    submitted_at: float = field(default_factory=time.perf_counter)  # when `Engine.submit` queued it
+    adapter_ready_at: float | None = None  # perf_counter() when a step first found its adapter ready (placeable)
     finish_reason: str | None = None  # "length", "stop", "cancelled" or "error"
     error: BaseException | None = None
     _events: queue.Queue = field(default_factory=queue.Queue, repr=False)
@@ -118,6 +120,13 @@ class RequestHandle:
         """`time.perf_counter()` when the first output token was produced; None before, and for a request that ends
         without one. Time to first token: this minus the caller's own perf_counter() at submit."""
         return self._request.first_token_at
+
+    @property
+    def adapter_wait_s(self) -> float | None:
+        """Seconds from submit until a step first found its adapter ready (resident, or prepared on the host);
+        None until then and for a base-model request."""
+        ready = self._request.adapter_ready_at
+        return None if ready is None else ready - self._request.submitted_at
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,9 @@ Policy, in order, each step:
    or resident in a slot (arrival order); then requests for cold adapters (arrival order), and a cold adapter is
    brought in only when it does not push the step's distinct adapters past the slots available, so while warm work
    waits, a cold adapter never evicts a warm one (no thrash: an adapter's queue drains before it is evicted).
+   A request whose adapter is not ready (`is_ready`: placing it would mean a download or a preparation) is not
+   admitted and blocks no one, overdue or not: it waits alone while the prefetcher brings its adapter up, and once
+   ready it takes its arrival-order place again (ahead of newer warm work once overdue).
 3. Operator pins stay in the pool whatever runs, so their units are always counted as taken and a request for a
    pinned adapter needs no more. A request whose adapter cannot fit beside the pins alone is unplaceable: it never
    blocks anyone, and the plan names it so the engine can fail it (waiting would not help: no finishing request
@@ -67,10 +70,12 @@ def plan_step(
     is_resident: Callable[[str], bool],
     units_of: Callable[[str], int] = lambda adapter_id: 1,
     pinned: Mapping[str, int] | None = None,
+    is_ready: Callable[[str], bool] = lambda adapter_id: True,
 ) -> StepPlan:
     """Choose the next step's work. `units_available`: the pool's units; `is_resident(adapter_id)`: whether the
     adapter is in the pool now; `units_of(adapter_id)`: the units it takes (its rank's share of the row pool);
-    `pinned`: the operator-pinned adapters and their units, resident whatever the step runs."""
+    `pinned`: the operator-pinned adapters and their units, resident whatever the step runs; `is_ready(adapter_id)`:
+    whether a step could place it without a download or a preparation (resident, or prepared on the host)."""
     pinned = pinned or {}
     pinned_units = sum(pinned.values())
     budget = config.token_budget
@@ -84,11 +89,17 @@ def plan_step(
         chunks.append(ScheduledChunk(request, count))
         budget -= count
     resident: dict[str, bool] = {}  # adapter id -> is_resident, asked once per distinct adapter
+    ready: dict[str, bool] = {}  # adapter id -> is_ready, likewise
     overdue: list[Request] = []
     warm: list[Request] = []
     cold: list[Request] = []
     for r in waiting:
         adapter_id = r.adapter_id
+        if adapter_id is not None and adapter_id not in adapters:
+            if adapter_id not in ready:
+                ready[adapter_id] = is_ready(adapter_id)
+            if not ready[adapter_id]:
+                continue
         if step - r.arrival_step > config.max_wait_steps:
             overdue.append(r)
         elif adapter_id is None or adapter_id in adapters:

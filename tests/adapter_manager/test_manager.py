@@ -57,7 +57,7 @@ def test_acquire_serves_prepared_weights_and_reports_residency(folders, tiny_spe
         manager.release(lease)
         assert not manager.residency()["a"].pinned
         snapshot = manager.metrics()
-        assert snapshot.moves[Move.HOST_TO_SLOT].count == 2 and snapshot.exposed_wait.count == 1
+        assert snapshot.moves[Move.HOST_TO_SLOT].count == 2 and snapshot.stall.count == 1
         as_dict = snapshot.to_dict()
         assert as_dict["residency"]["b"]["tier"] == "slot" and as_dict["misses"]["slot"] == 2
 
@@ -111,7 +111,7 @@ def test_prefetcher_cancels_jobs_the_queue_no_longer_holds(tiny_spec):
     catalog.add("a", "b", "c")
     catalog.delay = 0.05
     allocator = allocator_for(tiny_spec, catalog, slots=3)
-    prefetcher = Prefetcher(catalog, allocator, PrefetchConfig(workers=1, depth=2))
+    prefetcher = Prefetcher(catalog.stage, allocator, PrefetchConfig(workers=1, depth=2))
     try:
         assert prefetcher.prefetch(["a", "b", "c"]) == 2  # depth 2: c is not considered
         prefetcher.prefetch(["a"])  # b's job has not started: cancelled

@@ -64,8 +64,8 @@ def test_scrape_matches_the_snapshot(manager):
         assert {s.labels["tier"]: s.value for s in family.samples} == getattr(snapshot, name)
     assert snapshot.evictions["slot"] == 3 and snapshot.misses["slot"] == 4
 
-    wait = samples(families["adapter_manager_exposed_wait_seconds"])
-    assert wait["adapter_manager_exposed_wait_seconds_count"] == snapshot.exposed_wait.count == 4
+    wait = samples(families["adapter_manager_stall_seconds"])
+    assert wait["adapter_manager_stall_seconds_count"] == snapshot.stall.count == 4
 
     residency = {s.labels["tier"]: s.value for s in families["adapter_manager_adapters"].samples}
     assert residency == {"slot": 1, "host": 2, "disk": 0}

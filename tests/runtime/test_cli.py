@@ -182,5 +182,5 @@ def test_demo_small_run_prints_its_table(tmp_path):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "registered 6 adapters by hub id" in out and "40 ok, 0 failed" in out
-    for row in ("throughput", "slot tier", "host tier", "exposed wait", "hub_to_disk", "host_to_slot"):
+    for row in ("throughput", "slot tier", "host tier", "stall", "hub_to_disk", "host_to_slot"):
         assert row in out, row

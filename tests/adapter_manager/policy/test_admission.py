@@ -131,7 +131,7 @@ def test_popularity_allocator_serves_every_batch_within_bounds(tiny_spec, batche
 def test_popularity_prefetch_brings_a_hot_adapter_back_after_a_burst(tiny_spec):
     sketch = FrequencySketch(SketchConfig(width=256))
     allocator, catalog = cold_scan_allocator(tiny_spec, sketch)
-    prefetcher = Prefetcher(catalog, allocator, PrefetchConfig(workers=1, popular=2), sketch.top)
+    prefetcher = Prefetcher(catalog.stage, allocator, PrefetchConfig(workers=1, popular=2), sketch.top)
     try:
         for _ in range(10):
             sketch.record("hot")

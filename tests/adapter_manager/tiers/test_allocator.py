@@ -50,7 +50,7 @@ def test_acquire_loads_pins_and_hits(tiny_spec, catalog):
     assert snapshot.hits["slot"] == 1 and snapshot.misses["slot"] == 2
     assert snapshot.moves[Move.HOST_TO_SLOT].count == 2
     assert snapshot.moves[Move.HOST_TO_SLOT].total_bytes == 2 * allocator.pool.slot_nbytes
-    assert snapshot.exposed_wait.count == 2
+    assert snapshot.stall.count == 2
     assert allocator.resident_bytes == 2 * allocator.pool.slot_nbytes
 
 

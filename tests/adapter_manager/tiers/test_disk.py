@@ -11,6 +11,7 @@ from huggingface_hub.utils import _cache_manager as cache_manager
 from adapter_manager import (
     AdapterRegistry,
     DiskTier,
+    DiskTierFullError,
     DiskUsage,
     HubConfig,
     LocalHub,
@@ -73,6 +74,24 @@ def test_a_repo_in_use_is_never_evicted_and_unneeded_revisions_go_first(cache):
     metrics = tier._metrics.snapshot()
     assert metrics.evictions["disk"] == 2 and metrics.disk["used_bytes"] <= one
     assert metrics.disk["evicted_bytes"] > 0 and metrics.disk["capacity_bytes"] == one
+
+
+def test_a_download_reserves_its_bytes_first_and_without_room_is_refused(cache):
+    shas = _repos(cache)
+    one = max(r.size_on_disk for r in scan_cache_dir(cache).repos)
+    tier = _tier(cache, 3 * one)
+    for repo in ("org/b", "org/a", "org/c"):
+        tier.touch(repo, shas[repo])
+    with tier.using("org/a"), tier.using("org/c"):
+        with tier.downloading("org/new", one, "new"):  # the least recently used unpinned repo makes room now
+            assert set(_repos(cache)) == {"org/a", "org/c", "other/model"}
+            usage = tier.usage()
+            assert usage.reserved_bytes == one and usage.used_bytes + usage.reserved_bytes <= 3 * one
+            with pytest.raises(DiskTierFullError, match="no room in the disk tier"):  # the rest is in use
+                with tier.downloading("org/other", one, "other"):
+                    pytest.fail("downloaded with no room")
+        assert tier.usage().reserved_bytes == 0  # given back (nothing landed in org/new)
+    assert set(_repos(cache)) == {"org/a", "org/c", "other/model"}
 
 
 def test_capacity_must_be_positive(cache):

@@ -88,3 +88,23 @@ def test_failed_load_caches_nothing_and_can_be_retried():
         tier.get_or_load("k", broken)
     assert "k" not in tier and tier.used_bytes == 0
     assert tier.get_or_load("k", lambda: prepared("k", 5)).nbytes == 5
+
+
+def test_a_reservation_holds_room_before_the_work_and_evicts_only_what_it_may():
+    popularity = {"hot": 9, "kept": 1, "cold": 0, "new": 5}
+    tier = HostTier(300, SwapMetrics())
+    tier.frequency = lambda key: popularity.get(key, 0)
+    for key in ("kept", "cold", "hot"):
+        tier.put(key, prepared(key, 100))
+    assert not tier.reserve("new", 200, keep={"kept"}, ceiling=5)  # only "cold" may go: 100 B short, nothing done
+    assert tier.keys() == {"kept", "cold", "hot"}
+    assert tier.reserve("new", 100, keep={"kept"}, ceiling=5)  # "cold" goes, "hot" is above the ceiling
+    assert tier.keys() == {"kept", "hot"} and tier.used_bytes == 300 and tier.reserved_bytes == 100
+    assert "new" not in tier and tier.get("new") is None and not tier.reserve("new", 100)
+    assert tier.eviction_order() == ["kept", "hot"]  # a reservation is never a victim
+    assert not tier.put("other", prepared("other", 100))  # no room beside it for something no more popular
+    assert tier.put("new", prepared("new", 100))  # fills its own room: no second admission decision
+    assert tier.keys() == {"kept", "hot", "new"} and tier.reserved_bytes == 0 and tier.used_bytes == 300
+    assert tier.reserve("late", 100)  # the least valuable ("kept", freq 1) makes room
+    tier.unreserve("late")  # given back unused
+    assert tier.used_bytes == 200 and tier.reserved_bytes == 0

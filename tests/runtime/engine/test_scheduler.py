@@ -51,6 +51,22 @@ def test_overdue_requests_go_first_and_block_later_arrivals():
     assert admitted(plan) == [0]  # the slot frees: the overdue request gets it before any later arrival
 
 
+def test_a_request_whose_adapter_is_not_ready_waits_alone_then_keeps_its_place():
+    config = SchedulerConfig(max_wait_steps=5)
+    cold = req(0, "cold", arrival=0)
+    warm = [req(i, "warm", arrival=9) for i in range(1, 3)]
+    running = [req(9, "warm")]
+    running[0].prefilled, running[0].output = 4, [1]
+    ready = {"warm"}
+
+    def plan(step: int):
+        return plan_step(config, step, running, [cold, *warm], 8, 2, lambda a: a == "warm", is_ready=ready.__contains__)
+
+    assert admitted(plan(7)) == [1, 2]  # overdue but not ready: it blocks no one and is not admitted
+    ready.add("cold")
+    assert admitted(plan(7)) == [0, 1, 2]  # ready: overdue, so ahead of the newer warm work
+
+
 def test_no_free_rows_admits_nobody():
     plan = plan_step(SchedulerConfig(), 0, [], [req(0, None)], 0, 2, lambda a: True)
     assert admitted(plan) == [] and plan.chunks == ()

@@ -276,7 +276,7 @@ def test_prometheus_text_and_swap_snapshot(server, client, admin):
     assert hits["slot"] <= snapshot["hits"]["slot"]  # scraped first; counters only grow
     assert 0.0 <= snapshot["hit_rates"]["slot"] <= 1.0
     assert snapshot["moves"]["host_to_slot"]["p99_s"] >= snapshot["moves"]["host_to_slot"]["p50_s"]
-    assert snapshot["exposed_wait"]["count"] > 0 and "team/ad0" in snapshot["residency"]
+    assert snapshot["stall"]["count"] > 0 and "team/ad0" in snapshot["residency"]
     served = families["adapter_manager_http_requests"].samples
     assert any(s.labels["route"] == "/v1/completions" and s.labels["status"] == "200" for s in served)
     requests = {s.labels["adapter"]: s.value for s in families["adapter_manager_adapter_requests"].samples}
