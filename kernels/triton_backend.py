@@ -96,8 +96,11 @@ class TritonBackend(TorchEagerBackend):
         assert isinstance(tables, TritonStepTables), f"step_tables is {type(tables).__name__}, not TritonStepTables"
         return tables
 
-    def _launch_shrink(self, x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
-        """h [P, T, R] fp32 (zero outside each token's rank): one launch for every part."""
+    def shrink_all(self, x: torch.Tensor, a_parts: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+        """The FUSED step's shrink kernel alone (operands unchecked: unit inner strides, one dtype).
+
+        Semantics: ``h[p, t, :r] = x[t] @ a_parts[first : first + r, p].T`` per token (0 elsewhere), one launch for
+        every part. Shape: x [T, in], a_parts [N, P, in] -> h [P, T, R] fp32, new tensor."""
         tables = self.step_tables(meta)
         num_tokens, parts, rank, features = x.shape[0], a_parts.shape[1], meta.rank, x.shape[1]
         h = torch.zeros(parts, num_tokens, rank, dtype=torch.float32, device=x.device)
@@ -125,11 +128,14 @@ class TritonBackend(TorchEagerBackend):
         )  # fmt: skip
         return h
 
-    def _launch_expand(
+    def expand_all(
         self, y: torch.Tensor, h: torch.Tensor, bt_parts: Sequence[torch.Tensor], meta: LoRAKernelMeta
     ) -> None:
-        """y[:, part p's columns] += h[p] @ bt_parts[p] rows, in place: one launch for all parts when their Bt are
-        views of one tensor with one row stride (the pool's), else one launch per part."""
+        """The FUSED step's expand kernel alone (operands unchecked), y updated in place.
+
+        Semantics: ``y[t, o_p : o_p + out_p] += h[p, t, :r] @ bt_parts[p][first : first + r]`` per token with an
+        adapter; one launch for all parts when their Bt are views of one tensor with one row stride (the pool's),
+        else one launch per part. Shape: y [T, >= sum(out_p)], h [P, T, R], bt_parts P × [N, out_p]."""
         first = bt_parts[0]
         shared = all(
             bt.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and bt.stride(0) == first.stride(0)
@@ -138,7 +144,7 @@ class TritonBackend(TorchEagerBackend):
         if not shared or len(bt_parts) > 3:
             start = 0
             for part, bt in enumerate(bt_parts):
-                self._launch_expand(y[:, start : start + bt.shape[1]], h[part : part + 1], [bt], meta)
+                self.expand_all(y[:, start : start + bt.shape[1]], h[part : part + 1], [bt], meta)
                 start += bt.shape[1]
             return
         tables = self.step_tables(meta)
@@ -178,7 +184,7 @@ class TritonBackend(TorchEagerBackend):
         """
         if meta.form is not LoRAForm.FUSED or not _unit(x, a_parts):
             return super().shrink_parts(x, a_parts, meta)
-        return self._launch_shrink(x, a_parts, meta).to(x.dtype)
+        return self.shrink_all(x, a_parts, meta).to(x.dtype)
 
     def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics: :func:`kernels.ops.shrink`. Shape: x [T, in], a_rows [N, in] -> h [T, R], new tensor."""
@@ -195,7 +201,7 @@ class TritonBackend(TorchEagerBackend):
             return super().expand(y, h, bt_rows, meta, accumulate)
         if not accumulate:
             y.zero_()
-        self._launch_expand(y, h.unsqueeze(0), [bt_rows], meta)
+        self.expand_all(y, h.unsqueeze(0), [bt_rows], meta)
         return y
 
     def apply_parts(
@@ -220,7 +226,7 @@ class TritonBackend(TorchEagerBackend):
                 f"{[tuple(bt.shape) for bt in bt_parts]} must share one dtype (got {sorted(map(str, dtypes))}), "
                 "x's features must be a_parts', and sum(out) must fit y"
             )
-        self._launch_expand(y, self._launch_shrink(x, a_parts, meta), bt_parts, meta)
+        self.expand_all(y, self.shrink_all(x, a_parts, meta), bt_parts, meta)
         return y
 
 

@@ -2,6 +2,7 @@
 
     python scripts/bench_kernels.py [--quick] [--shapes bench,llama8b] [--write-table] [--out out/bench_kernels.json]
     PJRT_DEVICE=CPU .venv-xla/bin/python scripts/bench_kernels.py --quick   # adds the torch_xla CPU device
+    python scripts/bench_kernels.py --device cuda [--quick] [--tune]         # the Triton kernels (bench_triton.py)
 
 Base and LoRA are timed side by side in one run (median of interleaved repeats). ``lora %`` is the in-layer cost: the
 layer as runtime.LoRALinear runs it (shrink, expand writing the LoRA term, then one ``addmm_`` adding the base matmul)
@@ -283,7 +284,20 @@ def main() -> None:
     parser.add_argument("--out", default=default_out)
     parser.add_argument("--write-table", action="store_true", help="measure grouped vs laned, rewrite the table")
     parser.add_argument("--table-out", default=str(Path(__file__).resolve().parents[1] / "kernels/torch_dispatch.json"))
-    args = parser.parse_args()
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the triton backend's kernels beside their byte floor (scripts/bench_triton.py takes the rest)",
+    )
+    args, rest = parser.parse_known_args()
+    if args.device == "cuda":
+        from bench_triton import main as bench_cuda  # beside this script
+
+        out = [] if args.out == default_out else ["--out", args.out]
+        return bench_cuda([*rest, "--shapes", args.shapes, *(["--quick"] if args.quick else []), *out])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.write_table:
         write_table(args)
     backend = select_backend("cpu")
