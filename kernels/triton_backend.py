@@ -230,6 +230,6 @@ class TritonBackend(TorchEagerBackend):
         return y
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: exact fp32 products for fp32 operands (no TF32), the default otherwise."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input precision: exact fp32 products for fp32 operands (no TF32), the target's default otherwise."""
+    return "ieee" if dtype == torch.float32 else None

@@ -163,7 +163,8 @@ def _sgmv_shrink(
     for k0 in range(0, in_features, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < in_features
-        x = tl.load(x_ptr + toks[:, None] * stride_xt + cols[None, :], mask=tok_mask[:, None] & col_mask[None, :])
+        x_tile = x_ptr + toks[:, None] * stride_xt + cols[None, :]
+        x = tl.load(x_tile, mask=tok_mask[:, None] & col_mask[None, :], other=0.0)  # zeros: no NaN x 0 past in
         a = tl.load(a_base + cols[:, None], mask=col_mask[:, None] & row_mask[None, :], other=0.0)  # [K, R]
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
