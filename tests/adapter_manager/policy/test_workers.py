@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 
+import pytest
 import torch
 
 from adapter_manager import background_executor
@@ -34,3 +37,11 @@ def test_a_thread_initialising_later_still_gets_every_core():
     assert out.returncode == 0, out.stderr
     engine, main = out.stdout.split()
     assert int(engine) == int(main) == torch.get_num_threads()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are a Linux feature")
+def test_workers_run_at_the_lowest_priority_and_the_caller_keeps_its_own():
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with background_executor(1, "test") as pool:
+        worker = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert worker == 19 and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
