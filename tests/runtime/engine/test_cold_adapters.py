@@ -176,3 +176,28 @@ def test_a_prefetch_with_no_room_downloads_and_prepares_nothing(written, hub_roo
         assert snapshot.prefetch.get("host_no_room") == 1 and snapshot.prefetch.get("popular_no_host_room") == 1
         assert manager.registry.is_prepared(first) and not manager.registry.is_prepared(second)
         manager.close()
+
+
+def test_an_adapter_the_host_evicted_after_planning_sends_its_request_back_to_wait(expected, make_engine):
+    """The step found the adapter ready, then the host tier dropped it before the slot copy: the request goes back
+    to the queue (no preparation inside the step, no failure) and is served once the prefetcher prepared it."""
+    engine, manager = make_engine(max_slots=2)
+    name = "patterns"
+    key = (name, manager.registry.get(name).sha)
+    go = threading.Event()
+    stage = manager.prefetcher._stage  # the registry's stage, held back: no worker prepares it before the step looks
+    manager.prefetcher._stage = lambda *args: go.wait(30) and stage(*args)
+    is_prepared = manager.registry.is_prepared
+    manager.registry.is_prepared = lambda adapter_id: adapter_id == name or is_prepared(adapter_id)  # stale view
+    manager.registry.host.discard(key)
+    handle = engine.submit(PROMPT, name, SamplingParams(max_tokens=NEW_TOKENS))
+    prepared_before = manager.metrics().moves[Move.DISK_TO_HOST.value].count
+    stats = engine.step()
+    assert stats.sequences == 0 and not handle.done  # admitted on the stale view, then put back: not failed
+    assert manager.metrics().moves[Move.DISK_TO_HOST.value].count == prepared_before  # nothing prepared in the step
+    assert manager.allocator.free_units() == manager.num_units  # and nothing left pinned or reserved
+    manager.registry.is_prepared = is_prepared
+    go.set()  # the prefetcher prepares it now
+    engine.run_until_idle(max_steps=100)
+    assert handle.result(timeout=0) == expected[(tuple(PROMPT), name)]
+    manager.close()
