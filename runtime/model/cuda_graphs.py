@@ -1,103 +1,143 @@
-"""Captured decode steps: one CUDA graph of the model's static-shape forward per token bucket (the triton backend).
+"""Captured decode steps: one CUDA graph of the model's static-shape decode step per token bucket (triton backend).
 
 On a GPU the eager decode step is launch-bound: ~10 kernels per layer plus the LoRA launches, each paying the host's
 launch latency. A CUDA graph replays the whole step as one launch. It needs static shapes and no host work inside the
-step, which the XLA path already has: tokens padded up to a bucket (padding tokens in a spare KV cache row, slot -1),
-``logits_index`` padded to ``max_batch`` rows, and the static attention path (``spans=None``).
+step, which the XLA path already has: tokens padded up to a bucket (padding tokens: token 0 at position 0 in a spare
+KV cache row, rank 0), ``logits_index`` padded to a fixed row count, and the static attention path (``spans=None``).
 
-What may change between replays, and how it reaches the graph:
-  - the step's tokens, positions, cache rows and logits rows: copied into the bucket's static input tensors;
-  - the step's adapters: ``meta.prepare`` runs on the host as for an eager step, and its BGMV token table (each
-    token's first pool row and rank, :func:`kernels.triton_backend.token_table`) is copied into the bucket's static
-    table, which the captured kernels read. BGMV's grid depends only on T, so the graph is the same whatever the
-    number of distinct adapters: the active bucket of the XLA path is not a graph axis here;
-  - the adapters' weights: a swap writes the pool rows in place (one copy into the same storage), and the graph reads
-    the pool through the same pointers, so a graph stays valid across swaps.
+:meth:`runtime.model.llama.Llama.enable_decode_graphs` attaches one :class:`DecodeGraphs` to a model; from then on
+every forward of a decode-only step (one token per sequence, at most the largest bucket) prepared with the attached
+metadata replays its bucket's graph, captured on first use (or all at once by :meth:`DecodeGraphs.warm_up`). Other
+steps (prefill chunks, more tokens) run eagerly. Per replay:
+
+  - the step's tokens, positions, cache rows and logits rows are copied into the bucket's static inputs (the rest
+    padding);
+  - the step's adapters: the caller prepared the metadata as for an eager step; its BGMV token table (each token's
+    first pool row and rank, :func:`kernels.triton_backend.token_table`) is copied into the bucket's static table,
+    which the captured kernels read. BGMV's grid depends only on T, so one graph serves any number of distinct
+    adapters: the active bucket of the XLA path is not a graph axis here;
+  - the adapters' weights: a swap writes the pool rows in place (the same storage), and the graph reads the pool
+    through the same pointers, so a graph stays valid across swaps.
 
 A step with no adapter replays the same graph: every token has rank 0, so the LoRA launches add nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib.util
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from kernels import LoRAKernelMeta
-from kernels.triton_backend import TritonBackend, TritonStepTables, token_table
+from kernels import LoRAForm, LoRAKernelMeta
 
-from .batch import ForwardBatch, StaticPadding
-from .llama import Llama
+from .batch import ForwardBatch
+
+
+class _Model(Protocol):
+    """What the graphs need of the model (:class:`runtime.model.llama.Llama`, which imports this module)."""
+
+    layers: nn.ModuleList
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def setup_caches(self, max_batch: int, max_seq_len: int) -> None: ...
+
+    def __call__(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None = None) -> torch.Tensor: ...
+
+
+def can_capture(meta: LoRAKernelMeta) -> bool:
+    """Whether ``meta``'s decode steps can be captured: the triton backend on a cuda device (False, without importing
+    it, where triton is not installed)."""
+    if meta.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    from kernels.triton_backend import TritonBackend
+
+    return isinstance(meta.backend, TritonBackend)
 
 
 @dataclass(frozen=True)
 class DecodeGraphConfig:
-    """Which decode steps are captured, and how they are padded."""
+    """Which decode steps are captured."""
 
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     """Ascending token counts T captured; a decode step of n tokens replays the smallest bucket >= n."""
-    logits_rows: int = 64
-    """N: rows of ``logits_index`` every captured step returns (the engine's ``max_batch``)."""
-    spare_row: int = 64
-    """The KV cache row padding tokens write (the engine's ``max_batch``: the cache has ``max_batch + 1`` rows)."""
     warmup_steps: int = 2
     """Eager runs of each bucket before its capture (Triton compiles, cuBLAS picks its kernels)."""
+    cuda_graph: bool = True
+    """False: no graph; a replay runs the bucket's static step eagerly from the same static buffers (any device:
+    the check, on CPU in Triton's interpreter, of everything a replay does but the capture itself)."""
 
     def __post_init__(self) -> None:
         buckets = self.token_buckets
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"token_buckets must be distinct, ascending and >= 1, got {buckets}")
-        if self.logits_rows < 1 or self.spare_row < 0 or self.warmup_steps < 1:
-            raise ValueError(
-                f"logits_rows ({self.logits_rows}) and warmup_steps ({self.warmup_steps}) must be >= 1, spare_row "
-                f"({self.spare_row}) >= 0"
-            )
+        if self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
 
-    def padding(self, num_tokens: int) -> StaticPadding | None:
-        """How to pad a decode step of ``num_tokens`` tokens: the smallest bucket holding it; None when none does."""
-        bucket = next((b for b in self.token_buckets if b >= num_tokens), None)
-        return None if bucket is None else StaticPadding(bucket, self.logits_rows, self.spare_row)
+    @classmethod
+    def up_to(cls, limit: int) -> DecodeGraphConfig:
+        """The default buckets below ``limit``, and ``limit`` itself (e.g. 6 -> (1, 2, 4, 6))."""
+        return cls(tuple(b for b in cls().token_buckets if b < limit) + (limit,))
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest bucket holding ``num_tokens`` tokens; None when none does."""
+        return next((b for b in self.token_buckets if b >= num_tokens), None)
 
 
 @dataclass
 class _Captured:
     """One bucket's graph and the static tensors it reads and writes."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None
+    """None with ``cuda_graph=False``."""
     batch: ForwardBatch
     """Static inputs: tokens, positions, cache_rows [T] and logits_index [N] on the device."""
-    tables: TritonStepTables
-    """Static BGMV token table [2, T] int32 on the device."""
-    logits: torch.Tensor
-    """Shape: [N, vocab], the graph's output (overwritten by every replay)."""
+    tokens: torch.Tensor
+    """Shape: [2, T] int32 on the device, the static BGMV token table (``TritonStepTables.tokens``)."""
+    logits: torch.Tensor | None
+    """Shape: [N, vocab], the graph's output (overwritten by every replay); None without a graph."""
 
 
 @dataclass
 class DecodeGraphs:
-    """The captured decode steps of one model and one metadata object (an engine's): capture once per bucket, replay
-    per step. Usage::
+    """The captured decode steps of one model and one metadata object (an engine's).
 
-        graphs = DecodeGraphs(model, meta, DecodeGraphConfig(logits_rows=max_batch, spare_row=max_batch))
-        padding = graphs.padding(num_tokens)              # None: not a capturable step, run it eagerly
-        batch = ForwardBatch.from_chunks(chunks, device, padding=padding)
-        logits = graphs.run(batch, slot_rows)             # [N, vocab]; valid until the bucket's next replay
+    Building it grows the model's KV caches by one spare row for the padding tokens (``setup_caches``: their contents
+    are lost), so build it before any sequence is cached: ``logits_rows`` and ``spare_row`` are the old row count.
     """
 
-    model: Llama
+    model: _Model
     meta: LoRAKernelMeta
-    config: DecodeGraphConfig = field(default_factory=DecodeGraphConfig)
+    config: DecodeGraphConfig | None = None
+    """None: :meth:`DecodeGraphConfig.up_to` the most decode tokens a step can have (min of the cache's rows, the
+    metadata's max_tokens and the backend's bgmv_max_tokens)."""
+    logits_rows: int = field(init=False)
+    """N: the rows of every captured step's ``logits_index`` (the sequences the cache held before the spare row)."""
+    spare_row: int = field(init=False)
+    """The KV cache row padding tokens write (no sequence's)."""
     _captured: dict[int, _Captured] = field(init=False, default_factory=dict, repr=False)
     _pool: object = field(init=False, default=None, repr=False)
+    _capturing: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
+        from kernels.triton_backend import TritonBackend
+
         backend = self.meta.backend
         if not isinstance(backend, TritonBackend):
             raise ValueError(
                 f"captured decode steps need the triton backend (its BGMV grid depends only on T); the metadata has "
                 f"{type(backend).__name__}"
             )
-        if self.model.device.type != "cuda" or self.meta.device.type != "cuda":
+        cache = self.model.layers[0].attention.kv_cache
+        if cache is None:
+            raise ValueError("setup_caches(max_batch, max_seq_len) first")
+        if self.config is None:
+            self.config = DecodeGraphConfig.up_to(min(cache.max_batch, self.meta.max_tokens, backend.bgmv_max_tokens))
+        if self.config.cuda_graph and (self.model.device.type != "cuda" or self.meta.device.type != "cuda"):
             raise ValueError(
                 f"CUDA graphs need a cuda model and metadata, got {self.model.device} / {self.meta.device}"
             )
@@ -107,90 +147,116 @@ class DecodeGraphs:
                 f"token bucket {largest} exceeds bgmv_max_tokens={backend.bgmv_max_tokens} or the metadata's "
                 f"max_tokens={self.meta.max_tokens}: a captured step must take the BGMV kernels"
             )
-        cache = self.model.layers[0].attention.kv_cache
-        if cache is None or self.config.spare_row >= cache.max_batch:
-            raise ValueError(
-                f"spare_row {self.config.spare_row} must be a row of the KV cache: setup_caches(max_batch + 1) first"
-            )
+        self.logits_rows = self.spare_row = cache.max_batch
+        self.model.setup_caches(cache.max_batch + 1, cache.max_seq_len)
 
-    def padding(self, num_tokens: int) -> StaticPadding | None:
-        """How to pad a decode step of ``num_tokens`` tokens for its graph; None when no bucket holds it."""
-        return self.config.padding(num_tokens)
+    @property
+    def _config(self) -> DecodeGraphConfig:
+        assert self.config is not None, "resolved in __post_init__"
+        return self.config
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The buckets captured so far."""
+        return tuple(sorted(self._captured))
+
+    def covers(self, batch: ForwardBatch, meta: LoRAKernelMeta | None) -> bool:
+        """Whether this step replays a graph: a decode-only step (one token per sequence) of at most the largest
+        bucket, prepared with this object's metadata (or no LoRA), while no capture is running."""
+        if self._capturing or (meta is not None and meta is not self.meta):
+            return False
+        if batch.spans is None or any(span.count != 1 for span in batch.spans):
+            return False
+        rows = batch.num_tokens if batch.logits_index is None else batch.logits_index.shape[0]
+        return self._config.bucket_for(batch.num_tokens) is not None and rows <= self.logits_rows
+
+    def replay(self, batch: ForwardBatch, meta: LoRAKernelMeta | None) -> torch.Tensor:
+        """One decode step (``covers`` it) by replaying its bucket's graph, captured first if it is not yet.
+
+        ``meta``: this object's metadata prepared for the step (None: no LoRA). Returns the logits of the step's
+        ``logits_index`` rows (all its tokens when None): [rows, vocab], a new tensor.
+        """
+        from kernels.triton_backend import token_table
+
+        num_tokens = batch.num_tokens
+        bucket = self._config.bucket_for(num_tokens)
+        assert bucket is not None and self.covers(batch, meta), "replay() a step covers() accepts"
+        host = torch.zeros(2, bucket, dtype=torch.int32)
+        if meta is not None and meta.form is LoRAForm.FUSED:
+            host[:, :num_tokens] = token_table(meta)  # before a capture re-prepares the metadata
+        if bucket not in self._captured:
+            self.capture(bucket)
+        captured = self._captured[bucket]
+        static = captured.batch
+        static.tokens[:num_tokens].copy_(batch.tokens)
+        static.tokens[num_tokens:].zero_()
+        static.positions[:num_tokens].copy_(batch.positions)
+        static.positions[num_tokens:].zero_()
+        static.cache_rows[:num_tokens].copy_(batch.cache_rows)
+        static.cache_rows[num_tokens:].fill_(self.spare_row)
+        assert static.logits_index is not None
+        rows = num_tokens if batch.logits_index is None else batch.logits_index.shape[0]
+        if batch.logits_index is None:
+            static.logits_index[:rows].copy_(torch.arange(rows, device=static.logits_index.device))
+        else:
+            static.logits_index[:rows].copy_(batch.logits_index)
+        static.logits_index[rows:].zero_()
+        captured.tokens.copy_(host, non_blocking=True)
+        if captured.graph is None:
+            self._prepare_static(captured)
+            return self._run_static(captured)[:rows]
+        captured.graph.replay()
+        assert captured.logits is not None
+        return captured.logits[:rows].clone()
 
     def capture(self, bucket: int) -> None:
-        """Warm up and capture the decode step of ``bucket`` tokens (all padding: the spare row, slot -1)."""
-        if bucket not in self.config.token_buckets:
-            raise ValueError(f"{bucket} is not one of the token buckets {self.config.token_buckets}")
-        device, rows = self.model.device, self.config.logits_rows
+        """Warm up and capture the decode step of ``bucket`` tokens (all padding while capturing; with
+        ``cuda_graph=False`` only its static buffers are made). Leaves the metadata prepared for that padding step."""
+        if bucket not in self._config.token_buckets:
+            raise ValueError(f"{bucket} is not one of the token buckets {self._config.token_buckets}")
+        device = self.model.device
 
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.long, device=device)
 
-        spare = torch.full((bucket,), self.config.spare_row, dtype=torch.long, device=device)
-        host_slots = torch.zeros(bucket, dtype=torch.int32)
-        batch = ForwardBatch(zeros(bucket), zeros(bucket), spare, zeros(rows), None, host_slots)
-        tables = TritonStepTables(torch.zeros(2, bucket, dtype=torch.int32, device=device), None)
-        self._prepare(batch.slot_indices, {0: 1}, tables)  # a FUSED step: the graph holds the LoRA launches
-        tables.tokens.zero_()  # ...which add nothing while every token has rank 0
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(self.config.warmup_steps):
-                self.model(batch, self.meta)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            logits = self.model(batch, self.meta)
-        self._captured[bucket] = _Captured(graph, batch, tables, logits)
+        spare = torch.full((bucket,), self.spare_row, dtype=torch.long, device=device)
+        batch = ForwardBatch(zeros(bucket), zeros(bucket), spare, zeros(self.logits_rows), None, None)
+        captured = _Captured(None, batch, torch.zeros(2, bucket, dtype=torch.int32, device=device), None)
+        if self._config.cuda_graph:
+            self._prepare_static(captured)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(self._config.warmup_steps):
+                    self._run_static(captured)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                captured.logits = self._run_static(captured)
+            captured.graph = graph
+        self._captured[bucket] = captured
+
+    def _prepare_static(self, captured: _Captured) -> None:
+        """The metadata as the graph holds it (host work, outside any capture): a FUSED step, so the LoRA launches
+        are recorded, whose kernels read the bucket's static token table."""
+        from kernels.triton_backend import TritonStepTables
+
+        self.meta.prepare(torch.zeros(captured.batch.num_tokens, dtype=torch.int32), {0: 1})
+        self.meta.step_tables = TritonStepTables(captured.tokens, None)
+
+    def _run_static(self, captured: _Captured) -> torch.Tensor:
+        """The model on the bucket's static inputs (what a capture records), with graphs bypassed."""
+        self._capturing = True
+        try:
+            with torch.no_grad():
+                return self.model(captured.batch, self.meta)
+        finally:
+            self._capturing = False
 
     def warm_up(self) -> None:
-        """Capture every bucket, the largest first (later, smaller graphs reuse its memory pool)."""
-        for bucket in reversed(self.config.token_buckets):
+        """Capture every bucket, the largest first (the smaller graphs reuse its memory pool)."""
+        for bucket in reversed(self._config.token_buckets):
             if bucket not in self._captured:
                 self.capture(bucket)
-
-    @property
-    def captured(self) -> tuple[int, ...]:
-        return tuple(sorted(self._captured))
-
-    def run(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
-        """One decode step by replaying its bucket's graph (captured on first use).
-
-        ``batch``: static (``spans`` None), padded to a bucket with :meth:`padding`; ``slot_rows``: the rank of every
-        slot in it. Returns the graph's logits [N, vocab] (the bucket's static output: consume it before the next
-        replay of the same bucket).
-        """
-        num_tokens = batch.num_tokens
-        if batch.spans is not None or num_tokens not in self.config.token_buckets or batch.logits_index is None:
-            raise ValueError(
-                f"a captured step takes a static batch padded to a bucket {self.config.token_buckets} with "
-                f"{self.config.logits_rows} logits rows; got {num_tokens} tokens, spans={batch.spans is not None}"
-            )
-        if batch.logits_index.shape[0] != self.config.logits_rows or batch.slot_indices is None:
-            raise ValueError(f"logits_index must have {self.config.logits_rows} rows and the batch its slot_indices")
-        if num_tokens not in self._captured:
-            self.capture(num_tokens)
-        captured = self._captured[num_tokens]
-        static = captured.batch
-        for mine, theirs in (
-            (static.tokens, batch.tokens),
-            (static.positions, batch.positions),
-            (static.cache_rows, batch.cache_rows),
-            (static.logits_index, batch.logits_index),
-        ):
-            mine.copy_(theirs, non_blocking=True)
-        self._prepare(batch.slot_indices, slot_rows, captured.tables)
-        captured.graph.replay()
-        return captured.logits
-
-    def _prepare(self, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], tables: TritonStepTables) -> None:
-        """The host part of a step: the metadata, and the BGMV token table copied into the static one."""
-        self.meta.prepare(slot_indices, slot_rows)
-        assert tables.tokens is not None
-        if self.meta.runs is None:  # no adapter this step: every token rank 0
-            tables.tokens.zero_()
-        else:
-            tables.tokens.copy_(token_table(self.meta), non_blocking=True)
-        self.meta.step_tables = tables

@@ -20,6 +20,7 @@ from kernels import LoRAKernelMeta
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
+from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from .kv_cache import AttentionPlan, KVCache, plan_attention
 from .lora_linear import LoRALinear, Stacks
 from .rope import apply_rope, rope_factors, rope_table
@@ -157,6 +158,8 @@ class Llama(nn.Module):
         self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
+        self.decode_graphs: DecodeGraphs | None = None
+        """Set by :meth:`enable_decode_graphs`: the decode steps :meth:`forward` replays from CUDA graphs."""
 
     @property
     def device(self) -> torch.device:
@@ -185,6 +188,15 @@ class Llama(nn.Module):
                 max_batch, max_seq_len, config.num_kv_heads, config.head_dim, self.dtype, self.device
             )
         self.rope_table = rope_table(config, max_seq_len, self.device)
+
+    def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
+        """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
+        most the largest bucket's tokens from a CUDA graph (:mod:`runtime.model.cuda_graphs`). Grows each KV cache by
+        one spare row for padding tokens (the caches' contents are lost): call it after :meth:`setup_caches`, before
+        any sequence is cached. ``config`` None: buckets up to the most decode tokens a step can have.
+        ``decode_graphs = None`` turns it off."""
+        self.decode_graphs = DecodeGraphs(self, meta, config)
+        return self.decode_graphs
 
     @property
     def packed(self) -> bool:
@@ -280,7 +292,8 @@ class Llama(nn.Module):
 
         Shape: batch of T tokens; returns [N, vocab] in the model dtype (N = len(logits_index), or T).
         ``lora_meta`` must have been prepared for this step's T tokens; None (or a step with no adapter token, or
-        no stacks attached) runs exactly the base model.
+        no stacks attached) runs exactly the base model. A decode step :attr:`decode_graphs` covers replays its CUDA
+        graph (same semantics, static attention over the whole cache row).
         """
         if self.rope_table is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
@@ -293,6 +306,8 @@ class Llama(nn.Module):
             raise ValueError(
                 f"lora_meta was prepared for {lora_meta.num_tokens} tokens, the batch has {batch.num_tokens}"
             )
+        if self.decode_graphs is not None and self.decode_graphs.covers(batch, lora_meta):
+            return self.decode_graphs.replay(batch, lora_meta)
         rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
         h = self.tok_embeddings(batch.tokens)  # [T, H]
         plan = None if batch.spans is None or not self.batched_attention else plan_attention(batch.spans, self.device)

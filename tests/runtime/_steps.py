@@ -17,7 +17,7 @@ from runtime.model.batch import ForwardBatch, SequenceChunk
 from runtime.model.checkpoint import load_model
 from runtime.model.llama import Llama
 from tests.conftest import TINY_NAME
-from tests.runtime._oracle import ADAPTERS, MAX_RANK, ROWS, SLOTTED
+from tests.runtime._oracle import ADAPTERS, MAX_RANK, ROWS, SLOTTED, slots_of
 
 
 def slotted_model(
@@ -102,3 +102,35 @@ def greedy(
         logits = step(model, chunks, meta, static=static, slot_rows=slot_rows)
         step_logits.append(logits)
     return generated, step_logits
+
+
+def decode_replays_vs_eager(model: Llama, registry: AdapterRegistry, pool: SlotPool, meta, rows, graphs) -> list[float]:
+    """Prefill ROWS eagerly, then decode steps each run twice, eagerly (``model.decode_graphs = None``) and through
+    ``graphs``: step 1 swaps "spare" into the slot of "patterns" (the pool written in place), step 2 has no adapter
+    at all. Returns each step's max |replayed - eager| logit (the eager run writes the step's keys, the replay
+    rewrites the same ones)."""
+    prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
+    slots = slots_of(adapters, SLOTTED)
+    chunks = [SequenceChunk(row, 0, tuple(p), s) for row, (p, s) in enumerate(zip(prompts, slots, strict=True))]
+    model.decode_graphs = graphs
+    next_ids = step(model, chunks, meta, slot_rows=rows).argmax(-1).tolist()  # prefill: not a decode step, eager
+    assert graphs.captured == (), "a prefill step is never replayed"
+    swapped, diffs = SLOTTED.index("patterns"), []
+    for i in range(3):
+        if i == 1:
+            pool.load(swapped, registry.prepared("spare"))
+            rows = {**rows, swapped: registry.prepared("spare").rows}
+        if i == 2:
+            slots = [-1] * len(slots)
+        chunks = [
+            SequenceChunk(row, len(p) + i, (next_ids[row],), s)
+            for row, (p, s) in enumerate(zip(prompts, slots, strict=True))
+        ]
+        model.decode_graphs = None
+        eager = step(model, chunks, meta, slot_rows=rows)
+        model.decode_graphs = graphs
+        replayed = step(model, chunks, meta, slot_rows=rows)
+        assert replayed.shape == eager.shape == (len(ROWS), model.config.vocab_size)
+        diffs.append((replayed.float() - eager.float()).abs().max().item())
+        next_ids = eager.argmax(-1).tolist()
+    return diffs

@@ -1,26 +1,30 @@
-"""DecodeGraphs' rules, checked without a GPU: what it refuses and how it pads. Capture and replay themselves run in
-tests/runtime/model/test_cuda.py (skipped without a CUDA device)."""
+"""DecodeGraphs without a GPU: its buckets, what it refuses, and a replay without the graph (cuda_graph=False) against
+the eager step. Capture and graph replay run in tests/runtime/model/test_cuda.py (skipped without a CUDA device)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
-from runtime.model.batch import StaticPadding
 from runtime.model.config import LlamaConfig
-from runtime.model.cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from runtime.model.cuda_graphs import DecodeGraphConfig, can_capture
 from runtime.model.llama import Llama
 from tests.conftest import TINY
+from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS
+from tests.runtime._steps import decode_replays_vs_eager, slotted_model
 
 
-def test_the_config_is_checked_and_pads_to_the_smallest_bucket():
+def test_the_config_is_checked_and_a_step_takes_the_smallest_bucket():
     with pytest.raises(ValueError, match="distinct, ascending"):
         DecodeGraphConfig(token_buckets=(4, 2))
     with pytest.raises(ValueError, match="warmup_steps"):
         DecodeGraphConfig(warmup_steps=0)
-    config = DecodeGraphConfig(token_buckets=(1, 4, 8), logits_rows=2, spare_row=2)
-    assert config.padding(3) == StaticPadding(4, 2, 2) and config.padding(8) == StaticPadding(8, 2, 2)
-    assert config.padding(9) is None, "more tokens than the largest bucket: an eager step"
+    config = DecodeGraphConfig(token_buckets=(1, 4, 8))
+    assert [config.bucket_for(n) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    assert config.bucket_for(9) is None, "more tokens than the largest bucket: an eager step"
+    assert DecodeGraphConfig.up_to(6).token_buckets == (1, 2, 4, 6)
+    assert DecodeGraphConfig.up_to(64).token_buckets == (1, 2, 4, 8, 16, 32, 64)
 
 
 @pytest.mark.usefixtures("triton_interpret")
@@ -29,7 +33,24 @@ def test_capture_needs_the_triton_backend_and_a_cuda_model():
     model.setup_caches(max_batch=3, max_seq_len=16)
     torch_meta = LoRAKernelMeta.make(select_backend("cpu", KernelConfig(backend=BackendKind.TORCH)), 4, 8, 64, "cpu")
     with pytest.raises(ValueError, match="need the triton backend"):
-        DecodeGraphs(model, torch_meta)
+        model.enable_decode_graphs(torch_meta)
     triton_meta = LoRAKernelMeta.make(select_backend("cpu", KernelConfig(backend=BackendKind.TRITON)), 4, 8, 64, "cpu")
     with pytest.raises(ValueError, match="need a cuda model"):
-        DecodeGraphs(model, triton_meta)
+        model.enable_decode_graphs(triton_meta)
+    assert model.decode_graphs is None and model.layers[0].attention.kv_cache.max_batch == 3, (
+        "a refusal changes nothing"
+    )
+    assert not can_capture(triton_meta) and not can_capture(torch_meta), "the engine's test: cuda and triton only"
+
+
+@pytest.mark.usefixtures("triton_interpret")
+def test_a_replay_without_a_graph_equals_the_eager_step_across_a_swap(written):
+    """Everything a replay does but the capture (static buffers, padding into the spare row, the token table copied
+    into the static one, logits rows) on CPU, the kernels in Triton's interpreter; the graph itself: test_cuda.py."""
+    model, registry, pool, rows = slotted_model(written, torch.float32)
+    backend = select_backend("cpu", KernelConfig(backend=BackendKind.TRITON, bgmv_max_tokens=8))  # prefill: SGMV
+    meta = LoRAKernelMeta.make(backend, pool.num_slots, MAX_RANK, 64, "cpu", granule=pool.granule)
+    graphs = model.enable_decode_graphs(meta, DecodeGraphConfig(token_buckets=(4, 8), cuda_graph=False))
+    diffs = decode_replays_vs_eager(model, registry, pool, meta, rows, graphs)
+    assert max(diffs) <= FP32_TOL, diffs
+    assert graphs.captured == (8,) and graphs.spare_row == len(ROWS)
