@@ -1,0 +1,43 @@
+"""The engine on the triton backend, its kernels in Triton's interpreter (CPU tensors): greedy completions of PEFT
+adapters through 2 slots (swaps included) equal HF + PEFT generate. Kept to four requests: every kernel program is a
+Python call in interpret mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapter_manager import AdapterManager, AdapterManagerConfig
+from kernels import BackendKind, KernelConfig
+from runtime.engine import SamplingParams
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.scheduler import SchedulerConfig
+from runtime.model import load_model
+from tests.conftest import TINY_NAME
+from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS
+
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+REQUESTS = ENGINE_REQUESTS[:4]
+"""qv, the base model, all_rslora, patterns: three adapters for two slots."""
+
+
+def test_engine_on_the_triton_backend_matches_peft(written, expected):
+    model = load_model(written[None][0], dtype=torch.float32)
+    manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
+    try:
+        for name in {name for _, name in REQUESTS if name is not None}:
+            manager.register(str(written[name][0]), adapter_id=name)
+        config = EngineConfig(
+            max_batch=4,
+            max_seq_len=64,
+            scheduler=SchedulerConfig(token_budget=12),
+            eos_ids=(),
+            kernels=KernelConfig(backend=BackendKind.TRITON),
+        )
+        engine = Engine(model, manager, config)
+        handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in REQUESTS]
+        engine.run_until_idle(max_steps=200)
+        for handle, (prompt, name) in zip(handles, REQUESTS, strict=True):
+            assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
+    finally:
+        manager.close()
