@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.config import LoRAForm
@@ -52,11 +53,13 @@ def token_table(meta: LoRAKernelMeta) -> torch.Tensor:
     Example: runs ``[(0, 2, 16, 8), (3, 1, 0, 4)]`` over T = 4 -> ``[[16, 16, 0, 0], [8, 8, 0, 4]]``.
     """
     assert meta.runs is not None, "token_table needs a FUSED step"
-    table = torch.zeros(2, meta.num_tokens, dtype=torch.int32)
-    for start, count, first, rank in meta.runs.tolist():
-        table[0, start : start + count] = first
-        table[1, start : start + count] = rank
-    return table
+    runs = meta.runs.numpy()  # [runs, 4] int64; runs are disjoint token ranges
+    counts = runs[:, 1]
+    owner = np.repeat(np.arange(runs.shape[0]), counts)  # the run of each covered token
+    tokens = runs[owner, 0] + np.arange(owner.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    table = np.zeros((2, meta.num_tokens), dtype=np.int32)
+    table[:, tokens] = runs[owner][:, 2:].T
+    return torch.from_numpy(table)
 
 
 def _unit(*tensors: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, expand, select_backend, shrink, shrink_parts
+from kernels.triton_backend import token_table
 from kernels.triton_block_sizes import OPS, TritonBlockEntry, TritonBlockTable
 from tests.kernels._cases import (
     MIXES,
@@ -190,6 +191,19 @@ def test_parts_in_separate_tensors_take_one_expand_launch_each(kind):
     torch.testing.assert_close(
         apply_parts(y.clone(), x, pp.a_parts, shared, meta), expected, **TOLERANCE[torch.float32]
     )
+
+
+@pytest.mark.parametrize("mix", ["distinct", "zipf", "empty_slots", "none"])
+def test_the_token_table_names_each_tokens_rows(mix):
+    pool = make_rows(20, 8, 3, 4, 4, torch.Generator().manual_seed(6))
+    slots = pool.slots(mix, 41, torch.Generator().manual_seed(7))
+    meta = pool.meta(backend("bgmv"), 64)
+    meta.prepare(slots, pool.slot_rows)
+    expected = [[s * 3 if s >= 0 else 0 for s in slots.tolist()], [pool.slot_rows.get(s, 0) for s in slots.tolist()]]
+    if meta.no_adapter:
+        assert meta.runs is None
+    else:
+        assert token_table(meta).tolist() == expected
 
 
 def test_operands_the_kernels_do_not_take_fall_back_to_the_torch_forms():
