@@ -47,7 +47,7 @@ class AdapterManagerConfig:
     slot_memory_bytes: int | None = None  # with max_slots="auto": device bytes the row pool may take
     granule: int | None = None  # pool rows per unit (slot index step); None: min(8, max_rank)
     prefetch_workers: int = 2  # prefetch threads; 0 turns prefetching off
-    prefetch_depth: int = 16  # the most queued adapters one prefetch call considers
+    prefetch_depth: int = 16  # the most queued adapters not yet in a slot one prefetch call moves up the tiers
     prefetch_popular: int = 4  # the most popular adapters (TinyLFU) kept warm beside the queue; 0: none
     admission: Literal["tinylfu", "lru"] = "tinylfu"  # host/slot eviction and admission: popularity + recency, or LRU
     sketch: SketchConfig = field(default_factory=SketchConfig)  # the TinyLFU frequency sketch's size and aging

@@ -248,6 +248,11 @@ class Bench:
             wait = snapshot["stall"] or {}
             info["stall_p99_s"] = wait.get("p99_s")
             info["stall_p50_s"] = wait.get("p50_s")
+            adapter_wait = snapshot["adapter_wait"] or {}
+            info["adapter_wait_p50_s"] = adapter_wait.get("p50_s")
+            info["adapter_wait_p99_s"] = adapter_wait.get("p99_s")
+            prepare = snapshot["moves"].get("disk_to_host") or {}
+            info["prepare_p50_s"], info["prepare_p99_s"] = prepare.get("p50_s"), prepare.get("p99_s")
             evictions = sum(info["tiers"]["evictions"].values())
             info["evictions_per_1000_requests"] = 1000 * evictions / len(trace.prompts)
             info["slot_evictions_per_1000_requests"] = (
@@ -289,11 +294,17 @@ def print_row(row: dict, base: dict) -> None:
         f"e2e {row['e2e_p50_s']:5.2f}/{row['e2e_p99_s']:5.2f} s | stall p99 {wait * 1e3:7.1f} ms | "
         f"slot hit {hit_rate(t, 'slot'):.3f} host hit {hit_rate(t, 'host'):.3f} | "
         f"evict/1k {row['evictions_per_1000_requests']:6.0f} | "
-        f"prep/host miss {_ratio(row, 'preparations_per_host_miss')} | register {row['register_s']:.1f}s "
+        f"prep/host miss {_ratio(row, 'preparations_per_host_miss')} | prepare p50/p99 {_ms(row, 'prepare_p50_s')}/"
+        f"{_ms(row, 'prepare_p99_s')} ms | adapter wait p50/p99 {_ms(row, 'adapter_wait_p50_s')}/"
+        f"{_ms(row, 'adapter_wait_p99_s')} ms | register {row['register_s']:.1f}s "
         f"({row.get('registered_via', 'local')}) | moves "
         + " ".join(f"{m} {v['count']}" for m, v in sorted(t["moves"].items())),
         flush=True,
     )
+
+
+def _ms(row: dict, key: str) -> str:
+    return "-" if row.get(key) is None else f"{row[key] * 1e3:.0f}"
 
 
 def _ratio(row: dict, key: str) -> str:

@@ -4,13 +4,15 @@ Every move is budgeted: a job first reserves room in the tier it moves into and 
 that finds no room costs nothing. hub -> disk -> host (the registry's `stage`): room in the host tier that evicts no
 adapter queued ahead of this one (the disk tier's bytes, too, are reserved before a download), then the download if
 the files left the disk, then the preparation; host -> slot only into a free slot or in place of an LRU victim that
-nothing queued ahead of the adapter needs, so it never evicts something needed sooner than what it brings in. Work
-is bounded (`depth` adapters per call, `workers` threads), a newer queue cancels the jobs of adapters it no longer
-holds, and a failure is recorded against its adapter until the engine fails its waiting requests with it (or the
-manager raises it at `acquire`). Each job's outcome is counted in the metrics (``prefetch``: ``host_to_slot`` slot
-loads, ``skipped_no_room`` when no free or evictable range could take the adapter, ``host_no_room`` when the host
-tier had no room for it: nothing downloaded or prepared). Listeners (`on_done`) hear of every job that ended, so an
-engine waiting for an adapter wakes as soon as it is prepared.
+nothing queued ahead of the adapter needs and no queued request needs resident (warm work stays warm), so it never
+evicts something needed sooner than what it brings in.
+
+Work is bounded (`depth` adapters not yet in a slot per call, `workers` threads), a newer queue cancels the jobs of
+adapters it no longer holds, and a failure is recorded against its adapter until the engine fails its waiting
+requests with it (or the manager raises it at `acquire`). Each job's outcome is counted in the metrics
+(``prefetch``: ``host_to_slot`` slot loads, ``skipped_no_room`` when no free or evictable range could take the
+adapter, ``host_no_room`` when the host tier had no room for it: nothing downloaded or prepared). Listeners
+(`on_done`) hear of every job that ended, so an engine waiting for an adapter wakes as soon as it is prepared.
 
 Popularity: beside the queue, each call also brings up the `popular` most requested adapters (the manager's TinyLFU
 sketch) that are not resident, so a hot adapter evicted by a burst is back before its next request. Such a job evicts
@@ -41,7 +43,7 @@ class PrefetchConfig:
     """How much the prefetcher does at once."""
 
     workers: int = 2  # threads moving adapters up the tiers; 0 turns prefetching off
-    depth: int = 16  # the most queued adapters one `prefetch` call considers (the head of the queue)
+    depth: int = 16  # the most queued adapters not in a slot one `prefetch` call moves (the head of the queue)
     popular: int = 4  # the most popular adapters (by the popularity source) kept warm beside the queue; 0: none
 
     def __post_init__(self) -> None:
@@ -83,27 +85,34 @@ class Prefetcher:
         if self._executor is None:
             return 0
         head: dict[str, None] = {}
-        for adapter_id in adapter_ids:  # stops at `depth` distinct adapters: linear in what it reads
+        to_move = 0
+        for adapter_id in adapter_ids:  # stops at `depth` distinct adapters not in a slot: linear in what it reads
             if adapter_id is not None and adapter_id not in head:
-                head[adapter_id] = None
-                if len(head) == self.config.depth:
-                    break
+                head[adapter_id] = None  # a resident one stays in the head: what it protects from eviction
+                if self._allocator.slot_of(adapter_id) is None:
+                    to_move += 1
+                    if to_move == self.config.depth:
+                        break
         queue = tuple(head)
         popular: tuple[str, ...] = ()
         if self._popular is not None and self.config.popular:
             popular = tuple(a for a in self._popular(self.config.popular) if a not in head)
+        # A resident adapter any queued request needs (warm work: the scheduler runs it without a swap) is never a
+        # victim, wherever that request waits: evicting it would turn warm work cold.
+        wanted = {a for a in adapter_ids if a is not None}
+        warm = frozenset(s.adapter_id for s in self._allocator.states() if s.adapter_id in wanted)
         started = 0
         with self._lock:
             self._queue = queue + popular
             for adapter_id, job in list(self._jobs.items()):
                 if adapter_id not in self._queue and job.cancel():
                     self._jobs.pop(adapter_id, None)
-            everything = frozenset(queue)
+            everything = frozenset(queue) | warm
             for position, adapter_id in enumerate(self._queue):
                 if adapter_id in self._jobs or self._allocator.slot_of(adapter_id) is not None:
                     continue
                 is_popular = position >= len(queue)
-                ahead = everything if is_popular else frozenset(queue[:position])
+                ahead = everything if is_popular else frozenset(queue[:position]) | warm
                 job = self._executor.submit(self._run, adapter_id, ahead, is_popular)
                 self._jobs[adapter_id] = job
                 job.add_done_callback(lambda _, adapter_id=adapter_id, job=job: self._done(adapter_id, job))

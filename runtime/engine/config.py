@@ -21,6 +21,8 @@ class EngineConfig:
     # (generation_config.json, else config.json); () never stops on eos. A request's ignore_eos skips them.
     token_buckets: tuple[int, ...] | None = None  # traced devices: step token counts padded up to one of these
     # (ascending; the last >= the token budget); None: powers of two from 16 up to the budget. Eager devices ignore it.
+    cuda_graphs: bool = True  # cuda with the triton backend: replay decode steps from CUDA graphs (False: eager, as
+    # vLLM's enforce_eager); every other device ignores it
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_seq_len < 2:

@@ -40,11 +40,12 @@ from adapter_manager import (
 from kernels import LoRAKernelMeta, select_backend
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
+from ..model.cuda_graphs import can_capture
 from ..model.llama import Llama
 from .config import EngineConfig, StepStats
 from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
-from .scheduler import ScheduledChunk, plan_step
+from .scheduler import ScheduledChunk, StepPlan, plan_step
 from .step_sampling import plan_sampling, record_sampling
 from .warm_up import echo_logits_rows, warm_up_batches
 
@@ -85,6 +86,11 @@ class Engine:
             granule=pool.granule,
             active_buckets=active_buckets,
         )
+        # cuda + triton backend: decode steps replay CUDA graphs (after setup_caches: it adds a spare KV row)
+        if self.config.cuda_graphs and can_capture(self._meta):
+            model.enable_decode_graphs(self._meta)
+        else:
+            model.decode_graphs = None
         if self._sync is not None:
             with self._device_lock:
                 self._sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
@@ -192,8 +198,9 @@ class Engine:
         adapters = len({c.request.adapter_id for c in chunks} - {None})
         return StepStats(sum(c.count for c in chunks), len(chunks), adapters, self._finished_in_step)
 
-    def _plan(self):
-        """The scheduler's plan for the next step (not yet applied) and the operator pins it counted."""
+    def _plan(self) -> tuple[StepPlan, dict[str, int]]:
+        """The scheduler's plan for the next step (not yet applied) and the operator pins it counted; marks the
+        waiting requests whose adapter it found ready (their adapter wait ends here)."""
         now = time.perf_counter()
 
         def is_ready(adapter_id: str) -> bool:

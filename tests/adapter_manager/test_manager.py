@@ -87,10 +87,13 @@ def test_prefetch_loads_ahead_and_never_evicts_what_is_needed_sooner(folders, ti
         manager.prefetch(["b", "a", "c"])  # every victim for c is queued ahead of it
         manager.prefetcher.wait()
         assert manager.allocator.lru_order() == ["a", "b"] and manager.allocator.slot_of("c") is None
-        manager.prefetch(["b", "c", "a"])  # b is needed before c, a only after it: a may go
+        manager.prefetch(["b", "c", "a"])  # a is queued after c but resident: warm work, run first, never evicted
+        manager.prefetcher.wait()
+        assert manager.allocator.lru_order() == ["a", "b"] and manager.allocator.slot_of("c") is None
+        manager.prefetch(["b", "c"])  # nobody queues for a any more: it may go
         manager.prefetcher.wait()
         assert manager.allocator.lru_order() == ["b", "c"]
-        assert manager.metrics().prefetch == {"host_to_slot": 3, "skipped_no_room": 1}  # a, b; c refused, then c
+        assert manager.metrics().prefetch == {"host_to_slot": 3, "skipped_no_room": 2}  # a, b; c refused twice, then c
 
 
 def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):
