@@ -173,24 +173,30 @@ class AdapterManager:
         self.swap_metrics.requested(adapter_id)
 
     def is_ready(self, adapter_id: str) -> bool:
-        """Whether a batch could place the adapter now without a download or a preparation: resident in a slot,
-        or prepared in the host tier (a host -> slot copy away). Always True with prefetching off, where `acquire`
-        itself brings adapters up the tiers."""
+        """Whether a batch could place the adapter now without waiting for a move: resident in a slot, or prepared
+        in the host tier (a host -> slot copy away) and not being copied into a slot by a prefetch worker (whose copy
+        the batch would wait for). Always True with prefetching off, where `acquire` itself brings adapters up the
+        tiers."""
         if not self.prefetcher.enabled:
             return True
-        return self.allocator.slot_of(adapter_id) is not None or self.registry.is_prepared(adapter_id)
+        if self.allocator.slot_of(adapter_id) is not None:
+            return True
+        return self.registry.is_prepared(adapter_id) and not self.allocator.is_loading(adapter_id)
 
-    def acquire(self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = ()) -> SlotLease:
+    def acquire(
+        self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = (), wait_s: float = 0.0
+    ) -> SlotLease:
         """Pin the slots of one batch (one entry per request or token, None = no adapter); see
         `SlotAllocator.acquire`. A recorded prefetch failure of one of them is raised here, once. An adapter in
         `prepared_only` is placed only from the host tier: if it is not prepared there, `AdapterNotReadyError`
-        (nothing pinned) instead of a download or a preparation inside the caller's step."""
+        (nothing pinned) instead of a download or a preparation inside the caller's step. `wait_s`: how long a call
+        that finds no room waits for some (releases, finished loads) before `SlotsExhaustedError`."""
         adapter_ids = list(adapter_ids)
         for adapter_id in dict.fromkeys(a for a in adapter_ids if a is not None):
             error = self.prefetcher.take_error(adapter_id)
             if error is not None:
                 raise error
-        return self.allocator.acquire(adapter_ids, prepared_only)
+        return self.allocator.acquire(adapter_ids, prepared_only, wait_s)
 
     def release(self, lease: SlotLease) -> None:
         self.allocator.release(lease)

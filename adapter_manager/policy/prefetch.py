@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..tiers.allocator import SlotAllocator
-from .workers import background_executor
+from .workers import PREFETCH_NICE, background_executor
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,13 @@ class Prefetcher:
         self._stage = stage  # (adapter, keep, ceiling, wait) -> prepared? (the registry's `stage`)
         self._allocator = allocator
         self._listeners: list[Callable[[str], None]] = []
+        self._warm: frozenset[str] = frozenset()  # resident adapters queued (or running) requests need, as of now
         self._lock = threading.RLock()  # re-entrant: Future.cancel() runs the done callback, which takes it, at once
         self._jobs: dict[str, Future] = {}
         self._errors: dict[str, BaseException] = {}
         self._queue: tuple[str, ...] = ()
         workers = self.config.workers
-        self._executor = background_executor(workers, "adapter-prefetch") if workers else None
+        self._executor = background_executor(workers, "adapter-prefetch", PREFETCH_NICE) if workers else None
 
     def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
         """Start moving the head of a waiting queue (one entry per waiting request, None = no adapter) up the
@@ -103,6 +104,7 @@ class Prefetcher:
         warm = frozenset(s.adapter_id for s in self._allocator.states() if s.adapter_id in wanted)
         started = 0
         with self._lock:
+            self._warm = warm  # read again by jobs already under way: they protect what is warm now, too
             self._queue = queue + popular
             for adapter_id, job in list(self._jobs.items()):
                 if adapter_id not in self._queue and job.cancel():
@@ -191,11 +193,14 @@ class Prefetcher:
         try:
             # hub -> disk -> host, room first; a popular job evicts only strictly less popular adapters
             ceiling = self._frequency(adapter_id) - 1 if popular and self._frequency is not None else None
-            if not self._stage(adapter_id, ahead, ceiling, not popular):
+            if not self._stage(adapter_id, ahead | self._warm, ceiling, not popular):
                 self._allocator.metrics.prefetched("popular_no_host_room" if popular else "host_no_room")
                 return
-            # host -> slot, evicting nothing needed sooner (and for a popular one, nothing as popular as it)
-            loaded = self._allocator.preload(adapter_id, protect=ahead, strict=popular)
+            # host -> slot, evicting nothing needed sooner (and for a popular one, nothing as popular as it); what
+            # is warm is read when the slot is planned, so an adapter that became a running request's since this
+            # job was queued is not a victim either
+            protect = _Protected(ahead, self)
+            loaded = self._allocator.preload(adapter_id, protect=protect, strict=popular)
             if self._allocator.slot_of(adapter_id) is None:
                 self._allocator.metrics.prefetched("popular_no_room" if popular else "skipped_no_room")
             elif loaded:
@@ -213,3 +218,15 @@ class Prefetcher:
             listeners = list(self._listeners)
         for listener in listeners:
             listener(adapter_id)
+
+
+class _Protected:
+    """What a job may not evict: the adapters queued ahead of it when it was started, and the warm set as the latest
+    `prefetch` call saw it (read at each lookup, under the allocator's lock while it plans)."""
+
+    def __init__(self, ahead: frozenset[str], prefetcher: Prefetcher) -> None:
+        self._ahead = ahead
+        self._prefetcher = prefetcher
+
+    def __contains__(self, adapter_id: object) -> bool:
+        return adapter_id in self._ahead or adapter_id in self._prefetcher._warm

@@ -6,9 +6,9 @@ slowly (measured: a main-thread loop 1.9 -> 2.6 ms per iteration with two idle h
 therefore run their torch ops on one intra-op thread: the engine keeps every core, and the total of OpenMP teams
 stays within the cores.
 
-They also run at the lowest CPU priority (nice 19, Linux): on a machine whose cores the engine's OpenMP team keeps
-busy, a preparation running beside a step at equal priority takes a core from the team mid-region and the whole
-region waits for it (measured, scripts/bench_cold.py on 2 cores: a step with a rank-64 preparation beside it 2.4x
+Prefetch workers also run at the lowest CPU priority (nice 19, Linux): on a machine whose cores the engine's OpenMP
+team keeps busy, a preparation running beside a step at equal priority takes a core from the team mid-region and the
+whole region waits for it (measured, scripts/bench_cold.py on 2 cores: a step with a rank-64 preparation beside it 2.4x
 the largest step without one at nice 0, 0.84x at nice 19). At nice 19 the workers run in the cores' idle moments
 (the engine's single-threaded Python between parallel regions) and still get a share when there are none, so they
 cannot starve. Not SCHED_IDLE: a worker holding the GIL there stalls the engine thread behind it (1.6 s steps).
@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-BACKGROUND_NICE = 19  # CPU priority of background workers: the lowest, so they take only the engine's idle time
+PREFETCH_NICE = 19  # CPU priority of prefetch workers: the lowest, so their moves take only the engine's idle time
 
 
 def _one_intra_op_thread(nice: int) -> None:
@@ -42,6 +42,7 @@ def _one_intra_op_thread(nice: int) -> None:
     omp_set_num_threads(1)
 
 
-def background_executor(workers: int, name: str, nice: int = BACKGROUND_NICE) -> ThreadPoolExecutor:
-    """A thread pool whose workers run torch ops single-threaded, at CPU priority `nice` (Linux)."""
+def background_executor(workers: int, name: str, nice: int = 0) -> ThreadPoolExecutor:
+    """A thread pool whose workers run torch ops single-threaded, at CPU priority `nice` (Linux; the prefetcher's
+    run at `PREFETCH_NICE`; registrations and pins, which a caller waits for, at the engine's own)."""
     return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=_one_intra_op_thread, initargs=(nice,))

@@ -86,9 +86,12 @@ class SlotAllocator:
         self._last_used: dict[str, float] = {}  # adapter id -> clock() of its last acquire or release
         self._lease_ids = itertools.count()
 
-    def acquire(self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = ()) -> SlotLease:
+    def acquire(
+        self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = (), wait_s: float = 0.0
+    ) -> SlotLease:
         """Pin one range per distinct adapter of a batch (None = no adapter), loading the missing ones; a missing
-        one in `prepared_only` is copied only from weights `peek` has at hand, never fetched.
+        one in `prepared_only` is copied only from weights `peek` has at hand, never fetched. With `wait_s`, a call
+        that finds no room waits up to that long for releases and finished loads to make some (as `pin`).
 
         Raises `SlotsExhaustedError` when they cannot all be placed, `rank_of`'s error for an unknown adapter, or the
         failed adapter's error (an `AdapterError`; `SlotLoadError` for a failed copy, `AdapterNotReadyError` for a
@@ -96,7 +99,7 @@ class SlotAllocator:
         """
         start = time.perf_counter()
         distinct = list(dict.fromkeys(a for a in adapter_ids if a is not None))
-        entries = self._bring_in(distinct, manual=False, prepared_only=prepared_only)
+        entries = self._bring_in(distinct, manual=False, wait_s=wait_s, prepared_only=prepared_only)
         with self._cond:
             lease = SlotLease(
                 next(self._lease_ids),
@@ -180,6 +183,11 @@ class SlotAllocator:
         with self._cond:
             residency = self._by_adapter.get(adapter_id)
             return residency.slot if residency is not None and residency.ready else None
+
+    def is_loading(self, adapter_id: str) -> bool:
+        """Whether the adapter's range is reserved and its copy under way (an `acquire` of it would wait for it)."""
+        with self._cond:
+            return self._loading(adapter_id)
 
     def last_used(self) -> dict[str, float]:
         """clock() of each adapter's last acquire or release, resident or not (forgotten on unregister)."""

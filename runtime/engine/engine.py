@@ -193,8 +193,10 @@ class Engine:
             if chunks:
                 self._forward(chunks, lease)
         finally:
-            self.manager.release(lease)
-        self._prefetch()
+            try:
+                self._prefetch()  # while the step's adapters are pinned: running ones are warm before evictable
+            finally:
+                self.manager.release(lease)
         adapters = len({c.request.adapter_id for c in chunks} - {None})
         return StepStats(sum(c.count for c in chunks), len(chunks), adapters, self._finished_in_step)
 
@@ -320,8 +322,8 @@ class Engine:
                     chunks[:] = [c for c in chunks if c.request is not request]
                     self._requeue(request)
             except SlotsExhaustedError:
-                if not requeueable:
-                    raise
+                if not requeueable:  # only running requests left: wait for a load or an unpin to make room
+                    return self.manager.acquire((c.request.adapter_id for c in chunks), wait_s=_SLOT_WAIT_S)
                 request = requeueable.pop()
                 chunks[:] = [c for c in chunks if c.request is not request]
                 self._requeue(request)
@@ -413,6 +415,7 @@ class Engine:
 
 _IDLE_WAIT_S = 1.0  # longest a step with nothing ready waits for the prefetcher before it returns empty
 _IDLE_POLL_S = 0.05  # and how often it looks again without being woken (a job that found no room retries)
+_SLOT_WAIT_S = 10.0  # longest a step of running requests only waits for slot room (a prefetch copy finishing)
 
 
 def _xla_sync() -> None:

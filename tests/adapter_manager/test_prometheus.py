@@ -66,6 +66,11 @@ def test_scrape_matches_the_snapshot(manager):
 
     wait = samples(families["adapter_manager_stall_seconds"])
     assert wait["adapter_manager_stall_seconds_count"] == snapshot.stall.count == 4
+    assert families["adapter_manager_adapter_wait_seconds"].type == "histogram"  # no request waited yet: empty
+    manager.swap_metrics.adapter_waited(0.02)
+    wait = samples(scrape(manager)["adapter_manager_adapter_wait_seconds"])
+    assert wait["adapter_manager_adapter_wait_seconds_count"] == 1
+    assert wait["adapter_manager_adapter_wait_seconds_sum"] == pytest.approx(0.02)
 
     residency = {s.labels["tier"]: s.value for s in families["adapter_manager_adapters"].samples}
     assert residency == {"slot": 1, "host": 2, "disk": 0}

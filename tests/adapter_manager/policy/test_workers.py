@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from adapter_manager import background_executor
+from adapter_manager.policy.workers import PREFETCH_NICE
 
 
 def test_workers_run_single_threaded_and_the_caller_keeps_its_threads():
@@ -40,8 +41,11 @@ def test_a_thread_initialising_later_still_gets_every_core():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are a Linux feature")
-def test_workers_run_at_the_lowest_priority_and_the_caller_keeps_its_own():
+def test_prefetch_workers_run_at_the_lowest_priority_and_the_caller_keeps_its_own():
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    with background_executor(1, "test") as pool:
-        worker = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
-    assert worker == 19 and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    priority = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
+    with background_executor(1, "test", PREFETCH_NICE) as pool:
+        worker = pool.submit(priority).result()
+    with background_executor(1, "test") as pool:  # registrations, pins: someone waits for them
+        plain = pool.submit(priority).result()
+    assert worker == PREFETCH_NICE == 19 and plain == own and priority() == own

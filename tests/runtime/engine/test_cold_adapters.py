@@ -67,6 +67,7 @@ def test_a_slow_download_stalls_no_one_and_the_slow_request_still_equals_peft(wr
         hub.add_fault(HubFault(f"*org/{slow}/resolve/*/adapter_model.safetensors", method="GET", delay_s=2.0))
         params = SamplingParams(max_tokens=NEW_TOKENS)
         others = [engine.submit(PROMPT, warm, params), engine.submit(BASE_PROMPT, None, params)]
+        manager.prefetcher.wait(30)  # the warm adapter's copy into its slot (started at submit) is done
         engine.step()  # both prefill together: from here on they decode
         cold = engine.submit(PROMPT, slow, params)
         tokens_per_step = []
