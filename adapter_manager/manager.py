@@ -213,9 +213,10 @@ class AdapterManager:
         self.allocator.unpin(adapter_id)
         self.registry.set_pinned(adapter_id, False)
 
-    def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
-        """Hand over the engine's waiting queue, in order; returns the prefetch jobs started."""
-        return self.prefetcher.prefetch(adapter_ids)
+    def prefetch(self, adapter_ids: Sequence[str | None], to_slot: bool = True) -> int:
+        """Hand over the engine's waiting queue, in order; returns the prefetch jobs started. `to_slot` False: the
+        queue's adapters go no further than the host tier (see `Prefetcher.prefetch`)."""
+        return self.prefetcher.prefetch(adapter_ids, to_slot)
 
     def residency(self) -> dict[str, AdapterResidency]:
         """Where every registered adapter lives now (device slot, host, disk only) and when it was last used."""

@@ -11,7 +11,8 @@ Work is bounded (`depth` adapters not yet in a slot per call, `workers` threads)
 adapters it no longer holds, and a failure is recorded against its adapter until the engine fails its waiting
 requests with it (or the manager raises it at `acquire`). Each job's outcome is counted in the metrics
 (``prefetch``: ``host_to_slot`` slot loads, ``skipped_no_room`` when no free or evictable range could take the
-adapter, ``host_no_room`` when the host tier had no room for it: nothing downloaded or prepared). Listeners
+adapter, ``host_no_room`` when the host tier had no room for it: nothing downloaded or prepared, ``to_host`` when the
+caller asked for no slot copy). Listeners
 (`on_done`) hear of every job that ended, so an engine waiting for an adapter wakes as soon as it is prepared.
 
 Popularity: beside the queue, each call also brings up the `popular` most requested adapters (the manager's TinyLFU
@@ -79,10 +80,16 @@ class Prefetcher:
         self._queue: tuple[str, ...] = ()
         workers = self.config.workers
         self._executor = background_executor(workers, "adapter-prefetch", PREFETCH_NICE) if workers else None
+        # host -> slot copies at the engine's own priority: a reserved range is held (and a step may wait for it)
+        # until its copy is done, so a copy must not wait for idle CPU the way a preparation may
+        self._copier = background_executor(1, "adapter-copy") if workers else None
 
-    def prefetch(self, adapter_ids: Sequence[str | None]) -> int:
+    def prefetch(self, adapter_ids: Sequence[str | None], to_slot: bool = True) -> int:
         """Start moving the head of a waiting queue (one entry per waiting request, None = no adapter) up the
-        tiers. Jobs for adapters no longer in the head are cancelled if not started. Returns the jobs started."""
+        tiers. Jobs for adapters no longer in the head are cancelled if not started. Returns the jobs started.
+        `to_slot` False: the queue's adapters go up to the host tier only (an engine with no room to admit them:
+        copying one into a slot now would only reorder its queue, measured in scripts/bench_many.py at 1.5x load);
+        popular ones may still take a slot."""
         if self._executor is None:
             return 0
         head: dict[str, None] = {}
@@ -115,7 +122,7 @@ class Prefetcher:
                     continue
                 is_popular = position >= len(queue)
                 ahead = everything if is_popular else frozenset(queue[:position]) | warm
-                job = self._executor.submit(self._run, adapter_id, ahead, is_popular)
+                job = self._executor.submit(self._run, adapter_id, ahead, is_popular, to_slot or is_popular)
                 self._jobs[adapter_id] = job
                 job.add_done_callback(lambda _, adapter_id=adapter_id, job=job: self._done(adapter_id, job))
                 started += 1
@@ -185,8 +192,9 @@ class Prefetcher:
         if self._executor is not None:
             self.cancel()
             self._executor.shutdown(wait=True, cancel_futures=True)
+            self._copier.shutdown(wait=True)
 
-    def _run(self, adapter_id: str, ahead: frozenset[str], popular: bool = False) -> None:
+    def _run(self, adapter_id: str, ahead: frozenset[str], popular: bool = False, to_slot: bool = True) -> None:
         with self._lock:
             if adapter_id not in self._queue:
                 return
@@ -196,11 +204,15 @@ class Prefetcher:
             if not self._stage(adapter_id, ahead | self._warm, ceiling, not popular):
                 self._allocator.metrics.prefetched("popular_no_host_room" if popular else "host_no_room")
                 return
+            if not to_slot:
+                self._allocator.metrics.prefetched("to_host")
+                return
             # host -> slot, evicting nothing needed sooner (and for a popular one, nothing as popular as it); what
             # is warm is read when the slot is planned, so an adapter that became a running request's since this
             # job was queued is not a victim either
             protect = _Protected(ahead, self)
-            loaded = self._allocator.preload(adapter_id, protect=protect, strict=popular)
+            copy = self._copier.submit(self._allocator.preload, adapter_id, protect=protect, strict=popular)
+            loaded = copy.result()
             if self._allocator.slot_of(adapter_id) is None:
                 self._allocator.metrics.prefetched("popular_no_room" if popular else "skipped_no_room")
             elif loaded:

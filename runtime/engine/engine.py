@@ -407,10 +407,14 @@ class Engine:
     def _prefetch(self) -> None:
         # Running requests' adapters go first: needed sooner than any waiting one's, so never a prefetch victim.
         # Called with an empty queue too: the prefetcher also keeps the most popular adapters warm.
+        # With no free KV row (saturated) a waiting adapter goes no further than the host tier: copied into a slot
+        # ahead of its turn it would only make its request warm and reorder the queue (bench_many at 1.5x load:
+        # TTFT p50 ~2.2 s against ~0.7 s, 92.7 % of all-resident throughput against 95.8 % without prefetch).
         with self._lock:
             queued = [r.adapter_id for r in self._running] + [r.adapter_id for r in self._waiting]
+            room = bool(self._free_rows)
         if queued:
-            self.manager.prefetch(queued)
+            self.manager.prefetch(queued, to_slot=room)
 
 
 _IDLE_WAIT_S = 1.0  # longest a step with nothing ready waits for the prefetcher before it returns empty

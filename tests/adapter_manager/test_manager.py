@@ -96,6 +96,22 @@ def test_prefetch_loads_ahead_and_never_evicts_what_is_needed_sooner(folders, ti
         assert manager.metrics().prefetch == {"host_to_slot": 3, "skipped_no_room": 2}  # a, b; c refused twice, then c
 
 
+def test_a_prefetch_without_slot_room_to_use_stops_at_the_host_tier(folders, tiny_spec):
+    """An engine with no free KV row asks for host-tier moves only: a slot copy ahead of a request's turn would only
+    reorder its queue."""
+    with manager_for(tiny_spec) as manager:
+        for folder in folders.values():
+            manager.register(str(folder))
+        manager.registry.host.discard(("a", manager.registry.get("a").sha))
+        assert manager.prefetch(["a"], to_slot=False) == 1
+        manager.prefetcher.wait()
+        assert manager.registry.is_prepared("a") and manager.allocator.slot_of("a") is None
+        assert manager.is_ready("a") and manager.metrics().prefetch == {"to_host": 1}
+        manager.prefetch(["a"])  # room again: the copy follows
+        manager.prefetcher.wait()
+        assert manager.allocator.slot_of("a") is not None
+
+
 def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):
     with manager_for(tiny_spec) as manager:
         manager.register(str(folders["a"]))
