@@ -12,8 +12,8 @@ adapters it no longer holds, and a failure is recorded against its adapter until
 requests with it (or the manager raises it at `acquire`). Each job's outcome is counted in the metrics
 (``prefetch``: ``host_to_slot`` slot loads, ``skipped_no_room`` when no free or evictable range could take the
 adapter, ``host_no_room`` when the host tier had no room for it: nothing downloaded or prepared, ``to_host`` when the
-caller asked for no slot copy). Listeners
-(`on_done`) hear of every job that ended, so an engine waiting for an adapter wakes as soon as it is prepared.
+caller asked for no slot copy). Listeners (`on_done`) hear of every job that ended, so an engine waiting for an
+adapter wakes as soon as it is prepared.
 
 Popularity: beside the queue, each call also brings up the `popular` most requested adapters (the manager's TinyLFU
 sketch) that are not resident, so a hot adapter evicted by a burst is back before its next request. Such a job evicts
