@@ -1,12 +1,12 @@
-"""Build (once per machine) and load the CPU LoRA kernel, ``torch.ops.adapter_manager.lora_apply``.
+"""Build (once per machine) and load the CPU kernels: ``torch.ops.adapter_manager.lora_apply`` (the LoRA of a fused
+linear) and the decode step's glue ops (``decode_attention``, ``add_rms_norm``, ``silu_mul``: kernels.cpu_decode).
 
-The source is ``kernels/csrc/lora_cpu.cpp``; it is compiled by torch's own extension builder
-(``torch.utils.cpp_extension``: the system C++ compiler and ninja) for this machine's CPU (``-march=native``) on
-first use, about 10 s (logged at INFO), into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default
-``~/.cache/adapter_manager/kernels``), one folder per (source, flags, torch, CPU) hash, so a stale build is never
-loaded. Later processes load the built
-library in milliseconds. Where it cannot be built (no compiler) :func:`load` returns False and says why once; the
-backend seam then keeps the torch forms.
+The sources are ``kernels/csrc/lora_cpu.cpp`` and ``kernels/csrc/decode_cpu.cpp``, one library. It is compiled by
+torch's own extension builder (``torch.utils.cpp_extension``: the system C++ compiler and ninja) for this machine's
+CPU (``-march=native``) on first use, about 10 s (logged at INFO), into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default
+``~/.cache/adapter_manager/kernels``), one folder per (sources, flags, torch, CPU) hash, so a stale build is never
+loaded. Later processes load the built library in milliseconds. Where it cannot be built (no compiler) :func:`load`
+returns False and says why once; the backend seam then keeps the torch forms, and the model its torch ops.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import torch
 
 _log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("lora_cpu.cpp", "decode_cpu.cpp"))
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+
+_OPS = ("lora_apply", "decode_attention", "add_rms_norm", "silu_mul")
 
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -49,10 +51,10 @@ def _cpu_flags() -> str:
 
 def _name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
     digest.update(_cpu_flags().encode())
-    return f"adapter_manager_lora_cpu_{digest.hexdigest()[:16]}"
+    return f"adapter_manager_cpu_{digest.hexdigest()[:16]}"
 
 
 def cache_dir() -> Path:
@@ -78,7 +80,7 @@ def _build(name: str, folder: Path) -> Path:
         build.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(  # builds and loads the library (torch.ops.adapter_manager.*) into this process
             name,
-            [str(SOURCE)],
+            [str(source) for source in SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             build_directory=str(build),
@@ -93,7 +95,7 @@ def _build(name: str, folder: Path) -> Path:
 
 
 def load() -> bool:
-    """Whether ``torch.ops.adapter_manager.lora_apply`` is available; builds or loads it on the first call."""
+    """Whether the ``torch.ops.adapter_manager`` ops are available; builds or loads the library on the first call."""
     global _loaded, _reason, build_seconds
     with _lock:
         if _loaded is not None:
@@ -111,9 +113,10 @@ def load() -> bool:
                 _build(name, folder)
                 build_seconds = time.perf_counter() - start
                 _log.info("built the CPU LoRA kernel in %.1f s (%s)", build_seconds, folder)
-            _loaded = hasattr(torch.ops.adapter_manager, "lora_apply")
-            if not _loaded:
-                raise RuntimeError(f"{library} loaded but registers no adapter_manager::lora_apply")
+            missing = [op for op in _OPS if not hasattr(torch.ops.adapter_manager, op)]
+            if missing:
+                raise RuntimeError(f"{library} loaded but registers no adapter_manager::{', '.join(missing)}")
+            _loaded = True
         except Exception as err:  # noqa: BLE001 - any build failure means: keep the torch forms
             _loaded, _reason = False, f"{type(err).__name__}: {err}"
             _log.warning("CPU LoRA kernel unavailable, using the torch forms: %s", _reason)

@@ -9,6 +9,7 @@ device and load weights into it (:func:`runtime.model.checkpoint.load_checkpoint
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch import nn
 
 from adapter_manager import PROJECTIONS, ModuleKey
 from adapter_manager.base_model import PROJECTION_PARENT
-from kernels import LoRAKernelMeta
+from kernels import LoRAKernelMeta, cpu_decode
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
@@ -26,6 +27,22 @@ from .lora_linear import LoRALinear, Stacks
 from .rope import apply_rope, rope_factors, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
+
+
+class _Step(NamedTuple):
+    """What every block of one eager forward shares."""
+
+    batch: ForwardBatch
+    meta: LoRAKernelMeta | None
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    """cos, sin [T, 1, D/2] for the torch attention; None on a step the CPU decode op attends."""
+    plan: AttentionPlan | None
+    """The batched attention plan (eager steps with spans); None: per-sequence calls, or the CPU decode op."""
+    rope_table: torch.Tensor | None
+    """The model's [P, 2, D/2] table, set when :func:`kernels.cpu_decode.decode_attention` runs the step's attention
+    (a decode-only CPU step)."""
+    cpu_ops: bool
+    """Norms, residual adds and SwiGLU's activation through :mod:`kernels.cpu_decode` (CPU, supported dtype)."""
 
 
 class RMSNorm(nn.Module):
@@ -68,22 +85,32 @@ class Attention(nn.Module):
         self.wo = LoRALinear(q_width, (config.hidden_size,))
         self.kv_cache: KVCache | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: LoRAKernelMeta | None,
-        plan: AttentionPlan | None = None,
-    ) -> torch.Tensor:
-        """Shape: x [T, H]; rope (cos, sin) [T, 1, D/2] each; returns [T, H]. Writes the step's keys/values into the
-        cache.
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Shape: x [T, H]; returns [T, H]. Writes the step's keys/values into the cache.
 
-        ``plan`` (eager steps): the step's batched attention plan; None with spans runs one call per sequence.
+        ``step.rope_table`` set: RoPE, the cache write and attention in one :func:`kernels.cpu_decode.decode_attention`
+        call; otherwise ``step.rope`` (cos, sin [T, 1, D/2] each) and ``step.plan`` (the step's batched attention
+        plan; None with spans runs one call per sequence).
         """
         assert self.kv_cache is not None, "setup_caches() first"
+        batch, meta = step.batch, step.meta
+        if step.rope_table is not None:
+            qkv = self.wqkv.output(x, meta)  # [T, (H + 2·KV)·D]
+            cache = self.kv_cache
+            out = cpu_decode.decode_attention(
+                qkv,
+                step.rope_table,
+                cache.k,
+                cache.v,
+                batch.cache_rows,
+                batch.positions,
+                self.num_heads,
+                self.num_kv_heads,
+            )  # [T, H·D]
+            return self.wo.output(out, meta)
+        assert step.rope is not None
         q, k, v = self.wqkv(x, meta)
-        tokens, cos, sin = x.shape[0], rope[0], rope[1]
+        tokens, cos, sin = x.shape[0], step.rope[0], step.rope[1]
         if _adjacent_columns(q, k):  # q|k side by side in the fused output: one rotation for every head
             heads = self.num_heads + self.num_kv_heads
             qk = q.as_strided((tokens, heads * self.head_dim), q.stride())
@@ -96,8 +123,8 @@ class Attention(nn.Module):
         self.kv_cache.update(batch.cache_rows, batch.positions, k, v)
         if batch.spans is None:
             out = self.kv_cache.attend_static(q, batch.cache_rows, batch.positions)
-        elif plan is not None:
-            out = self.kv_cache.attend(q, plan)  # [T, heads, D]
+        elif step.plan is not None:
+            out = self.kv_cache.attend(q, step.plan)  # [T, heads, D]
         else:
             out = self.kv_cache.attend_spans(q, batch.spans)  # [T, heads, D]
         return self.wo(out.reshape(tokens, -1), meta)[0]
@@ -112,10 +139,12 @@ class FeedForward(nn.Module):
         self.w13 = LoRALinear(config.hidden_size, (width, width))
         self.w2 = LoRALinear(width, (config.hidden_size,))
 
-    def forward(self, x: torch.Tensor, meta: LoRAKernelMeta | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""
-        gate, up = self.w13(x, meta)  # [T, I] each
-        return self.w2(F.silu(gate) * up, meta)[0]
+        if step.cpu_ops:
+            return self.w2.output(cpu_decode.silu_mul(self.w13.output(x, step.meta)), step.meta)
+        gate, up = self.w13(x, step.meta)  # [T, I] each
+        return self.w2(F.silu(gate) * up, step.meta)[0]
 
 
 class TransformerBlock(nn.Module):
@@ -128,16 +157,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: LoRAKernelMeta | None,
-        plan: AttentionPlan | None = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), batch, rope, meta, plan)
-        return h + self.feed_forward(self.ffn_norm(h), meta)
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        if step.cpu_ops:  # the same math, the residual adds fused with the norms or done in place
+            h = self.attention(
+                cpu_decode.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step
+            )
+            out = self.feed_forward(cpu_decode.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
+            return out.add_(h)  # h: x + attention, written by add_rms_norm
+        h = x + self.attention(self.attention_norm(x), step)
+        return h + self.feed_forward(self.ffn_norm(h), step)
 
 
 class Llama(nn.Module):
@@ -156,6 +184,8 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
         self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
+        self.cpu_ops = True
+        """Eager CPU steps run :mod:`kernels.cpu_decode`'s C++ ops where it is built (False: the torch forms only)."""
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
         self.decode_graphs: DecodeGraphs | None = None
@@ -308,14 +338,21 @@ class Llama(nn.Module):
             )
         if self.decode_graphs is not None and self.decode_graphs.covers(batch, lora_meta):
             return self.decode_graphs.replay(batch, lora_meta)
-        rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
         h = self.tok_embeddings(batch.tokens)  # [T, H]
-        plan = None if batch.spans is None or not self.batched_attention else plan_attention(batch.spans, self.device)
+        cpu_ops = self.cpu_ops and batch.spans is not None and cpu_decode.available(h)
+        if cpu_ops and all(span.count == 1 for span in batch.spans):  # decode only: attention in the C++ op
+            step = _Step(batch, lora_meta, None, None, self.rope_table, True)
+        else:
+            rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
+            batched = batch.spans is not None and self.batched_attention
+            step = _Step(
+                batch, lora_meta, rope, plan_attention(batch.spans, self.device) if batched else None, None, cpu_ops
+            )
         for layer in self.layers:
-            h = layer(h, batch, rope, lora_meta, plan)
+            h = layer(h, step)
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
-        h = self.norm(h)
+        h = cpu_decode.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if step.cpu_ops else self.norm(h)
         if self.output is None:
             return h @ self.tok_embeddings.weight.t()  # [N, vocab]
-        return self.output(h)[0]  # [N, vocab]
+        return self.output.output(h)  # [N, vocab]

@@ -242,22 +242,28 @@ class LoRALinear(nn.Module):
         Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends; new tensors
         on traced backends).
         """
-        if meta is None or meta.no_adapter or not self.has_lora:
-            y = self.base(x)  # [T, sum(out)]
-            return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
-        if meta.backend.traced:
+        if meta is not None and not meta.no_adapter and self.has_lora and meta.backend.traced:
             y = self.base(x)
             parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
             for index, stacks in enumerate(self._lora):
                 if stacks is not None:
                     parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
             return parts
+        y = self.output(x, meta)
+        return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+
+    def output(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None) -> torch.Tensor:
+        """:meth:`forward`'s parts as the one ``[T, sum(out)]`` tensor they are views of on eager backends (traced
+        backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)]."""
+        if meta is None or meta.no_adapter or not self.has_lora:
+            return self.base(x)  # [T, sum(out)]
+        if meta.backend.traced:
+            return torch.cat(self.forward(x, meta), dim=-1)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
             y = self.base(x)
             for group in self._groups:
-                columns = y if group.whole else y[:, group.columns]
-                apply_parts(columns, x, group.a_parts, group.bt_parts, meta)
-            return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+                apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
+            return y
         packed = self._packed is not None
         y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
@@ -273,7 +279,7 @@ class LoRALinear(nn.Module):
                 expand(parts[index], part_h, stacks.bt, meta, accumulate=packed)  # packed: onto the base output
         if not packed:
             y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
-        return parts
+        return y
 
     def extra_repr(self) -> str:
         extra = f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"

@@ -129,3 +129,48 @@ def test_engine_serves_adapters_on_a_packed_model_matching_peft(
     for handle, (prompt, name) in zip(handles, ENGINE_REQUESTS, strict=True):
         assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
     manager.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype) -> None:
+    """The C++ glue ops (kernels.cpu_decode: decode attention, add + RMSNorm, SiLU·mul) against the torch forms on
+    the same slotted model: a ragged prefill with mixed adapters, decode steps with rows out of order and one row
+    idle, and a mixed step (a new prompt's prefill beside decodes). fp32: every step's logits and every cache equal;
+    bf16: both forms' distance from the fp32 model, and ours is no larger than the torch forms' (rounding apart)."""
+    from kernels import KernelConfig, LoRAKernelMeta, cpu_kernels, select_backend
+    from runtime.model.batch import SequenceChunk
+    from tests.runtime._oracle import SLOTTED, slots_of
+    from tests.runtime._steps import slotted_model, step
+
+    if not cpu_kernels.load():
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    runs = [(dtype, True), (dtype, False)] + ([(torch.float32, False)] if dtype != torch.float32 else [])
+    models = []
+    for run_dtype, cpu_ops in runs:  # ours, the torch forms, and for bf16 the fp32 torch forms as the truth
+        model, _, pool, rows = slotted_model(written, dtype=run_dtype)
+        model.cpu_ops = cpu_ops
+        backend = select_backend("cpu", KernelConfig())
+        meta = LoRAKernelMeta.make(backend, pool.num_slots, 8, 64, "cpu", granule=pool.granule)
+        models.append((model, meta, rows))
+    prompts, slots = [p for p, _ in ROWS], slots_of([a for _, a in ROWS], SLOTTED)
+    rows_slots = list(enumerate(zip(prompts, slots, strict=True)))
+    steps = [[SequenceChunk(row, 0, tuple(p), s) for row, (p, s) in rows_slots]]
+    for i in range(3):  # decode, rows in reverse order, the last row idle at step 2
+        chunks = [SequenceChunk(row, len(p) + i, (7 + row + i,), s) for row, (p, s) in rows_slots]
+        steps.append(chunks[::-1][: len(chunks) - (i == 2)])
+    last = len(ROWS) - 1
+    steps.append(
+        [SequenceChunk(0, len(prompts[0]) + 3, (5,), slots[0]), SequenceChunk(last, len(prompts[last]) + 2, (9, 4), -1)]
+    )
+    outs = [[step(m, chunks, meta, slot_rows=rows).float() for chunks in steps] for m, meta, rows in models]
+    caches = [
+        [c.float() for layer in m.layers for c in (layer.attention.kv_cache.k, layer.attention.kv_cache.v)]
+        for m, _, _ in models
+    ]
+    if dtype == torch.float32:
+        for ours, theirs in zip(outs[0] + caches[0], outs[1] + caches[1], strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        return
+    for ours, theirs, truth in zip(outs[0] + caches[0], outs[1] + caches[1], outs[2] + caches[2], strict=True):
+        ours_err, theirs_err = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
+        assert ours_err <= 1.5 * theirs_err + 1e-2, (ours_err, theirs_err)

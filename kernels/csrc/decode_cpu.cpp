@@ -1,0 +1,303 @@
+// The CPU decode step's glue between its weight matmuls, as three ops, so that a decode layer is a handful of calls
+// instead of ~35 small torch ops (each a Python call, a dispatch and an allocation):
+//
+//   decode_attention  RoPE on q and k, the step's keys and values written into the KV cache, and causal GQA
+//                     attention of every token over its cache row, in one call (one pass over each row's keys);
+//   add_rms_norm      h += delta (the residual add, in place), then RMSNorm(h);
+//   silu_mul          silu(gate) * up over the fused gate|up output.
+//
+// Semantics are the torch forms' (runtime/model: apply_rope, KVCache.attend_static, RMSNorm, FeedForward), computed
+// in fp32 and rounded to the model dtype where the torch forms round. exp is a branch-free polynomial (≤ 2 ulp over
+// the softmax's and silu's range) so that the loops vectorise.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x in [-87, 88]: 2^k · p(r), r = x - k·ln2 in [-ln2/2, ln2/2], p the degree-7 Taylor polynomial.
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5·2^23 trick
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename scalar_t>
+inline float round_to(float v) {  // v as the model dtype would hold it
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+template <typename scalar_t>
+void rope_into(float* out, const scalar_t* x, const float* cos, const float* sin, int64_t half) {
+  // out = cat(x1·cos - x2·sin, x2·cos + x1·sin), each product and sum rounded as the torch form's ops are
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    out[i] = round_to<scalar_t>(round_to<scalar_t>(x1 * cos[i]) - round_to<scalar_t>(x2 * sin[i]));
+    out[i + half] = round_to<scalar_t>(round_to<scalar_t>(x2 * cos[i]) + round_to<scalar_t>(x1 * sin[i]));
+  }
+}
+
+// kDim: the head dim as a compile-time constant (64, 128: the per-key loops unroll fully), or 0 to read it at run time
+template <typename scalar_t, int64_t kDim>
+void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& kc, at::Tensor& vc, const int64_t* rows,
+                    const int64_t* pos, int64_t heads, int64_t kv_heads, at::Tensor& out) {
+  const int64_t tokens = qkv.size(0), dim = kDim ? kDim : kc.size(3), half = dim / 2, rep = heads / kv_heads;
+  const int64_t qs = qkv.stride(0), ts = table.stride(0), os = out.stride(0);
+  const int64_t cache_row = kc.stride(0), cache_pos = kc.stride(1);  // contiguous [B, P, KV, D]
+  const scalar_t* qp = qkv.data_ptr<scalar_t>();
+  const float* tp = table.data_ptr<float>();
+  scalar_t* kp = kc.data_ptr<scalar_t>();
+  scalar_t* vp = vc.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  // cos / sin per token, cast to the model dtype first (rope_factors)
+  std::vector<float> trig(static_cast<size_t>(tokens * dim));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < dim; ++i) trig[t * dim + i] = round_to<scalar_t>(tp[pos[t] * ts + i]);
+  // 1. every token's rotated key and its value into the cache (before any token reads its row)
+  std::vector<float> rotated(static_cast<size_t>(dim));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float *cos = trig.data() + t * dim, *sin = cos + half;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      rope_into<scalar_t>(rotated.data(), qp + t * qs + (heads + g) * dim, cos, sin, half);
+      scalar_t* kdst = kp + rows[t] * cache_row + pos[t] * cache_pos + g * dim;
+      for (int64_t i = 0; i < dim; ++i) kdst[i] = static_cast<scalar_t>(rotated[i]);
+      const scalar_t* vsrc = qp + t * qs + (heads + kv_heads + g) * dim;
+      std::copy(vsrc, vsrc + dim, vp + rows[t] * cache_row + pos[t] * cache_pos + g * dim);
+    }
+  }
+  // 2. one work item per (token, KV head): its `rep` query heads against keys 0..pos of the token's row
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const int64_t items = tokens * kv_heads;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < tokens; ++t) longest = std::max(longest, pos[t] + 1);
+  const bool parallel = items > 1 && items * longest * dim > 16384;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> q(static_cast<size_t>(rep * dim)), p(static_cast<size_t>(rep * longest)),
+        acc(static_cast<size_t>(rep * dim));
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t t = w / kv_heads, g = w % kv_heads, keys = pos[t] + 1;
+      const float *cos = trig.data() + t * dim, *sin = cos + half;
+      for (int64_t r = 0; r < rep; ++r)
+        rope_into<scalar_t>(q.data() + r * dim, qp + t * qs + (g * rep + r) * dim, cos, sin, half);
+      const scalar_t* kbase = kp + rows[t] * cache_row + g * dim;
+      const scalar_t* vbase = vp + rows[t] * cache_row + g * dim;
+      for (int64_t j = 0; j < keys; ++j) {
+        const scalar_t* key = kbase + j * cache_pos;
+        int64_t r = 0;
+        for (; r + 4 <= rep; r += 4) {  // four query heads per pass over the key: four reductions side by side
+          const float *q0 = q.data() + r * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          for (int64_t i = 0; i < dim; ++i) {
+            const float kv = static_cast<float>(key[i]);
+            s0 += q0[i] * kv, s1 += q1[i] * kv, s2 += q2[i] * kv, s3 += q3[i] * kv;
+          }
+          p[r * keys + j] = s0 * scale, p[(r + 1) * keys + j] = s1 * scale;
+          p[(r + 2) * keys + j] = s2 * scale, p[(r + 3) * keys + j] = s3 * scale;
+        }
+        for (; r < rep; ++r) {
+          const float* qr = q.data() + r * dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < dim; ++i) s += qr[i] * static_cast<float>(key[i]);
+          p[r * keys + j] = s * scale;
+        }
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        float* pr = p.data() + r * keys;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < keys; ++j) top = std::max(top, pr[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < keys; ++j) {
+          pr[j] = exp_poly(pr[j] - top);
+          sum += pr[j];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < keys; ++j) pr[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < keys; ++j) {
+        const scalar_t* value = vbase + j * cache_pos;
+        int64_t r = 0;
+        for (; r + 4 <= rep; r += 4) {  // four heads' accumulators per pass over the value
+          const float p0 = p[r * keys + j], p1 = p[(r + 1) * keys + j], p2 = p[(r + 2) * keys + j],
+                      p3 = p[(r + 3) * keys + j];
+          float *a0 = acc.data() + r * dim, *a1 = a0 + dim, *a2 = a1 + dim, *a3 = a2 + dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) {
+            const float vv = static_cast<float>(value[i]);
+            a0[i] += p0 * vv, a1[i] += p1 * vv, a2[i] += p2 * vv, a3[i] += p3 * vv;
+          }
+        }
+        for (; r < rep; ++r) {
+          const float pj = p[r * keys + j];
+          float* ar = acc.data() + r * dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) ar[i] += pj * static_cast<float>(value[i]);
+        }
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        scalar_t* dst = op + t * os + (g * rep + r) * dim;
+        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<scalar_t>(acc[r * dim + i]);
+      }
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& table, at::Tensor k_cache, at::Tensor v_cache,
+                            const at::Tensor& rows, const at::Tensor& positions, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads (", heads,
+              ") must be a positive multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == kv_heads,
+              "decode_attention: k_cache and v_cache must be contiguous [B, P, KV=", kv_heads, ", D], got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t dim = k_cache.size(3);
+  TORCH_CHECK(dim % 2 == 0, "decode_attention: head_dim must be even, got ", dim);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "decode_attention: qkv must be [T, (H + 2·KV)·D = ", (heads + 2 * kv_heads) * dim,
+              "] with unit inner stride, got ", qkv.sizes());
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "decode_attention: qkv and the caches must share one dtype");
+  TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == dim / 2 && table.is_contiguous() &&
+                  table.scalar_type() == at::kFloat && table.device().is_cpu(),
+              "decode_attention: the rope table must be a contiguous fp32 [P, 2, D/2 = ", dim / 2, "], got ",
+              table.sizes());
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  positions.dim() == 1 && rows.size(0) == tokens && positions.size(0) == tokens &&
+                  rows.device().is_cpu() && positions.device().is_cpu(),
+              "decode_attention: rows and positions must be int64 [T = ", tokens, "] CPU tensors");
+  const auto r = rows.contiguous(), p = positions.contiguous();
+  const int64_t *rp = r.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < k_cache.size(0), "decode_attention: token ", t, " names cache row ", rp[t],
+                " of ", k_cache.size(0));
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < k_cache.size(1) && pp[t] < table.size(0), "decode_attention: token ", t,
+                " is at position ", pp[t], ", beyond the cache (", k_cache.size(1), ") or the rope table (",
+                table.size(0), ")");
+  }
+  auto out = at::empty({tokens, heads * dim}, qkv.options());
+  if (tokens == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
+    if (dim == 64) {
+      attention_impl<scalar_t, 64>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+    } else if (dim == 128) {
+      attention_impl<scalar_t, 128>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+    } else {
+      attention_impl<scalar_t, 0>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+    }
+  });
+  return out;
+}
+
+template <typename scalar_t>
+void norm_impl(at::Tensor& h, const at::Tensor* delta, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t tokens = h.size(0), width = h.size(1), hs = h.stride(0), os = out.stride(0);
+  scalar_t* hp = h.data_ptr<scalar_t>();
+  const scalar_t* dp = delta ? delta->data_ptr<scalar_t>() : nullptr;
+  const int64_t ds = delta ? delta->stride(0) : 0;
+  const scalar_t* wp = weight.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+#pragma omp parallel for if (tokens * width > 65536)
+  for (int64_t t = 0; t < tokens; ++t) {
+    scalar_t* row = hp + t * hs;
+    if (dp) {
+      const scalar_t* add = dp + t * ds;
+      for (int64_t i = 0; i < width; ++i) row[i] = static_cast<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(add[i]));
+    }
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < width; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
+    scalar_t* dst = op + t * os;
+    for (int64_t i = 0; i < width; ++i)
+      dst[i] = static_cast<scalar_t>(round_to<scalar_t>(static_cast<float>(row[i]) * inv) * static_cast<float>(wp[i]));
+  }
+}
+
+at::Tensor add_rms_norm(at::Tensor h, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.stride(1) == 1,
+              "add_rms_norm: h must be a CPU [T, H] tensor with unit inner stride, got ", h.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == h.scalar_type(),
+              "add_rms_norm: weight must be a contiguous [H = ", h.size(1), "] in h's dtype, got ", weight.sizes());
+  if (delta) {
+    TORCH_CHECK(delta->sizes() == h.sizes() && delta->stride(1) == 1 && delta->scalar_type() == h.scalar_type() &&
+                    delta->device().is_cpu(),
+                "add_rms_norm: delta must match h ", h.sizes(), " with unit inner stride, got ", delta->sizes());
+  }
+  auto out = at::empty(h.sizes(), h.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "add_rms_norm", [&] {
+    norm_impl<scalar_t>(h, delta ? &*delta : nullptr, weight, eps, out);
+  });
+  return out;
+}
+
+template <typename scalar_t>
+void silu_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t tokens = gate_up.size(0), width = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+#pragma omp parallel for if (tokens * width > 65536)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const scalar_t *gate = gp + t * gs, *up = gate + width;
+    scalar_t* dst = op + t * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = static_cast<float>(gate[i]);
+      const float silu = round_to<scalar_t>(g / (1.f + exp_poly(-g)));
+      dst[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
+    }
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a CPU [T, 2·I] tensor with unit inner stride, got ", gate_up.sizes());
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul",
+                                  [&] { silu_impl<scalar_t>(gate_up, out); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
+  m.def(
+      "decode_attention(Tensor qkv, Tensor rope_table, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
+      "Tensor positions, int heads, int kv_heads) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+}
