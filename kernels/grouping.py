@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 
@@ -97,27 +96,23 @@ def group_by_slot(
     return SlotGrouping(order[:assigned], tuple(segments), capacity, padded, gather_index, valid)
 
 
-def _run_starts(host_slots: np.ndarray) -> np.ndarray:
-    """Shape: [T] bool, True where a run of equal slots begins."""
-    starts = np.ones(host_slots.shape[0], dtype=bool)
-    np.not_equal(host_slots[1:], host_slots[:-1], out=starts[1:])
-    return starts
+def slot_runs(slots: list[int]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
+    """(token count per slot ≥ 0, each maximal run of one slot ≥ 0 as (slot, start, count)) of a step's slots in
+    token order; -1 runs are left out. Plain Python: for a step's few host ints it is several times faster than
+    numpy's per-call overhead, and a step's host work is on its critical path.
 
-
-def count_runs(host_slots: np.ndarray) -> int:
-    """The number of maximal runs of one slot (≥ 0) in token order. ``host_slots``: Shape: [T]."""
-    return int(np.count_nonzero(_run_starts(host_slots) & (host_slots >= 0)))
-
-
-def token_runs(host_slots: np.ndarray, adapters: dict[int, AdapterRows]) -> tuple[Segment, ...]:
-    """Each maximal run of one slot (≥ 0) in token order; -1 runs are left out. ``host_slots``: Shape: [T].
-
-    Example: ``[2, 2, -1, 0, 0, 0, 2]`` -> runs of slot 2 at (0, 2), slot 0 at (3, 3), slot 2 at (6, 1).
+    Example: ``[2, 2, -1, 0, 0, 0, 2]`` -> counts {2: 3, 0: 3}, runs (2, 0, 2), (0, 3, 3), (2, 6, 1).
     """
-    starts = np.flatnonzero(_run_starts(host_slots))
-    ends = np.append(starts[1:], host_slots.shape[0])
-    return tuple(
-        Segment(adapters[slot], start, end - start)
-        for slot, start, end in zip(host_slots[starts].tolist(), starts.tolist(), ends.tolist(), strict=True)
-        if slot >= 0
-    )
+    counts: dict[int, int] = {}
+    runs: list[tuple[int, int, int]] = []
+    start, previous = 0, -1
+    for index, slot in enumerate(slots):
+        if slot != previous:
+            if previous >= 0:
+                runs.append((previous, start, index - start))
+            start, previous = index, slot
+        if slot >= 0:
+            counts[slot] = counts.get(slot, 0) + 1
+    if previous >= 0:
+        runs.append((previous, start, len(slots) - start))
+    return counts, runs

@@ -13,7 +13,7 @@ import torch
 
 from kernels.active_table import CompactTable, bucket_for, check_active_buckets, compact_ids, default_active_buckets
 from kernels.config import LoRAForm
-from kernels.grouping import AdapterRows, Segment, SlotGrouping, count_runs, group_by_slot, token_runs
+from kernels.grouping import AdapterRows, Segment, SlotGrouping, group_by_slot, slot_runs
 from kernels.protocol import EagerBackend, KernelBackend
 
 _log = logging.getLogger(__name__)
@@ -148,24 +148,29 @@ class LoRAKernelMeta:
                 f"slot_indices must be a CPU tensor on a traced backend (the compact table is built on the host), "
                 f"got one on {slot_indices.device}"
             )
-        host = slot_indices.cpu().numpy()  # eager: the step's one host sync (none when the engine passes host indices)
-        low, high = int(host.min()), int(host.max())
+        if not self.backend.traced:
+            self._prepare_eager(slot_indices, slot_indices.tolist(), slot_rows)  # the step's one host sync
+            return
+        host = slot_indices.numpy()
+        self._check_range(int(host.min()), int(host.max()))
+        active, _, compact = compact_ids(host)
+        adapters = self._adapters(tuple(active.tolist()), slot_rows)
+        self._set_active(num_tokens, adapters)
+        self._build_table(compact, adapters)
+        self.lane_owner = self._lane_owner(self.active_width)
+
+    def _check_range(self, low: int, high: int) -> None:
         if low < -1 or high >= self.num_slots:
             raise ValueError(
                 f"slot_indices must lie in [-1, {self.num_slots}) for num_slots={self.num_slots}; "
                 f"got values in [{low}, {high}]"
             )
-        active, counts, compact = compact_ids(host)
-        adapters = self._adapters(tuple(active.tolist()), slot_rows)
+
+    def _set_active(self, num_tokens: int, adapters: tuple[AdapterRows, ...]) -> None:
         self.num_tokens = num_tokens
         self.active_adapters = adapters
         self.active_width = bucket_for(len(adapters), self.active_buckets)
         self.gather_rows = self.token_compact = self.lane_owner = None
-        if self.backend.traced:
-            self._build_table(compact, adapters)
-            self.lane_owner = self._lane_owner(self.active_width)
-            return
-        self._prepare_eager(slot_indices, host, compact, adapters, tuple(counts.tolist()))
 
     def _adapters(self, active: tuple[int, ...], slot_rows: Mapping[int, int]) -> tuple[AdapterRows, ...]:
         adapters: list[AdapterRows] = []
@@ -202,42 +207,42 @@ class LoRAKernelMeta:
             self._lane_owners[width] = lanes.to(self.device)
         return self._lane_owners[width]
 
-    def _prepare_eager(
-        self,
-        slot_indices: torch.Tensor,
-        host: np.ndarray,
-        compact: np.ndarray,
-        adapters: tuple[AdapterRows, ...],
-        counts: tuple[int, ...],
-    ) -> None:
+    def _prepare_eager(self, slot_indices: torch.Tensor, slots: list[int], slot_rows: Mapping[int, int]) -> None:
+        """The eager metadata from the step's slots as host ints (plain Python over them: a step's host work is on
+        its critical path, and numpy's per-call overhead was most of it)."""
+        self._check_range(min(slots), max(slots))
+        counts, runs = slot_runs(slots)
+        adapters = self._adapters(tuple(sorted(counts)), slot_rows)
+        self._set_active(len(slots), adapters)
         if slot_indices.device != self.device:
-            slot_indices = torch.from_numpy(host).to(self.device, non_blocking=True)
+            slot_indices = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
         self.token_slots = slot_indices
-        self.all_assigned = sum(counts) == host.shape[0]
+        self.all_assigned = sum(counts.values()) == len(slots)
         self.single = self.segments = self.grouping = self.lane_onehot = self.runs = self.step_tables = None
         if not adapters:
             form = LoRAForm.NONE
         else:
-            runs = count_runs(host)
-            form = cast(EagerBackend, self.backend).choose_form(self.num_tokens, len(adapters), self.rank, runs)
+            form = cast(EagerBackend, self.backend).choose_form(self.num_tokens, len(adapters), self.rank, len(runs))
             assert form is not LoRAForm.SINGLE or len(adapters) == 1, f"single-slot form for {len(adapters)} slots"
             if form is LoRAForm.SINGLE:
                 self.single = adapters[0]
             elif form in (LoRAForm.SEGMENTS, LoRAForm.FUSED):
-                self.segments = token_runs(host, {a.slot: a for a in adapters})
+                by_slot = {a.slot: a for a in adapters}
+                self.segments = tuple(Segment(by_slot[slot], start, count) for slot, start, count in runs)
                 if form is LoRAForm.FUSED:
-                    runs = [(seg.start, seg.count, seg.adapter.first, seg.adapter.rank) for seg in self.segments]
-                    self.runs = torch.tensor(runs, dtype=torch.int64)
+                    table = [(seg.start, seg.count, seg.adapter.first, seg.adapter.rank) for seg in self.segments]
+                    self.runs = torch.tensor(table, dtype=torch.int64)
             elif form is LoRAForm.LANED:
-                self._build_table(compact, adapters)
+                self._build_table(compact_ids(np.asarray(slots, dtype=np.int32))[2], adapters)
                 assert self.token_compact is not None
                 ids = torch.arange(len(adapters), device=self.device, dtype=torch.int32)
                 self.lane_onehot = (self.token_compact[:, None] == ids[None, :])[:, :, None]
             else:
                 assert form is LoRAForm.GROUPED, f"backend chose {form!r}"
-                self.grouping = group_by_slot(self.token_slots, adapters, counts, self.num_slots)
+                counts_by_slot = tuple(counts[a.slot] for a in adapters)
+                self.grouping = group_by_slot(self.token_slots, adapters, counts_by_slot, self.num_slots)
                 if self.grouping.padded:
-                    self._build_table(compact, adapters)
+                    self._build_table(compact_ids(np.asarray(slots, dtype=np.int32))[2], adapters)
         self.form = form
         self.no_adapter = form is LoRAForm.NONE
         if (self.num_tokens, form) not in self._logged_forms:
