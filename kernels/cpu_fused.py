@@ -69,6 +69,6 @@ class CpuFusedBackend(TorchEagerBackend):
         unit = a_parts.stride(2) == 1 and y.stride(1) == 1 and all(bt.stride(1) == 1 for bt in bt_parts)
         if meta.form is LoRAForm.FUSED and unit:
             assert meta.runs is not None
-            lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, list(bt_parts), meta.runs)
+            lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, bt_parts, meta.runs)
             return y
         return compose_parts(y, x, a_parts, bt_parts, meta)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.config import LoRAForm
 from kernels.meta import LoRAKernelMeta
 
 
@@ -126,16 +127,12 @@ def apply_parts(
     Shape: y [T, >= sum(out_p)] (a view is fine; unit inner stride); x [T, in]; a_parts [N, P, in] (a view of the
     pool); bt_parts P tensors [N, out_p] (views of the pool). Eager backends only; returns y.
     """
+    tokens_match = y.shape[0] == x.shape[0] == meta.num_tokens
+    if meta.form is LoRAForm.FUSED and tokens_match and a_parts.dim() == 3 and a_parts.shape[1] == len(bt_parts):
+        # the hot path (a step only takes FUSED on a backend with apply_parts): its kernel checks shapes, dtypes,
+        # strides and every run's rows and tokens against the operands
+        return meta.backend.apply_parts(y, x, a_parts, bt_parts, meta)  # type: ignore[attr-defined]
     fused = getattr(meta.backend, "apply_parts", None)
-    if (
-        fused is not None
-        and meta.fused
-        and y.shape[0] == x.shape[0] == meta.num_tokens
-        and a_parts.dim() == 3
-        and a_parts.shape[0] == meta.num_rows
-        and a_parts.shape[1] == len(bt_parts)
-    ):  # the hot path: the kernel itself checks dtypes, strides and every run's rows and tokens against the operands
-        return fused(y, x, a_parts, tuple(bt_parts), meta)
     _check_tokens("y", y, meta)
     _check_parts(x, a_parts, meta)
     if meta.backend.traced:

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -41,9 +42,110 @@ inline float exp_poly(float x) {
   return p * scale;
 }
 
+// Float vectors of 16 lanes (GCC/Clang vector extensions: AVX-512 registers here, pairs of AVX2 or four NEON
+// registers elsewhere), for the fp32 attention's inner loops.
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// [sum(t[n]) for n in kReduceOrder]: 16 horizontal sums in one vector (4 levels of pairwise shuffles and adds, 2 ops
+// per sum instead of the 8 of one reduction each).
+constexpr int kReduceOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline v16 reduce16(v16* t) {
+  v16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)
+    l1[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(t[2 * i], t[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    l3[i] = __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+            __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(l3[0], l3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(l3[0], l3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// Scores p[r·keys + j] = q_r · key_j · scale for 4 query heads (q: 4 rows of kDim) over keys [0, keys) of a row
+// (key j at kbase + j·stride): 4 keys × 4 heads per block, 16 dot products reduced together.
+template <int64_t kDim>
+void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, float scale, float* p) {
+  int64_t j = 0;
+  for (; j + 4 <= keys; j += 4) {
+    v16 t[16] = {};
+    for (int64_t c = 0; c < kDim; c += 16) {
+      const v16 q0 = load16(q + c), q1 = load16(q + kDim + c), q2 = load16(q + 2 * kDim + c),
+                q3 = load16(q + 3 * kDim + c);
+      for (int k = 0; k < 4; ++k) {
+        const v16 kv = load16(kbase + (j + k) * stride + c);
+        t[4 * k] += q0 * kv, t[4 * k + 1] += q1 * kv, t[4 * k + 2] += q2 * kv, t[4 * k + 3] += q3 * kv;
+      }
+    }
+    const v16 sums = reduce16(t);
+    for (int lane = 0; lane < 16; ++lane) {
+      const int n = kReduceOrder[lane];  // input n = 4·key + head
+      p[(n % 4) * keys + j + n / 4] = sums[lane] * scale;
+    }
+  }
+  for (; j < keys; ++j) {
+    const float* key = kbase + j * stride;
+    for (int64_t r = 0; r < 4; ++r) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
+      p[r * keys + j] = s * scale;
+    }
+  }
+}
+
+// out_r = sum_j p[r·keys + j] · value_j for 4 heads, 64 columns at a time held in 16 registers across the keys.
+template <int64_t kDim>
+void weighted4(const float* p, const float* vbase, int64_t stride, int64_t keys, float* out) {
+  for (int64_t c = 0; c < kDim; c += 64) {
+    v16 acc[4][4] = {};
+    for (int64_t j = 0; j < keys; ++j) {
+      const float* value = vbase + j * stride + c;
+      const v16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
+      for (int r = 0; r < 4; ++r) {
+        const float w = p[r * keys + j];
+        acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 4; ++i) std::memcpy(out + r * kDim + c + 16 * i, &acc[r][i], sizeof(v16));
+  }
+}
+
 template <typename scalar_t>
 inline float round_to(float v) {  // v as the model dtype would hold it
   return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+// p[r·keys + j] = softmax over j of row r, for `rows` rows of `keys` scores
+inline void softmax_rows(float* p, int64_t rows, int64_t keys) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* pr = p + r * keys;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j) top = std::max(top, pr[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < keys; ++j) {
+      pr[j] = exp_poly(pr[j] - top);
+      sum += pr[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < keys; ++j) pr[j] *= inv;
+  }
+}
+
+template <typename scalar_t>
+inline void store_heads(const float* acc, scalar_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(acc[i]);
 }
 
 template <typename scalar_t>
@@ -102,6 +204,18 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
         rope_into<scalar_t>(q.data() + r * dim, qp + t * qs + (g * rep + r) * dim, cos, sin, half);
       const scalar_t* kbase = kp + rows[t] * cache_row + g * dim;
       const scalar_t* vbase = vp + rows[t] * cache_row + g * dim;
+      constexpr bool kVector = std::is_same_v<scalar_t, float> && kDim > 0 && kDim % 64 == 0;
+      if constexpr (kVector) {
+        if (rep % 4 == 0) {
+          for (int64_t r = 0; r < rep; r += 4)
+            scores4<kDim>(q.data() + r * dim, kbase, cache_pos, keys, scale, p.data() + r * keys);
+          softmax_rows(p.data(), rep, keys);
+          for (int64_t r = 0; r < rep; r += 4)
+            weighted4<kDim>(p.data() + r * keys, vbase, cache_pos, keys, acc.data() + r * dim);
+          store_heads<scalar_t>(acc.data(), op + t * os + g * rep * dim, rep * dim);
+          continue;
+        }
+      }
       for (int64_t j = 0; j < keys; ++j) {
         const scalar_t* key = kbase + j * cache_pos;
         int64_t r = 0;
@@ -124,20 +238,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
           p[r * keys + j] = s * scale;
         }
       }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* pr = p.data() + r * keys;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < keys; ++j) top = std::max(top, pr[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < keys; ++j) {
-          pr[j] = exp_poly(pr[j] - top);
-          sum += pr[j];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < keys; ++j) pr[j] *= inv;
-      }
+      softmax_rows(p.data(), rep, keys);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < keys; ++j) {
         const scalar_t* value = vbase + j * cache_pos;
@@ -159,10 +260,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
           for (int64_t i = 0; i < dim; ++i) ar[i] += pj * static_cast<float>(value[i]);
         }
       }
-      for (int64_t r = 0; r < rep; ++r) {
-        scalar_t* dst = op + t * os + (g * rep + r) * dim;
-        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<scalar_t>(acc[r * dim + i]);
-      }
+      store_heads<scalar_t>(acc.data(), op + t * os + g * rep * dim, rep * dim);
     }
   }
 }

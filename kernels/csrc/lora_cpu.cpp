@@ -26,6 +26,7 @@ namespace {
 constexpr int64_t kRows = 4;        // Bt rows per expand inner loop
 constexpr int64_t kShrinkRows = 8;  // A rows per shrink work item, one pass over x (a short last block: row by row)
 constexpr int64_t kChunk = 1024;    // output columns per expand work item
+constexpr int64_t kMinChunk = 256;  // the narrowest chunk a call with few items splits down to
 
 struct Run {
   int64_t start, count, first, rank;
@@ -50,12 +51,21 @@ void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::Ten
   const int64_t ys = y.stride(0);
   std::vector<int64_t> yoff(parts + 1, 0);
   for (int64_t p = 0; p < parts; ++p) yoff[p + 1] = yoff[p] + bts[p].size(1);
-  std::vector<std::array<int64_t, 3>> expand_items;  // (run, part, first column of a kChunk block)
+  // (run, part, first column of a chunk): kChunk columns, or narrower when that leaves the threads too few items
+  // (one adapter's q|k|v: 1024 + 256 + 256 columns would be one item of 4 rows' work beside two of one)
+  const int threads = at::get_num_threads();
+  int64_t chunk = kChunk;
+  auto count_items = [&](int64_t width) {
+    int64_t items = 0;
+    for (int64_t p = 0; p < parts; ++p) items += (bts[p].size(1) + width - 1) / width;
+    return items * nr;
+  };
+  while (chunk > kMinChunk && count_items(chunk) < 4 * threads) chunk /= 2;
+  std::vector<std::array<int64_t, 3>> expand_items;
   for (int64_t k = 0; k < nr; ++k)
     for (int64_t p = 0; p < parts; ++p)
-      for (int64_t c = 0; c < bts[p].size(1); c += kChunk) expand_items.push_back({k, p, c});
+      for (int64_t c = 0; c < bts[p].size(1); c += chunk) expand_items.push_back({k, p, c});
   // one parallel region: the shrink items, the loop's barrier (every h written), then the expand items
-  const int threads = at::get_num_threads();
   const bool parallel = threads > 1 && shrink_items.size() + expand_items.size() > 2;
 #pragma omp parallel num_threads(threads) if (parallel)
   {
@@ -102,7 +112,7 @@ void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::Ten
     for (int64_t w = 0; w < static_cast<int64_t>(expand_items.size()); ++w) {
       const auto [k, p, c0] = expand_items[w];
       const Run& run = runs[k];
-      const int64_t cols = std::min(kChunk, bts[p].size(1) - c0), bs = bts[p].stride(0);
+      const int64_t cols = std::min(chunk, bts[p].size(1) - c0), bs = bts[p].stride(0);
       const scalar_t* b0 = bts[p].data_ptr<scalar_t>() + run.first * bs + c0;
       const float* hk = h.data() + p * hpart + hoff[k];
       for (int64_t t = 0; t < run.count; ++t) {

@@ -118,6 +118,7 @@ class LoRALinear(nn.Module):
         self._lora: list[Stacks | None] = [None] * len(out_features)
         self._fused: tuple[_FusedParts, ...] = ()
         self._groups: tuple[_Group, ...] = ()
+        self._has_lora = False
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
         self.fuse_shrink = True
 
@@ -186,6 +187,7 @@ class LoRALinear(nn.Module):
         if a_rows.dtype != self.weight_dtype or bt_rows.dtype != self.weight_dtype:
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
         self._lora[part] = stacks
+        self._has_lora = True
         self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
         self._groups = self._apply_groups()
 
@@ -211,6 +213,7 @@ class LoRALinear(nn.Module):
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
         self._lora = [None] * len(self.out_features)
+        self._has_lora = False
         self._fused = ()
         self._groups = ()
 
@@ -221,7 +224,7 @@ class LoRALinear(nn.Module):
 
     @property
     def has_lora(self) -> bool:
-        return any(stacks is not None for stacks in self._lora)
+        return self._has_lora
 
     def forward(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None) -> list[torch.Tensor]:
         """The base projection(s) plus each token's adapter.
@@ -242,7 +245,7 @@ class LoRALinear(nn.Module):
         Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends; new tensors
         on traced backends).
         """
-        if meta is not None and not meta.no_adapter and self.has_lora and meta.backend.traced:
+        if meta is not None and not meta.no_adapter and self._has_lora and meta.backend.traced:
             y = self.base(x)
             parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
             for index, stacks in enumerate(self._lora):
@@ -255,7 +258,7 @@ class LoRALinear(nn.Module):
     def output(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None) -> torch.Tensor:
         """:meth:`forward`'s parts as the one ``[T, sum(out)]`` tensor they are views of on eager backends (traced
         backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)]."""
-        if meta is None or meta.no_adapter or not self.has_lora:
+        if meta is None or meta.no_adapter or not self._has_lora:
             return self.base(x)  # [T, sum(out)]
         if meta.backend.traced:
             return torch.cat(self.forward(x, meta), dim=-1)

@@ -32,7 +32,9 @@ def _operands(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 4, 64), (4, 4, 128), (6, 2, 8), (8, 1, 64), (10, 2, 32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(16, 4, 64), (8, 2, 128), (4, 4, 128), (6, 2, 8), (8, 1, 64), (10, 2, 32)]
+)
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_attention_equals_the_reference(case, heads, kv_heads, dim, dtype):
     rows, positions = (torch.tensor(v) for v in CASES[case])
