@@ -218,6 +218,8 @@ class Llama(nn.Module):
                 max_batch, max_seq_len, config.num_kv_heads, config.head_dim, self.dtype, self.device
             )
         self.rope_table = rope_table(config, max_seq_len, self.device)
+        if self.cpu_ops:
+            cpu_decode.available(self.rope_table)  # builds the CPU ops now (first use on a machine), not in a step
 
     def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
         """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
@@ -323,7 +325,9 @@ class Llama(nn.Module):
         Shape: batch of T tokens; returns [N, vocab] in the model dtype (N = len(logits_index), or T).
         ``lora_meta`` must have been prepared for this step's T tokens; None (or a step with no adapter token, or
         no stacks attached) runs exactly the base model. A decode step :attr:`decode_graphs` covers replays its CUDA
-        graph (same semantics, static attention over the whole cache row).
+        graph (same semantics, static attention over the whole cache row). Eager CPU steps with :attr:`cpu_ops` run
+        the norms, residual adds and SwiGLU's activation, and on decode-only steps RoPE, the cache write and
+        attention, through :mod:`kernels.cpu_decode` (same semantics, fp32 accumulation).
         """
         if self.rope_table is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
