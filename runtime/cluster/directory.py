@@ -13,8 +13,10 @@ store (`adapter_manager.StateStore`, one committed transaction each) before it a
 loads it: registrations survive a restart of the whole cluster. Loaded entries keep the ref, sha, id and pin; the rest
 of the validating replica's answer (rank, bytes, ...) is not stored. Without one it keeps its entries in memory.
 Either way, if its process dies Serve starts a new one with a new `epoch`; each engine replica sees the new epoch in
-the answer to its next report and gives back the entries it registered from (`restore`) before it reconciles, so a
-directory crash loses no registration that some replica has used or validated. Versions survive in the store, so
+the answer to its next report and gives back every entry it knows (`restore`) before it reconciles: each replica
+mirrors the directory's entries from its reports (`entries_of` fetches the ones new to it), not only those it
+registered from, so a directory crash loses no registration that a live replica has reported since. A replica that
+validated or served an adapter and then died takes nothing with it. Versions survive in the store, so
 after a restart replicas find theirs unchanged and keep what they registered. Until every replica has reported
 (one `stats_period_s`), the ingress may answer 404 for an adapter not yet given back."""
 
@@ -123,6 +125,10 @@ class AdapterDirectory:
 
     def get(self, adapter_id: str) -> DirectoryEntry | None:
         return self._entries.get(adapter_id)
+
+    def entries_of(self, adapter_ids: Collection[str]) -> list[DirectoryEntry]:
+        """The current entries of those ids still registered (a replica's mirror catching up after a report)."""
+        return [self._entries[a] for a in adapter_ids if a in self._entries]
 
     def entries(self) -> list[DirectoryEntry]:
         return list(self._entries.values())

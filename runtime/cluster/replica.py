@@ -60,6 +60,8 @@ class EngineReplica:
         self.directory = directory
         self.loaded: dict[str, Resident] = {}  # Serve's multiplexed models on this replica, by adapter id
         self.synced: dict[str, DirectoryEntry] = {}  # adapter id -> the directory entry it is registered from here
+        self.mirror: dict[str, DirectoryEntry] = {}  # every directory entry as of the last report: given back to a
+        # restarted directory, so an adapter survives it even if the replica that validated it died before
         self._epoch: str | None = None  # the directory's, at the last report
         self._registering: dict[str, asyncio.Lock] = {}
         self.heat = Heat()
@@ -191,6 +193,7 @@ class EngineReplica:
             },
             "registered": len(manager.registry),
             "unadopted": [r.adapter_id for r in manager.registry.list() if r.adapter_id not in self.synced],
+            "mirrored": len(self.mirror),
             "in_flight": self.serving.app.state.server.generator.pending,
             "max_batch": self.config.engine.max_batch,
             "metrics": metrics,
@@ -202,18 +205,30 @@ class EngineReplica:
         snapshot = self.snapshot()
         try:
             epoch, versions, removed, pinned = await self.directory.report.remote(self.name, snapshot)
-            if epoch != self._epoch and self.synced:  # a new directory (Serve restarted it): give back what we know
-                given = [replace(e, pinned=a in self.operator) for a, e in self.synced.items()]
+            known = {**self.mirror, **self.synced}
+            if epoch != self._epoch and known:  # a new directory (Serve restarted it): give back what we know
+                given = [replace(e, pinned=a in self.operator) for a, e in known.items()]
                 versions = await self.directory.restore.remote(given)
                 pinned = [a for a in self.operator if a in versions]
             self._epoch = epoch
             await self._reconcile(versions, removed)
+            await self._follow(versions)
             self._apply_pins(set(pinned))
         except Exception:  # noqa: BLE001 - the directory restarting must not fail the replica's health
             log.warning("replica %s could not report to the adapter directory", self.name, exc_info=True)
         self.gauges.update(snapshot)
         stats = {k: snapshot[k] for k in ("capacity", "free", "heats", "free_units", "in_flight", "max_batch")}
         return {**stats, "in_slot": sorted(snapshot["slots"])}
+
+    async def _follow(self, versions: dict[str, int]) -> None:
+        """Bring the mirror to the directory's entries (id -> version): drop what left or changed, fetch what is new."""
+        for adapter_id in [a for a, e in self.mirror.items() if versions.get(a) != e.version]:
+            del self.mirror[adapter_id]
+        missing = [a for a in versions if a not in self.mirror]
+        if missing:
+            for entry in await self.directory.entries_of.remote(missing):
+                if versions.get(entry.adapter_id) == entry.version:  # changed meanwhile: the next report fetches it
+                    self.mirror[entry.adapter_id] = entry
 
     async def _reconcile(self, versions: dict[str, int], removed: list[str]) -> None:
         local = {r.adapter_id: (r.registered_at, r.sha) for r in self.manager.registry.list()}

@@ -341,12 +341,25 @@ def test_a_killed_replica_is_restarted_and_later_requests_succeed(cluster, expec
 
 
 def test_a_killed_directory_is_restarted_and_loses_no_registration(cluster, expected):
-    """Serve starts a new, empty directory; the replicas give back the entries they registered from, so every
-    adapter stays listed and servable, with the same answers."""
+    """Every engine replica is killed first and restarted by Serve, so no live replica validated or registered any
+    adapter; then the directory is killed and Serve starts a new, empty one. The replicas give back the entries they
+    mirrored from their reports, so every adapter stays listed and servable, with the same answers. (Before the
+    mirror, replicas gave back only what they had registered from: an adapter validated and served by a replica
+    that had died since was lost, depending on which replica Serve had routed it to.)"""
     psutil = pytest.importorskip("psutil")
     url, http, _ = cluster
     client = _client(url)
     before = {m.id for m in client.models.list().data}
+    old = {r["pid"] for r in _replicas(http)}
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while True:  # two new replicas, each with the whole directory mirrored from a report
+        fresh = [r for r in _replicas(http, timeout=180) if r["pid"] not in old]
+        if len(fresh) == 2 and all(r["mirrored"] == len(ADAPTERS) for r in fresh) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(fresh) == 2 and all(r["mirrored"] == len(ADAPTERS) and r["registered"] == 0 for r in fresh), fresh
 
     def directories() -> set[int]:
         children = psutil.Process().children(recursive=True)
