@@ -361,9 +361,15 @@ def test_a_killed_directory_is_restarted_and_loses_no_registration(cluster, expe
         time.sleep(0.5)
     assert len(fresh) == 2 and all(r["mirrored"] == len(ADAPTERS) and r["registered"] == 0 for r in fresh), fresh
 
-    def directories() -> set[int]:
-        children = psutil.Process().children(recursive=True)
-        return {p.pid for p in children if p.name().endswith("AdapterDirectory") and p.is_running()}
+    def directories() -> set[int]:  # Ray titles an actor's process by its class, plus the method it is running
+        pids = set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if "AdapterDirectory" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                    pids.add(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return pids
 
     (victim,) = directories()
     os.kill(victim, signal.SIGKILL)
