@@ -8,8 +8,11 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from adapter_manager import AdapterManager, AdapterNotFoundError, AdapterNotPinnedError
+
+T = TypeVar("T")
 
 
 class Heat:
@@ -35,12 +38,13 @@ class Heat:
 class Holds:
     """Counted operator pins: the adapter is pinned in the pool from its first hold to its last drop. Serve's loaded
     model is one hold, each in-flight request another. `hold` runs on the replica's event loop; `drop` may run on
-    any thread (Serve calls a model's synchronous `__del__` in an executor), hence the lock around the counts."""
+    any thread (Serve calls a model's synchronous `__del__` in an executor), hence the lock around the counts: a
+    drop and its unpin happen under it, so `view` sees both or neither."""
 
     def __init__(self, manager: AdapterManager, pin: Callable[[str], Awaitable[None]]) -> None:
         self._manager, self._pin = manager, pin
         self._counts: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # Resident takes it around its own removal and drop
         self._pinning: dict[str, asyncio.Lock] = {}  # one first hold (one pin) per adapter at a time
 
     async def hold(self, adapter_id: str) -> None:
@@ -52,7 +56,7 @@ class Holds:
             self._add(adapter_id, first=True)
 
     def _add(self, adapter_id: str, first: bool) -> bool:
-        with self._lock:
+        with self.lock:
             if not first and adapter_id not in self._counts:
                 return False
             self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
@@ -60,7 +64,7 @@ class Holds:
 
     def drop(self, adapter_id: str) -> None:
         """Give a hold back; the last one unpins (the adapter stays resident, and evictable)."""
-        with self._lock:
+        with self.lock:
             count = self._counts.get(adapter_id, 0) - 1
             if count > 0:
                 self._counts[adapter_id] = count
@@ -73,8 +77,14 @@ class Holds:
 
     def counts(self) -> dict[str, int]:
         """Holds per pinned adapter."""
-        with self._lock:
+        with self.lock:
             return dict(self._counts)
+
+    def view(self, read: Callable[[], T]) -> tuple[dict[str, int], T]:
+        """The holds and `read()` (the pool's state, Serve's loaded models) at one instant: no drop, unpin or
+        unload runs between them."""
+        with self.lock:
+            return dict(self._counts), read()
 
 
 class Resident:
@@ -86,9 +96,10 @@ class Resident:
         loaded[adapter_id] = self
 
     def __del__(self) -> None:  # Serve calls it on LRU unload (and Python again at collection: hence `_held`)
-        if not self._held:
-            return
-        self._held = False
-        if self._loaded.get(self.adapter_id) is self:
-            del self._loaded[self.adapter_id]
-        self._holds.drop(self.adapter_id)
+        with self._holds.lock:  # leaves `loaded` and drops at once, as a report sees it
+            if not self._held:
+                return
+            self._held = False
+            if self._loaded.get(self.adapter_id) is self:
+                del self._loaded[self.adapter_id]
+            self._holds.drop(self.adapter_id)

@@ -169,21 +169,23 @@ class EngineReplica:
 
     def snapshot(self) -> dict[str, Any]:
         """This replica's report: capacity, what it holds, how hot each adapter is, and its swap metrics."""
-        manager, now = self.manager, time.monotonic()
-        states = manager.allocator.states()
+        manager, now, taken_at = self.manager, time.monotonic(), time.time()
+        # the pool, Serve's loaded models and the holds at one instant: an unload's drop runs on another thread
+        holds, (states, loaded) = self.holds.view(lambda: (manager.allocator.states(), sorted(self.loaded)))
         used = sum(s.units for s in states)
         metrics = manager.metrics().to_dict()
         metrics.pop("residency", None)
-        heat = {a: round(self.heat.value(a, now), 3) for a in self.loaded}
+        heat = {a: round(self.heat.value(a, now), 3) for a in loaded}
         return {
             "replica": self.name,
+            "taken_at": taken_at,  # wall clock
             "pid": os.getpid(),
             "capacity": self.config.models_per_replica,
-            "loaded": sorted(self.loaded),
+            "loaded": loaded,
             "loader": dict(self.loader),
-            "holds": self.holds.counts(),  # Serve's loaded model, each in-flight request and an operator pin
+            "holds": holds,  # Serve's loaded model, each in-flight request and an operator pin
             "pinned": sorted(self.operator),  # held for the operator's cluster-wide pin
-            "free": max(self.config.models_per_replica - len(self.loaded), 0),
+            "free": max(self.config.models_per_replica - len(loaded), 0),
             "heats": sorted(heat.values()),  # coldest first: what the next loads here would unload
             "heat": heat,
             "units": manager.num_units,
