@@ -18,6 +18,7 @@ import platform
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,15 +26,17 @@ import torch
 _log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("lora_cpu.cpp", "decode_cpu.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "vec16.h",)  # included by the sources: part of the build's hash
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
-_OPS = ("lora_apply", "decode_attention", "add_rms_norm", "silu_mul")
+_OPS = ("lora_apply", "lora_linear", "decode_attention", "add_rms_norm", "silu_mul")
 
 _lock = threading.Lock()
 _loaded: bool | None = None
 _op = None  # torch.ops.adapter_manager.lora_apply.default, once loaded
+_linear_op = None  # torch.ops.adapter_manager.lora_linear.default, once loaded
 _reason: str | None = None
 build_seconds: float | None = None
 """Seconds this process spent building (None: loaded a build already on disk, or not loaded)."""
@@ -51,7 +54,8 @@ def _cpu_flags() -> str:
 
 def _name() -> str:
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode()):
+    files = (path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (*files, " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
     digest.update(_cpu_flags().encode())
     return f"adapter_manager_cpu_{digest.hexdigest()[:16]}"
@@ -134,3 +138,26 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torc
     if _op is None:
         _op = torch.ops.adapter_manager.lora_apply.default  # resolved once: the namespace lookup costs per call
     _op(y, x, a, bts, runs)
+
+
+LINEAR_MAX_TOKENS = 16
+"""The most tokens :func:`lora_linear` takes (kLinearTokens in the C++ source)."""
+
+_NO_RUNS = torch.zeros(0, 4, dtype=torch.int64)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor | None,
+) -> torch.Tensor:
+    """``y = x @ w.T`` with each group's LoRA added inside the same call (fp32, T <= :data:`LINEAR_MAX_TOKENS`): group
+    g's parts ``a_groups[g]`` [N, P_g, in] and their Bt (``bts``, every group's parts in order) own y's columns from
+    ``offsets[g]`` on; ``runs`` None or empty: the base matmul only. See the C++ source. :func:`load` first."""
+    global _linear_op
+    if _linear_op is None:
+        _linear_op = torch.ops.adapter_manager.lora_linear.default
+    return _linear_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)

@@ -18,6 +18,7 @@ from torch import nn
 from adapter_manager import PROJECTIONS, ModuleKey
 from adapter_manager.base_model import PROJECTION_PARENT
 from kernels import LoRAKernelMeta, cpu_decode
+from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
@@ -95,7 +96,7 @@ class Attention(nn.Module):
         assert self.kv_cache is not None, "setup_caches() first"
         batch, meta = step.batch, step.meta
         if step.rope_table is not None:
-            qkv = self.wqkv.output(x, meta)  # [T, (H + 2·KV)·D]
+            qkv = self.wqkv.output(x, meta, kernel=True)  # [T, (H + 2·KV)·D]
             cache = self.kv_cache
             out = cpu_decode.decode_attention(
                 qkv,
@@ -107,7 +108,7 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
             )  # [T, H·D]
-            return self.wo.output(out, meta)
+            return self.wo.output(out, meta, kernel=True)
         assert step.rope is not None
         q, k, v = self.wqkv(x, meta)
         tokens, cos, sin = x.shape[0], step.rope[0], step.rope[1]
@@ -142,7 +143,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""
         if step.cpu_ops:
-            return self.w2.output(cpu_decode.silu_mul(self.w13.output(x, step.meta)), step.meta)
+            gate_up = self.w13.output(x, step.meta, kernel=True)
+            return self.w2.output(cpu_decode.silu_mul(gate_up), step.meta, kernel=True)
         gate, up = self.w13(x, step.meta)  # [T, I] each
         return self.w2(F.silu(gate) * up, step.meta)[0]
 
@@ -358,5 +360,9 @@ class Llama(nn.Module):
             h = h[batch.logits_index]  # [N, H]
         h = cpu_decode.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if step.cpu_ops else self.norm(h)
         if self.output is None:
-            return h @ self.tok_embeddings.weight.t()  # [N, vocab]
-        return self.output.output(h)  # [N, vocab]
+            embeddings = self.tok_embeddings.weight
+            small = h.shape[0] <= LINEAR_MAX_TOKENS and h.stride(1) == 1
+            if step.cpu_ops and small and h.dtype == embeddings.dtype == torch.float32:
+                return lora_linear(h, embeddings, (), (), (), None)  # [N, vocab]
+            return h @ embeddings.t()  # [N, vocab]
+        return self.output.output(h, kernel=step.cpu_ops)  # [N, vocab]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kernels import LoRAKernelMeta, apply_parts, expand, shrink, shrink_parts
+from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear
 
 from .packed import can_pack, pack_weight, packed_linear, unpack_weight
 
@@ -118,6 +119,7 @@ class LoRALinear(nn.Module):
         self._lora: list[Stacks | None] = [None] * len(out_features)
         self._fused: tuple[_FusedParts, ...] = ()
         self._groups: tuple[_Group, ...] = ()
+        self._kernel_groups: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[int, ...]] = ((), (), ())
         self._has_lora = False
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
         self.fuse_shrink = True
@@ -173,7 +175,16 @@ class LoRALinear(nn.Module):
         """Semantics: ``x @ W.T``, whichever layout W is held in. Shape: x [T, in]; returns a new [T, sum(out)]."""
         if self._packed is not None:
             return packed_linear(x, self._packed)
+        if self._onednn_plain(x):
+            return packed_linear(x, self.weight)
         return x @ self.weight.t()
+
+    def _onednn_plain(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN's linear takes this plain weight for ``x``: CPU, a dtype it packs, and more tokens than the
+        decode kernel's (it reorders a plain weight at every call: 5 % of a 1024-token GEMM, half MKL's time there)."""
+        weight = self.weight
+        fits = x.shape[0] > LINEAR_MAX_TOKENS and x.device.type == "cpu" and weight.dtype == x.dtype
+        return fits and can_pack(weight)
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
@@ -190,6 +201,12 @@ class LoRALinear(nn.Module):
         self._has_lora = True
         self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
         self._groups = self._apply_groups()
+        groups = self._groups
+        self._kernel_groups = (
+            tuple(g.a_parts for g in groups),
+            tuple(bt for g in groups for bt in g.bt_parts),
+            tuple(g.columns.start for g in groups),
+        )
 
     def _apply_groups(self) -> tuple[_Group, ...]:
         """The fused runs, and every other part with stacks on its own as a one-part view (eager devices)."""
@@ -216,6 +233,7 @@ class LoRALinear(nn.Module):
         self._has_lora = False
         self._fused = ()
         self._groups = ()
+        self._kernel_groups = ((), (), ())
 
     @property
     def fused_parts(self) -> tuple[tuple[int, ...], ...]:
@@ -255,9 +273,26 @@ class LoRALinear(nn.Module):
         y = self.output(x, meta)
         return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
 
-    def output(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None) -> torch.Tensor:
+    def output(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None, kernel: bool = False) -> torch.Tensor:
         """:meth:`forward`'s parts as the one ``[T, sum(out)]`` tensor they are views of on eager backends (traced
-        backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)]."""
+        backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)].
+
+        ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
+        base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call."""
+        weight = self.weight
+        if (
+            kernel
+            and weight is not None
+            and x.shape[0] <= LINEAR_MAX_TOKENS
+            and x.dtype == weight.dtype == torch.float32
+            and x.stride(1) == 1
+            and weight.is_contiguous()
+        ):
+            if meta is None or meta.no_adapter or not self._has_lora:
+                return lora_linear(x, weight, (), (), (), None)
+            if meta.fused:
+                a_groups, bts, offsets = self._kernel_groups
+                return lora_linear(x, weight, a_groups, bts, offsets, meta.runs)
         if meta is None or meta.no_adapter or not self._has_lora:
             return self.base(x)  # [T, sum(out)]
         if meta.backend.traced:
@@ -267,7 +302,7 @@ class LoRALinear(nn.Module):
             for group in self._groups:
                 apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
             return y
-        packed = self._packed is not None
+        packed = self._packed is not None or self._onednn_plain(x)  # oneDNN writes y, the LoRA adds onto it
         y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         h: dict[int, torch.Tensor] = {}  # part -> its shrink output [T, R]

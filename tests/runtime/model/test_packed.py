@@ -131,10 +131,15 @@ def test_engine_serves_adapters_on_a_packed_model_matching_peft(
     manager.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype) -> None:
-    """The C++ glue ops (kernels.cpu_decode: decode attention, add + RMSNorm, SiLU·mul) against the torch forms on
-    the same slotted model: a ragged prefill with mixed adapters, decode steps with rows out of order and one row
+@pytest.mark.parametrize(
+    ("dtype", "pack_weights"),
+    [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)],
+    ids=["fp32", "fp32-plain", "bf16"],
+)
+def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype, pack_weights) -> None:
+    """The C++ glue ops (kernels.cpu_decode: decode attention, add + RMSNorm, SiLU·mul; with plain fp32 weights also
+    every decode linear's base matmul and LoRA in one kernels.cpu_kernels.lora_linear call) against the torch forms
+    on the same slotted model: a ragged prefill with mixed adapters, decode steps with rows out of order and one row
     idle, and a mixed step (a new prompt's prefill beside decodes). fp32: every step's logits and every cache equal;
     bf16: both forms' distance from the fp32 model, and ours is no larger than the torch forms' (rounding apart)."""
     from kernels import KernelConfig, LoRAKernelMeta, cpu_kernels, select_backend
@@ -147,7 +152,7 @@ def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype) -> No
     runs = [(dtype, True), (dtype, False)] + ([(torch.float32, False)] if dtype != torch.float32 else [])
     models = []
     for run_dtype, cpu_ops in runs:  # ours, the torch forms, and for bf16 the fp32 torch forms as the truth
-        model, _, pool, rows = slotted_model(written, dtype=run_dtype)
+        model, _, pool, rows = slotted_model(written, dtype=run_dtype, pack_weights=pack_weights and cpu_ops)
         model.cpu_ops = cpu_ops
         backend = select_backend("cpu", KernelConfig())
         meta = LoRAKernelMeta.make(backend, pool.num_slots, 8, 64, "cpu", granule=pool.granule)
