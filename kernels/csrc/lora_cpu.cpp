@@ -279,7 +279,29 @@ inline void expand_tile(const float* h, const Run& run, const float* b, int64_t 
       }
     }
   }
-  for (; t < run.count; ++t) {  // a last odd token, or a tile cut short by a part's edge
+  if (vecs == kTile / 16 && t < run.count) {  // a last odd token (a run of one at 8 adapters' decode): even and odd
+    const float* ht = h + t * rank;           // rows in separate accumulators, 8 chains again
+    v16 a0[4] = {}, a1[4] = {};
+    int64_t j = 0;
+    for (; j + 2 <= rank; j += 2) {
+      const float* bj = b + j * bs;
+      const float u = ht[j], v = ht[j + 1];
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) {
+        a0[e] += u * load16(bj + 16 * e);
+        a1[e] += v * load16(bj + bs + 16 * e);
+      }
+    }
+    if (j < rank)
+      for (int e = 0; e < 4; ++e) a0[e] += ht[j] * load16(b + j * bs + 16 * e);
+    float* yt = y + (run.start + t) * ys;
+    for (int e = 0; e < 4; ++e) {
+      const v16 sum = load16(yt + 16 * e) + (a0[e] + a1[e]);
+      std::memcpy(yt + 16 * e, &sum, sizeof sum);
+    }
+    ++t;
+  }
+  for (; t < run.count; ++t) {  // a tile cut short by a part's edge
     const float* ht = h + t * rank;
     float* yt = y + (run.start + t) * ys;
     for (int64_t e = 0; e < 16 * vecs; e += 16) {
