@@ -318,12 +318,18 @@ def main() -> None:
         }
         for setup in setups.values():
             setup.close()
-        logits = torch.randn(args.seqs, config.vocab_size)
+        flat = torch.randn(args.seqs, config.vocab_size)  # a nucleus of ~half the vocabulary: the full sort
+        peaked = flat * 6  # a nucleus of tens of tokens at top_p 0.9, as a trained model's: the candidates' sort
         sampling = {}
-        for name, params in (("greedy", SamplingParams()), ("top_p", SamplingParams(temperature=0.8, top_p=0.9))):
+        top_p = SamplingParams(temperature=0.8, top_p=0.9)
+        for name, params, logits in (
+            ("greedy", SamplingParams(), flat),
+            ("top_p", top_p, flat),
+            ("top_p_peaked", top_p, peaked),
+        ):
             rows = [SampleRow(i, params, (1, 2, 3), (3,), frozenset(), 0.5) for i in range(args.seqs)]
             plan = SamplingBatch.make(rows, (), config.vocab_size, "cpu")
-            sampling[f"{name}_ms"] = median_ms(lambda plan=plan: sample_step(logits, plan), args.repeats)
+            sampling[f"{name}_ms"] = median_ms(lambda plan=plan, lg=logits: sample_step(lg, plan), args.repeats)
         engine = {
             cfg: engine_step_ms(work, work.mix(cfg, args.seqs), args.context, 12) for cfg in ("lora_none", "lora_8")
         }

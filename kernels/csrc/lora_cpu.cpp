@@ -214,6 +214,7 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::Tens
 // second pass over y.
 constexpr int64_t kLinearTokens = 16;  // tokens per call: 8 per pass over a W row pair, from L1 the second time
 constexpr int64_t kTile = 64;          // output columns per tile (a part's edge cuts a tile short)
+constexpr int64_t kPairTokens = 4;     // a run of at least this many tokens shrinks in pair_dots' form
 
 struct Part {
   int64_t col0, cols;  // the part's columns of y
@@ -403,7 +404,31 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(shrink_items.size()); ++i) {
       const auto [k, p, j0] = shrink_items[i];
-      shrink_block(xp, xs, parts[p].a, parts[p].as, K, list[k], j0, h.data() + p * hpart + hoff[k]);
+      const Run& run = list[k];
+      float* hk = h.data() + p * hpart + hoff[k];
+      if (run.count < kPairTokens) {
+        shrink_block(xp, xs, parts[p].a, parts[p].as, K, run, j0, hk);
+        continue;
+      }
+      // a run of several tokens (one adapter's decode): A row pairs × 8 tokens, the base matmul's own dot products
+      const float* xq[8];
+      float dots[16];
+      const int64_t rows = std::min(kShrinkRows, run.rank - j0);
+      for (int64_t t0 = 0; t0 < run.count; t0 += 8) {
+        const int64_t tb = std::min<int64_t>(8, run.count - t0);
+        for (int t = 0; t < 8; ++t) xq[t] = xp + (run.start + t0 + (t < tb ? t : 0)) * xs;
+        for (int64_t j = j0; j < j0 + rows; j += 2) {
+          const bool two = j + 1 < j0 + rows;
+          const float* a0 = parts[p].a + (run.first + j) * parts[p].as;
+          const float* a1 = two ? a0 + parts[p].as : a0;
+          const bool more = j + 3 < j0 + rows;  // the next pair's rows, fetched meanwhile
+          pair_dots(xq, a0, a1, K, more ? a0 + 2 * parts[p].as : a0, more ? a1 + 2 * parts[p].as : a1, dots);
+          for (int64_t t = 0; t < tb; ++t) {
+            hk[(t0 + t) * run.rank + j] = dots[t];
+            if (two) hk[(t0 + t) * run.rank + j + 1] = dots[8 + t];
+          }
+        }
+      }
     }  // the loop's barrier: every h written before any expand
     float out[16];
     const float* xr[8];

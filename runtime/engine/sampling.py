@@ -332,15 +332,43 @@ def _draw(work: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> tor
         tokens.index_copy_(0, idx, pick.squeeze(1))
     if batch.nucleus is not None:
         assert batch.top_p is not None
-        idx = batch.nucleus
+        idx, top_p = batch.nucleus, batch.top_p
         probs = torch.softmax(work.index_select(0, idx) / batch.temperature[idx], dim=-1)
+        if probs.device.type == "cpu" and probs.shape[-1] > NUCLEUS_CANDIDATES:
+            # a full sort is ~1 ms per row of 32k here: sort only the most likely candidates where they hold the
+            # nucleus (a host check: free on CPU; traced and CUDA steps keep their one sync and static shapes)
+            top, order = torch.topk(probs, NUCLEUS_CANDIDATES, dim=-1)  # sorted, most likely first
+            held = (torch.cumsum(top, dim=-1)[:, -1:] >= top_p).squeeze(1)  # the next token would not be kept
+            if bool(held.all()):
+                tokens.index_copy_(0, idx, _nucleus_pick(top, order, top_p, batch.uniform[idx]))
+                return tokens
+            if bool(held.any()):
+                rows = held.nonzero().squeeze(1)
+                picks = _nucleus_pick(top[rows], order[rows], top_p[rows], batch.uniform[idx[rows]])
+                tokens.index_copy_(0, idx[rows], picks)
+                idx, top_p, probs = idx[~held], top_p[~held], probs[~held]
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < batch.top_p  # the first token is always kept
-        cdf = torch.cumsum(sorted_probs * keep, dim=-1)
-        last = keep.sum(-1, keepdim=True) - 1
-        pick = torch.searchsorted(cdf, batch.uniform[idx] * cdf[:, -1:], right=True).minimum(last)
-        tokens.index_copy_(0, idx, order.gather(1, pick).squeeze(1))
+        tokens.index_copy_(0, idx, _nucleus_pick(sorted_probs, order, top_p, batch.uniform[idx]))
     return tokens
+
+
+NUCLEUS_CANDIDATES = 256
+"""Tokens a CPU top-p draw sorts first (``topk``, 0.4 ms for 8 rows of 32k against 8 ms for the full sort); a row
+whose nucleus is larger falls back to the full sort. The pick is the same either way: the prefix sums of the sorted
+probabilities are the full sort's (torch's CPU cumsum is sequential), and every kept token is in the prefix."""
+
+
+def _nucleus_pick(
+    sorted_probs: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
+    """The kept token whose cumulative mass first exceeds uniform × kept mass, from probabilities sorted most likely
+    first (a prefix of them holding every kept token). Shape: sorted_probs, order [m, K]; top_p, uniform [m, 1];
+    returns the token ids [m]."""
+    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p  # the first token is always kept
+    cdf = torch.cumsum(sorted_probs * keep, dim=-1)
+    last = keep.sum(-1, keepdim=True) - 1
+    pick = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).minimum(last)
+    return order.gather(1, pick).squeeze(1)
 
 
 def _logprobs(rows: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:

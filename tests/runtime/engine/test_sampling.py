@@ -267,3 +267,33 @@ def test_out_of_vocab_option_ids_are_refused_at_submit(make_engine):
     with pytest.raises(ValueError, match="stop_ids"):
         engine.submit([1, 2], None, SamplingParams(stop_ids=(VOCAB + 3,)))
     manager.close()
+
+
+def test_top_p_from_the_candidates_picks_what_the_full_sort_picks():
+    """CPU top-p draws sort only the NUCLEUS_CANDIDATES most likely tokens where they hold the nucleus: peaked rows
+    (a nucleus of a few tokens), flat rows (most of the vocabulary: the full sort) and both in one batch must pick
+    exactly the token the full sort picks, for every uniform."""
+    from runtime.engine.sampling import NUCLEUS_CANDIDATES
+
+    vocab = 32000
+    assert vocab > NUCLEUS_CANDIDATES
+    gen = torch.Generator().manual_seed(3)
+    peaked, flat = torch.randn(6, vocab, generator=gen) * 6, torch.randn(6, vocab, generator=gen) * 0.5
+
+    def full_sort(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+        probs = torch.softmax(logits.float() / params.temperature, -1)
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, -1) - sorted_probs < params.top_p
+        cdf = torch.cumsum(sorted_probs * keep, -1)
+        pick = min(int(torch.searchsorted(cdf, u * cdf[-1:], right=True)), int(keep.sum()) - 1)
+        return int(order[pick])
+
+    for logits in (peaked, flat, torch.cat([peaked[:3], flat[:3]])):
+        params = [SamplingParams(temperature=0.7 + 0.1 * i, top_p=(0.5, 0.9, 0.97)[i % 3]) for i in range(6)]
+        for draw in range(4):
+            rows = [
+                SampleRow(i, p, (1,), (), frozenset(), uniform=random.Random(100 * draw + i).random())
+                for i, p in enumerate(params)
+            ]
+            got = sample_step(logits, SamplingBatch.make(rows, [], vocab, "cpu")).tokens
+            assert got == [full_sort(logits[r.logits_row], r.params, r.uniform) for r in rows]
