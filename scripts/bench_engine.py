@@ -9,8 +9,9 @@ Measured side by side in one run (medians), on the CPU by default:
   shared machine hits references and steps alike;
 - the model's decode step (``--seqs`` sequences, one token each, ``--context`` tokens of context) and prefill
   (``--prefill`` tokens split over the sequences) for base, LoRA attached with no adapter in the step, 1 adapter,
-  8 distinct rank-16 adapters — with packed weights + batched attention (the default) and, for comparison, plain
-  weights + one attention call per sequence (``--no-plain`` skips it);
+  8 distinct rank-16 adapters — with packed weights (the default) and, for comparison, plain weights, whose decode
+  linears each run their base matmul and LoRA in one ``lora_linear`` call and whose prefill runs oneDNN's linear on
+  the dense weight (``--no-plain`` skips it);
 - a profile of one packed decode step per config: matmul, attention, other ops, outside any op;
 - the real engine's decode step (scheduler, lease, forward, sampling) and ``sample_step()`` alone over the step's rows.
 
@@ -268,7 +269,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=144, help="tokens already cached per sequence at decode")
     parser.add_argument("--prefill", type=int, default=1024, help="prefill tokens, split evenly over --seqs")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--no-plain", action="store_true", help="skip the plain-weights / per-sequence comparison")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain-weights comparison")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_engine.json"))
     args = parser.parse_args()
@@ -283,7 +284,6 @@ def main() -> None:
         results["load_packed_s"] = round(work.load_s, 2)
         plain = work.load_model(pack_weights=False)
         if not args.no_plain:
-            plain.batched_attention = False  # the engine as it was: plain weights, one attention call per sequence
             models["plain"] = plain
         refs = References(plain, args.seqs)
         if args.no_plain:
@@ -358,6 +358,13 @@ def main() -> None:
             "lora_1": lora_flop_fraction(config),
             "lora_8": lora_flop_fraction(config),
         },
+        "plain": {  # plain weights (lora_linear at decode), beside the packed default in the same rounds
+            "decode_vs_packed": {c: decode_ms["plain"][c] / packed_decode[c] for c in CONFIGS},
+            "lora_decode_cost": {c: decode_ms["plain"][c] / decode_ms["plain"]["base"] - 1 for c in CONFIGS[1:]},
+            "prefill_vs_packed": {c: prefill_ms["plain"][c] / packed_prefill[c] for c in CONFIGS},
+        }
+        if "plain" in decode_ms
+        else None,
         "engine_step_ms": engine,
         "engine_overhead": {c: engine[c] / packed_decode[c] - 1 for c in engine},
         "sampling": sampling,
@@ -386,6 +393,14 @@ def main() -> None:
         cost, floor = s["lora_decode_cost"][c], floors[c]
         bound = 0.01 if c == "lora_none" else 1.25 * floor
         print(f"  {c:9s} cost {100 * cost:+6.1f} %  floor {100 * floor:5.1f} %  target <= {100 * bound:5.1f} %")
+    if s["plain"] is not None:
+        plain = s["plain"]
+        print(
+            "  plain weights (one lora_linear call per decode linear): "
+            + ", ".join(f"{c} {100 * v:+.1f} %" for c, v in plain["lora_decode_cost"].items())
+            + " over plain base; plain / packed "
+            + ", ".join(f"{c} {v:.3f}" for c, v in plain["decode_vs_packed"].items())
+        )
     print(f"  lora_8 decode by eager LoRA form (ms): {forms}; auto took {results['lora_8_decode_auto_form']}")
     base = packed_decode["base"]
     print(
@@ -407,6 +422,11 @@ def main() -> None:
         cost, floor = s["lora_prefill_cost"][c], s["lora_prefill_floor"][c]
         bound = max(1.25 * floor, 0.01)
         print(f"  {c:9s} cost {100 * cost:+6.1f} %  floor {100 * floor:5.1f} %  target <= {100 * bound:5.1f} %")
+    if s["plain"] is not None:
+        print(
+            "  plain weights (oneDNN's linear on the dense weight) / packed: "
+            + ", ".join(f"{c} {v:.3f}" for c, v in s["plain"]["prefill_vs_packed"].items())
+        )
     print("\nprofile of one packed decode step (self ms by category)")
     for cfg, cats in profiles.items():
         print(f"  {cfg:9s} " + "  ".join(f"{k} {v:6.1f}" for k, v in cats.items()))
