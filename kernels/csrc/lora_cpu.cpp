@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -230,12 +231,14 @@ struct Tile {
 
 // out[r·8 + t] = W row r · x[t] for the row pair (w0, w1) and 8 token rows xr (K % 16 == 0 here; the tail apart).
 inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,
-                      const float* ahead1, float* out) {
+                      const float* ahead1, float* out, const float* extra = nullptr) {
   const int64_t K16 = K - K % 16;
+  const float* fetch = extra != nullptr ? extra : ahead0;  // a row of K floats to bring into L2 meanwhile
   v16 acc[16] = {};
   for (int64_t k = 0; k < K16; k += 16) {
     __builtin_prefetch(ahead0 + k, 0, 3);  // the next pair's rows: W's stream crosses a page at every row
     __builtin_prefetch(ahead1 + k, 0, 3);
+    __builtin_prefetch(fetch + k, 0, 2);
     const v16 a = load16(w0 + k), b = load16(w1 + k);
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
@@ -399,43 +402,55 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList 
   };
   const int threads = at::get_num_threads();
   const bool parallel = threads > 1 && nt > 1;
-#pragma omp parallel num_threads(threads) if (parallel)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < static_cast<int64_t>(shrink_items.size()); ++i) {
-      const auto [k, p, j0] = shrink_items[i];
-      const Run& run = list[k];
-      float* hk = h.data() + p * hpart + hoff[k];
-      if (run.count < kPairTokens) {
-        shrink_block(xp, xs, parts[p].a, parts[p].as, K, run, j0, hk);
-        continue;
-      }
-      // a run of several tokens (one adapter's decode): A row pairs × 8 tokens, the base matmul's own dot products
-      const float* xq[8];
-      float dots[16];
-      const int64_t rows = std::min(kShrinkRows, run.rank - j0);
-      for (int64_t t0 = 0; t0 < run.count; t0 += 8) {
-        const int64_t tb = std::min<int64_t>(8, run.count - t0);
-        for (int t = 0; t < 8; ++t) xq[t] = xp + (run.start + t0 + (t < tb ? t : 0)) * xs;
-        for (int64_t j = j0; j < j0 + rows; j += 2) {
-          const bool two = j + 1 < j0 + rows;
-          const float* a0 = parts[p].a + (run.first + j) * parts[p].as;
-          const float* a1 = two ? a0 + parts[p].as : a0;
-          const bool more = j + 3 < j0 + rows;  // the next pair's rows, fetched meanwhile
-          pair_dots(xq, a0, a1, K, more ? a0 + 2 * parts[p].as : a0, more ? a1 + 2 * parts[p].as : a1, dots);
-          for (int64_t t = 0; t < tb; ++t) {
-            hk[(t0 + t) * run.rank + j] = dots[t];
-            if (two) hk[(t0 + t) * run.rank + j + 1] = dots[8 + t];
-          }
+  const int64_t ni = static_cast<int64_t>(shrink_items.size());
+  // the shrink of item i into h (its A rows × the run's tokens)
+  auto shrink = [&](int64_t i) {
+    const auto [k, p, j0] = shrink_items[i];
+    const Run& run = list[k];
+    float* hk = h.data() + p * hpart + hoff[k];
+    if (run.count < kPairTokens) {
+      shrink_block(xp, xs, parts[p].a, parts[p].as, K, run, j0, hk);
+      return;
+    }
+    // a run of several tokens (one adapter's decode): A row pairs × 8 tokens, the base matmul's own dot products
+    const float* xq[8];
+    float dots[16];
+    const int64_t rows = std::min(kShrinkRows, run.rank - j0);
+    for (int64_t t0 = 0; t0 < run.count; t0 += 8) {
+      const int64_t tb = std::min<int64_t>(8, run.count - t0);
+      for (int t = 0; t < 8; ++t) xq[t] = xp + (run.start + t0 + (t < tb ? t : 0)) * xs;
+      for (int64_t j = j0; j < j0 + rows; j += 2) {
+        const bool two = j + 1 < j0 + rows;
+        const float* a0 = parts[p].a + (run.first + j) * parts[p].as;
+        const float* a1 = two ? a0 + parts[p].as : a0;
+        const bool more = j + 3 < j0 + rows;  // the next pair's rows, fetched meanwhile
+        pair_dots(xq, a0, a1, K, more ? a0 + 2 * parts[p].as : a0, more ? a1 + 2 * parts[p].as : a1, dots);
+        for (int64_t t = 0; t < tb; ++t) {
+          hk[(t0 + t) * run.rank + j] = dots[t];
+          if (two) hk[(t0 + t) * run.rank + j + 1] = dots[8 + t];
         }
       }
-    }  // the loop's barrier: every h written before any expand
+    }
+  };
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    // Each thread takes a contiguous range of tiles (W streams in order) and every nth shrink item. It computes its
+    // first tiles' base dot products while their W row pairs prefetch its items' A rows (one A row per pair), then
+    // its shrink items from the cache; after the barrier (every h written) the expand of those first tiles, then
+    // the rest of its tiles with their expand.
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t lo = tid * nt / nth, hi = (tid + 1) * nt / nth;
+    std::vector<const float*> fetch;  // this thread's A rows, in the order its items read them
+    for (int64_t i = tid; i < ni; i += nth) {
+      const auto [k, p, j0] = shrink_items[i];
+      for (int64_t j = j0; j < std::min(j0 + kShrinkRows, list[k].rank); ++j)
+        fetch.push_back(parts[p].a + (list[k].first + j) * parts[p].as);
+    }
+    size_t fetched = 0;
     float out[16];
     const float* xr[8];
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < nt; ++i) {
+    auto base_tile = [&](int64_t i) {
       const Tile& tile = tiles[i];
-      if (lora) prefetch_bt(i + 1);
       for (int64_t t0 = 0; t0 < T; t0 += 8) {  // 8 tokens per pass (a short block repeats its first token)
         const int64_t tb = std::min<int64_t>(8, T - t0);
         for (int t = 0; t < 8; ++t) xr[t] = xp + (t0 + (t < tb ? t : 0)) * xs;
@@ -447,14 +462,17 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList 
           const int64_t next = std::min(n + 2, N - 1);
           const float* ahead0 = wp + next * K;
           const float* ahead1 = wp + std::min(next + 1, N - 1) * K;
-          pair_dots(xr, w0, w1, K, ahead0, ahead1, out);
+          pair_dots(xr, w0, w1, K, ahead0, ahead1, out, fetched < fetch.size() ? fetch[fetched++] : nullptr);
           for (int64_t t = 0; t < tb; ++t) {
             yp[(t0 + t) * N + n] = out[t];
             if (two) yp[(t0 + t) * N + n + 1] = out[8 + t];
           }
         }
       }
-      if (tile.part < 0) continue;
+    };
+    auto expand = [&](int64_t i) {
+      const Tile& tile = tiles[i];
+      if (tile.part < 0) return;
       const Part& part = parts[tile.part];
       const int64_t c = tile.c0 - part.col0;
       for (int64_t k = 0; k < nr; ++k) {
@@ -462,6 +480,19 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList 
         expand_tile(h.data() + tile.part * hpart + hoff[k], run, part.bt + run.first * part.bs + c, part.bs,
                     yp + tile.c0, N, tile.cols);
       }
+    };
+    int64_t lead = lo;
+    if (lora) {
+      while (lead < hi && fetched < fetch.size()) base_tile(lead++);
+      for (int64_t i = tid; i < ni; i += nth) shrink(i);
+      for (int64_t i = lo; i < lead; ++i) prefetch_bt(i);
+    }
+#pragma omp barrier
+    for (int64_t i = lo; i < lead; ++i) expand(i);
+    for (int64_t i = lead; i < hi; ++i) {
+      if (lora) prefetch_bt(i + 1);
+      base_tile(i);
+      expand(i);
     }
   }
   return y;
