@@ -1,5 +1,6 @@
 """What the benchmarks set up alike: the random checkpoint, synthetic PEFT adapters, the engine over a manager, and
-the engine workload itself (the bench model serving 8 rank-16 adapters from one manager) with its adapter mixes.
+the engine workload itself (the bench model serving 8 rank-16 adapters from one manager) with its adapter mixes,
+and the real engine's decode step timed against the forward inside it (``engine_step_ms``).
 
 Scripts beside this file import it by name (``python scripts/bench_x.py`` puts scripts/ on ``sys.path``)::
 
@@ -12,6 +13,7 @@ Scripts beside this file import it by name (``python scripts/bench_x.py`` puts s
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +26,7 @@ import torch
 from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, BaseModelSpec, write_synthetic_adapter
 from kernels import KernelConfig
 from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.model.checkpoint import load_model, write_random_checkpoint
 from runtime.model.config import LlamaConfig
@@ -152,3 +155,40 @@ def engine_workload(
             yield EngineWorkload(config, checkpoint, dtype, device, model, load_s, manager, ids)
         finally:
             manager.close()
+
+
+def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: int, steps: int) -> dict[str, float]:
+    """The real engine's decode step (scheduling, lease, forward, sampling) over ``steps`` decode steps: the median
+    step (ms), the median forward inside those same steps (metadata + model, ms) and the median of each step's
+    overhead over its own forward, so that the overhead is not a difference of two noisy phases."""
+    engine = work.engine(max_batch=len(adapters), max_seq_len=context + steps + 8)
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    for adapter in adapters:
+        engine.submit(torch.randint(0, work.config.vocab_size, (context,), generator=gen).tolist(), adapter, params)
+    while any(r.in_prefill for r in engine._running) or engine._waiting:  # noqa: SLF001 - bench: reach decode
+        engine.step()
+    run_model, forward = engine._run_model, []  # noqa: SLF001 - bench: the forward's share of each step
+
+    def timed(batch, slot_rows):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        logits = run_model(batch, slot_rows)
+        forward.append(time.perf_counter() - start)
+        return logits
+
+    engine._run_model = timed  # noqa: SLF001
+    times, forwards = [], []
+    for _ in range(steps):
+        forward.clear()
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        forwards.append(sum(forward))
+    engine._run_model = run_model  # noqa: SLF001
+    while engine.has_work:
+        engine.step()
+    return {
+        "step_ms": 1e3 * statistics.median(times),
+        "forward_ms": 1e3 * statistics.median(forwards),
+        "overhead": statistics.median(t / f - 1 for t, f in zip(times, forwards, strict=True)),
+    }

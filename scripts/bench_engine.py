@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_workload, projection_shapes
+from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_step_ms, engine_workload, projection_shapes
 
 from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
@@ -242,43 +242,6 @@ def profile_step(fn: Callable[[], object]) -> dict[str, float]:
     cats["outside_ops"] = max(wall - sum(cats.values()), 0.0)
     cats["profiled_wall"] = wall
     return {k: round(v, 2) for k, v in cats.items()}
-
-
-def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: int, steps: int) -> dict[str, float]:
-    """The real engine's decode step (scheduling, lease, forward, sampling) over ``steps`` decode steps: the median
-    step (ms), the median forward inside those same steps (metadata + model, ms) and the median of each step's
-    overhead over its own forward, so that the overhead is not a difference of two noisy phases."""
-    engine = work.engine(max_batch=len(adapters), max_seq_len=context + steps + 8)
-    gen = torch.Generator().manual_seed(1)
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
-    for adapter in adapters:
-        engine.submit(torch.randint(0, work.config.vocab_size, (context,), generator=gen).tolist(), adapter, params)
-    while any(r.in_prefill for r in engine._running) or engine._waiting:  # noqa: SLF001 - bench: reach decode
-        engine.step()
-    run_model, forward = engine._run_model, []  # noqa: SLF001 - bench: the forward's share of each step
-
-    def timed(batch, slot_rows):  # noqa: ANN001, ANN202
-        start = time.perf_counter()
-        logits = run_model(batch, slot_rows)
-        forward.append(time.perf_counter() - start)
-        return logits
-
-    engine._run_model = timed  # noqa: SLF001
-    times, forwards = [], []
-    for _ in range(steps):
-        forward.clear()
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        forwards.append(sum(forward))
-    engine._run_model = run_model  # noqa: SLF001
-    while engine.has_work:
-        engine.step()
-    return {
-        "step_ms": 1e3 * statistics.median(times),
-        "forward_ms": 1e3 * statistics.median(forwards),
-        "overhead": statistics.median(t / f - 1 for t, f in zip(times, forwards, strict=True)),
-    }
 
 
 def main() -> None:

@@ -9,7 +9,9 @@
 // and dotted with the run's tokens (8 rows at a time, so x is read once per 8 rows); each Bt row chunk (1024
 // columns, 4 rows at a time) is read once per token and accumulated in fp32 before one add into y. h (the rank-space
 // activations) never leaves the call. Block sizes measured on the bench model's decode (8 adapters, T = 8): 1024
-// columns × 8 rows reached the read pass's bandwidth (44 vs 35-39 GB/s for 512 × 4 or 256 × 4).
+// columns × 8 rows reached the read pass's bandwidth (44 vs 35-39 GB/s for 512 × 4 or 256 × 4). (lora_linear's
+// pair_dots / expand_tile forms in lora_apply, measured in one run: one adapter +3.4 -> +3.2 %, eight +14.4 -> +15.0 %
+// over the base matmuls: no gain, not taken.)
 // One OpenMP region per call (dynamic schedule over (run, part, block) items; its barrier orders shrink before
 // expand); a call with at most two items runs on one thread.
 #include <ATen/ATen.h>
@@ -75,6 +77,125 @@ void shrink_block(const scalar_t* xp, int64_t xs, const scalar_t* a, int64_t as,
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < in; ++i) s += static_cast<float>(xt[i]) * static_cast<float>(q[i]);
         out[jj] = s;
+      }
+    }
+  }
+}
+
+constexpr int64_t kTile = 64;       // expand columns per block; lora_linear's output columns per tile
+constexpr int64_t kPairTokens = 4;  // a run of at least this many tokens shrinks in pair_dots' form (fp32)
+
+// out[r·8 + t] = W row r · x[t] for the row pair (w0, w1) and 8 token rows xr (K % 16 == 0 here; the tail apart).
+inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,
+                      const float* ahead1, float* out, const float* extra = nullptr) {
+  const int64_t K16 = K - K % 16;
+  const float* fetch = extra != nullptr ? extra : ahead0;  // a row of K floats to bring into L2 meanwhile
+  v16 acc[16] = {};
+  for (int64_t k = 0; k < K16; k += 16) {
+    __builtin_prefetch(ahead0 + k, 0, 3);  // the next pair's rows: W's stream crosses a page at every row
+    __builtin_prefetch(ahead1 + k, 0, 3);
+    __builtin_prefetch(fetch + k, 0, 2);
+    const v16 a = load16(w0 + k), b = load16(w1 + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const v16 xv = load16(xr[t] + k);
+      acc[t] += a * xv;
+      acc[8 + t] += b * xv;
+    }
+  }
+  const v16 sums = reduce16(acc);
+  for (int i = 0; i < 16; ++i) out[kReduceOrder[i]] = sums[i];
+  for (int64_t k = K16; k < K; ++k)
+    for (int t = 0; t < 8; ++t) out[t] += w0[k] * xr[t][k], out[8 + t] += w1[k] * xr[t][k];
+}
+
+// y[start + t, 0 : cols] += h[t] @ Bt[0 : rank, 0 : cols] for the run's tokens (h: [count, rank]; Bt row j at b + j·bs;
+// y row t at y + t·ys), cols <= kTile: 2 tokens × 4 column vectors of accumulators, so that the rank loop's FMAs are
+// 8 independent chains.
+inline void expand_tile(const float* h, const Run& run, const float* b, int64_t bs, float* y, int64_t ys,
+                        int64_t cols) {
+  const int64_t vecs = cols / 16, rank = run.rank;
+  int64_t t = 0;
+  if (vecs == kTile / 16) {
+    for (; t + 2 <= run.count; t += 2) {
+      const float *h0 = h + t * rank, *h1 = h0 + rank;
+      v16 a0[4] = {}, a1[4] = {};
+      for (int64_t j = 0; j < rank; ++j) {
+        const float* bj = b + j * bs;
+        const float u = h0[j], v = h1[j];
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; ++e) {
+          const v16 bv = load16(bj + 16 * e);
+          a0[e] += u * bv;
+          a1[e] += v * bv;
+        }
+      }
+      float* y0 = y + (run.start + t) * ys;
+      float* y1 = y0 + ys;
+      for (int e = 0; e < 4; ++e) {
+        const v16 s0 = load16(y0 + 16 * e) + a0[e], s1 = load16(y1 + 16 * e) + a1[e];
+        std::memcpy(y0 + 16 * e, &s0, sizeof s0);
+        std::memcpy(y1 + 16 * e, &s1, sizeof s1);
+      }
+    }
+  }
+  if (vecs == kTile / 16 && t < run.count) {  // a last odd token (a run of one at 8 adapters' decode): even and odd
+    const float* ht = h + t * rank;           // rows in separate accumulators, 8 chains again
+    v16 a0[4] = {}, a1[4] = {};
+    int64_t j = 0;
+    for (; j + 2 <= rank; j += 2) {
+      const float* bj = b + j * bs;
+      const float u = ht[j], v = ht[j + 1];
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) {
+        a0[e] += u * load16(bj + 16 * e);
+        a1[e] += v * load16(bj + bs + 16 * e);
+      }
+    }
+    if (j < rank)
+      for (int e = 0; e < 4; ++e) a0[e] += ht[j] * load16(b + j * bs + 16 * e);
+    float* yt = y + (run.start + t) * ys;
+    for (int e = 0; e < 4; ++e) {
+      const v16 sum = load16(yt + 16 * e) + (a0[e] + a1[e]);
+      std::memcpy(yt + 16 * e, &sum, sizeof sum);
+    }
+    ++t;
+  }
+  for (; t < run.count; ++t) {  // a tile cut short by a part's edge
+    const float* ht = h + t * rank;
+    float* yt = y + (run.start + t) * ys;
+    for (int64_t e = 0; e < 16 * vecs; e += 16) {
+      v16 acc = {};
+      for (int64_t j = 0; j < rank; ++j) acc += ht[j] * load16(b + j * bs + e);
+      const v16 sum = load16(yt + e) + acc;
+      std::memcpy(yt + e, &sum, sizeof sum);
+    }
+    for (int64_t e = 16 * vecs; e < cols; ++e) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < rank; ++j) acc += ht[j] * b[j * bs + e];
+      yt[e] += acc;
+    }
+  }
+}
+
+// shrink_block's result for a run of several tokens (fp32): A row pairs × 8 tokens, the base matmul's own dot products
+// (pair_dots), the next pair's rows prefetched meanwhile.
+inline void shrink_pairs(const float* xp, int64_t xs, const float* a, int64_t as, int64_t in, const Run& run,
+                         int64_t j0, float* hk) {
+  const float* xq[8];
+  float dots[16];
+  const int64_t rows = std::min(kShrinkRows, run.rank - j0);
+  for (int64_t t0 = 0; t0 < run.count; t0 += 8) {
+    const int64_t tb = std::min<int64_t>(8, run.count - t0);
+    for (int t = 0; t < 8; ++t) xq[t] = xp + (run.start + t0 + (t < tb ? t : 0)) * xs;
+    for (int64_t j = j0; j < j0 + rows; j += 2) {
+      const bool two = j + 1 < j0 + rows, more = j + 3 < j0 + rows;
+      const float* a0 = a + (run.first + j) * as;
+      const float* a1 = two ? a0 + as : a0;
+      pair_dots(xq, a0, a1, in, more ? a0 + 2 * as : a0, more ? a1 + 2 * as : a1, dots);
+      for (int64_t t = 0; t < tb; ++t) {
+        hk[(t0 + t) * run.rank + j] = dots[t];
+        if (two) hk[(t0 + t) * run.rank + j + 1] = dots[8 + t];
       }
     }
   }
@@ -214,8 +335,6 @@ void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::Tens
 // tile's Bt columns, which were prefetched one tile ahead, so their reads overlap W's. One call per linear, no
 // second pass over y.
 constexpr int64_t kLinearTokens = 16;  // tokens per call: 8 per pass over a W row pair, from L1 the second time
-constexpr int64_t kTile = 64;          // output columns per tile (a part's edge cuts a tile short)
-constexpr int64_t kPairTokens = 4;     // a run of at least this many tokens shrinks in pair_dots' form
 
 struct Part {
   int64_t col0, cols;  // the part's columns of y
@@ -228,99 +347,6 @@ struct Part {
 struct Tile {
   int64_t c0, cols, part;  // part -1: base only
 };
-
-// out[r·8 + t] = W row r · x[t] for the row pair (w0, w1) and 8 token rows xr (K % 16 == 0 here; the tail apart).
-inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,
-                      const float* ahead1, float* out, const float* extra = nullptr) {
-  const int64_t K16 = K - K % 16;
-  const float* fetch = extra != nullptr ? extra : ahead0;  // a row of K floats to bring into L2 meanwhile
-  v16 acc[16] = {};
-  for (int64_t k = 0; k < K16; k += 16) {
-    __builtin_prefetch(ahead0 + k, 0, 3);  // the next pair's rows: W's stream crosses a page at every row
-    __builtin_prefetch(ahead1 + k, 0, 3);
-    __builtin_prefetch(fetch + k, 0, 2);
-    const v16 a = load16(w0 + k), b = load16(w1 + k);
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const v16 xv = load16(xr[t] + k);
-      acc[t] += a * xv;
-      acc[8 + t] += b * xv;
-    }
-  }
-  const v16 sums = reduce16(acc);
-  for (int i = 0; i < 16; ++i) out[kReduceOrder[i]] = sums[i];
-  for (int64_t k = K16; k < K; ++k)
-    for (int t = 0; t < 8; ++t) out[t] += w0[k] * xr[t][k], out[8 + t] += w1[k] * xr[t][k];
-}
-
-// y[start + t, 0 : cols] += h[t] @ Bt[0 : rank, 0 : cols] for the run's tokens (h: [count, rank]; Bt row j at b + j·bs;
-// y row t at y + t·ys), cols <= kTile: 2 tokens × 4 column vectors of accumulators, so that the rank loop's FMAs are
-// 8 independent chains.
-inline void expand_tile(const float* h, const Run& run, const float* b, int64_t bs, float* y, int64_t ys,
-                        int64_t cols) {
-  const int64_t vecs = cols / 16, rank = run.rank;
-  int64_t t = 0;
-  if (vecs == kTile / 16) {
-    for (; t + 2 <= run.count; t += 2) {
-      const float *h0 = h + t * rank, *h1 = h0 + rank;
-      v16 a0[4] = {}, a1[4] = {};
-      for (int64_t j = 0; j < rank; ++j) {
-        const float* bj = b + j * bs;
-        const float u = h0[j], v = h1[j];
-#pragma GCC unroll 4
-        for (int e = 0; e < 4; ++e) {
-          const v16 bv = load16(bj + 16 * e);
-          a0[e] += u * bv;
-          a1[e] += v * bv;
-        }
-      }
-      float* y0 = y + (run.start + t) * ys;
-      float* y1 = y0 + ys;
-      for (int e = 0; e < 4; ++e) {
-        const v16 s0 = load16(y0 + 16 * e) + a0[e], s1 = load16(y1 + 16 * e) + a1[e];
-        std::memcpy(y0 + 16 * e, &s0, sizeof s0);
-        std::memcpy(y1 + 16 * e, &s1, sizeof s1);
-      }
-    }
-  }
-  if (vecs == kTile / 16 && t < run.count) {  // a last odd token (a run of one at 8 adapters' decode): even and odd
-    const float* ht = h + t * rank;           // rows in separate accumulators, 8 chains again
-    v16 a0[4] = {}, a1[4] = {};
-    int64_t j = 0;
-    for (; j + 2 <= rank; j += 2) {
-      const float* bj = b + j * bs;
-      const float u = ht[j], v = ht[j + 1];
-#pragma GCC unroll 4
-      for (int e = 0; e < 4; ++e) {
-        a0[e] += u * load16(bj + 16 * e);
-        a1[e] += v * load16(bj + bs + 16 * e);
-      }
-    }
-    if (j < rank)
-      for (int e = 0; e < 4; ++e) a0[e] += ht[j] * load16(b + j * bs + 16 * e);
-    float* yt = y + (run.start + t) * ys;
-    for (int e = 0; e < 4; ++e) {
-      const v16 sum = load16(yt + 16 * e) + (a0[e] + a1[e]);
-      std::memcpy(yt + 16 * e, &sum, sizeof sum);
-    }
-    ++t;
-  }
-  for (; t < run.count; ++t) {  // a tile cut short by a part's edge
-    const float* ht = h + t * rank;
-    float* yt = y + (run.start + t) * ys;
-    for (int64_t e = 0; e < 16 * vecs; e += 16) {
-      v16 acc = {};
-      for (int64_t j = 0; j < rank; ++j) acc += ht[j] * load16(b + j * bs + e);
-      const v16 sum = load16(yt + e) + acc;
-      std::memcpy(yt + e, &sum, sizeof sum);
-    }
-    for (int64_t e = 16 * vecs; e < cols; ++e) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < rank; ++j) acc += ht[j] * b[j * bs + e];
-      yt[e] += acc;
-    }
-  }
-}
 
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
                        at::IntArrayRef offsets, const at::Tensor& runs) {
@@ -412,25 +438,7 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList 
       shrink_block(xp, xs, parts[p].a, parts[p].as, K, run, j0, hk);
       return;
     }
-    // a run of several tokens (one adapter's decode): A row pairs × 8 tokens, the base matmul's own dot products
-    const float* xq[8];
-    float dots[16];
-    const int64_t rows = std::min(kShrinkRows, run.rank - j0);
-    for (int64_t t0 = 0; t0 < run.count; t0 += 8) {
-      const int64_t tb = std::min<int64_t>(8, run.count - t0);
-      for (int t = 0; t < 8; ++t) xq[t] = xp + (run.start + t0 + (t < tb ? t : 0)) * xs;
-      for (int64_t j = j0; j < j0 + rows; j += 2) {
-        const bool two = j + 1 < j0 + rows;
-        const float* a0 = parts[p].a + (run.first + j) * parts[p].as;
-        const float* a1 = two ? a0 + parts[p].as : a0;
-        const bool more = j + 3 < j0 + rows;  // the next pair's rows, fetched meanwhile
-        pair_dots(xq, a0, a1, K, more ? a0 + 2 * parts[p].as : a0, more ? a1 + 2 * parts[p].as : a1, dots);
-        for (int64_t t = 0; t < tb; ++t) {
-          hk[(t0 + t) * run.rank + j] = dots[t];
-          if (two) hk[(t0 + t) * run.rank + j + 1] = dots[8 + t];
-        }
-      }
-    }
+    shrink_pairs(xp, xs, parts[p].a, parts[p].as, K, run, j0, hk);
   };
 #pragma omp parallel num_threads(threads) if (parallel)
   {
