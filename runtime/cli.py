@@ -16,6 +16,7 @@ Exit codes: 0 ok, 1 the server failed or could not be reached, 2 bad usage or in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -244,8 +245,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.launch import build_serving
 
     try:
-        with tempfile.TemporaryDirectory(prefix="adapter-manager-model-") as tmp:
-            folder, name = model_source(args, Path(args.workdir or tmp), lambda ref: CheckpointSource(ref).resolve())
+        # a temp dir only without --workdir: a killed server cannot remove one, and would leave it behind
+        scratch = tempfile.TemporaryDirectory(prefix="adapter-manager-model-") if args.workdir is None else None
+        with scratch or contextlib.nullcontext(str(args.workdir)) as tmp:
+            folder, name = model_source(args, Path(tmp), lambda ref: CheckpointSource(ref).resolve())
             configs = ServeOptions.from_args(args, name).configs()
             serving = build_serving(folder, configs.manager, configs.engine, configs.server, dtype=configs.dtype)
             _print_restored(serving.manager)
