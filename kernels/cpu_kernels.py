@@ -1,7 +1,9 @@
 """Build (once per machine) and load the CPU kernels: ``torch.ops.adapter_manager.lora_apply`` (the LoRA of a fused
-linear) and the decode step's glue ops (``decode_attention``, ``add_rms_norm``, ``silu_mul``: kernels.cpu_decode).
+linear), ``lora_linear`` (a decode linear's base matmul with its LoRA) and the decode step's glue ops
+(``decode_attention``, ``add_rms_norm``, ``silu_mul``: kernels.cpu_decode).
 
-The sources are ``kernels/csrc/lora_cpu.cpp`` and ``kernels/csrc/decode_cpu.cpp``, one library. It is compiled by
+The sources are ``kernels/csrc/lora_cpu.cpp``, ``linear_cpu.cpp`` and ``decode_cpu.cpp`` (with their headers
+``lora_common.h`` and ``vec16.h``), one library. It is compiled by
 torch's own extension builder (``torch.utils.cpp_extension``: the system C++ compiler and ninja) for this machine's
 CPU (``-march=native``) on first use, about 10 s (logged at INFO), into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default
 ``~/.cache/adapter_manager/kernels``), one folder per (sources, flags, torch, CPU) hash, so a stale build is never
@@ -25,8 +27,9 @@ import torch
 
 _log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("lora_cpu.cpp", "decode_cpu.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "vec16.h",)  # included by the sources: part of the build's hash
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(_CSRC / name for name in ("lora_cpu.cpp", "linear_cpu.cpp", "decode_cpu.cpp"))
+HEADERS = tuple(_CSRC / name for name in ("vec16.h", "lora_common.h"))  # included by the sources: in the build's hash
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

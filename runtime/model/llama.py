@@ -18,13 +18,13 @@ from torch import nn
 from adapter_manager import PROJECTIONS, ModuleKey
 from adapter_manager.base_model import PROJECTION_PARENT
 from kernels import LoRAKernelMeta, cpu_decode
-from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear
+from kernels.cpu_kernels import lora_linear
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
 from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from .kv_cache import AttentionPlan, KVCache, plan_attention
-from .lora_linear import LoRALinear, Stacks
+from .lora_linear import LoRALinear, Stacks, kernel_fits
 from .rope import apply_rope, rope_factors, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
@@ -361,8 +361,7 @@ class Llama(nn.Module):
         h = cpu_decode.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if step.cpu_ops else self.norm(h)
         if self.output is None:
             embeddings = self.tok_embeddings.weight
-            small = h.shape[0] <= LINEAR_MAX_TOKENS and h.stride(1) == 1
-            if step.cpu_ops and small and h.dtype == embeddings.dtype == torch.float32:
+            if step.cpu_ops and kernel_fits(h, embeddings):
                 return lora_linear(h, embeddings, (), (), (), None)  # [N, vocab]
             return h @ embeddings.t()  # [N, vocab]
         return self.output.output(h, kernel=step.cpu_ops)  # [N, vocab]

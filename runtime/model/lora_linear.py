@@ -80,6 +80,17 @@ def _fused_runs(a_rows: list[torch.Tensor | None]) -> tuple[_FusedParts, ...]:
     return tuple(runs)
 
 
+def kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`kernels.cpu_kernels.lora_linear` takes ``x @ weight.T``: fp32 both, at most
+    ``LINEAR_MAX_TOKENS`` rows of unit inner stride, a contiguous weight (the caller checks the CPU ops are on)."""
+    return (
+        x.shape[0] <= LINEAR_MAX_TOKENS
+        and x.dtype == weight.dtype == torch.float32
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+    )
+
+
 class LoRALinear(nn.Module):
     """One base matmul for one or more projections that share an input (q/k/v, gate/up), each with its own LoRA.
 
@@ -280,14 +291,7 @@ class LoRALinear(nn.Module):
         ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
         base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call."""
         weight = self.weight
-        if (
-            kernel
-            and weight is not None
-            and x.shape[0] <= LINEAR_MAX_TOKENS
-            and x.dtype == weight.dtype == torch.float32
-            and x.stride(1) == 1
-            and weight.is_contiguous()
-        ):
+        if kernel and weight is not None and kernel_fits(x, weight):
             if meta is None or meta.no_adapter or not self._has_lora:
                 return lora_linear(x, weight, (), (), (), None)
             if meta.fused:
