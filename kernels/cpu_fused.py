@@ -31,6 +31,8 @@ class CpuFusedBackend(TorchEagerBackend):
 
     fused = True
     """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
+    cpu_kernels = True
+    """Its FUSED steps' runs table is the C++ kernels' (:attr:`kernels.meta.LoRAKernelMeta.cpu_fused`)."""
 
     def __init__(
         self,

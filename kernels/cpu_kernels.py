@@ -1,5 +1,6 @@
 """Build (once per machine) and load the CPU kernels: ``torch.ops.adapter_manager.lora_apply`` (the LoRA of a fused
-linear), ``lora_linear`` (a decode linear's base matmul with its LoRA) and the decode step's glue ops
+linear), ``lora_linear`` (a decode linear's base matmul with its LoRA), ``lora_onednn`` (the same on a oneDNN-packed
+weight: oneDNN's linear, then lora_apply, in one call) and the decode step's glue ops
 (``decode_attention``, ``add_rms_norm``, ``silu_mul``: kernels.cpu_decode).
 
 The sources are ``kernels/csrc/lora_cpu.cpp``, ``linear_cpu.cpp`` and ``decode_cpu.cpp`` (with their headers
@@ -34,12 +35,13 @@ CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
-_OPS = ("lora_apply", "lora_linear", "decode_attention", "add_rms_norm", "silu_mul")
+_OPS = ("lora_apply", "lora_linear", "lora_onednn", "decode_attention", "add_rms_norm", "silu_mul")
 
 _lock = threading.Lock()
 _loaded: bool | None = None
 _op = None  # torch.ops.adapter_manager.lora_apply.default, once loaded
 _linear_op = None  # torch.ops.adapter_manager.lora_linear.default, once loaded
+_onednn_op = None  # torch.ops.adapter_manager.lora_onednn.default, once loaded
 _reason: str | None = None
 build_seconds: float | None = None
 """Seconds this process spent building (None: loaded a build already on disk, or not loaded)."""
@@ -164,3 +166,20 @@ def lora_linear(
     if _linear_op is None:
         _linear_op = torch.ops.adapter_manager.lora_linear.default
     return _linear_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
+
+
+def lora_onednn(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor,
+) -> torch.Tensor:
+    """``y = x @ W.T`` through oneDNN's linear on the packed W (``runtime.model.packed.packed_linear``), then each
+    group's :func:`lora_apply` onto its columns (groups as :func:`lora_linear`'s), in one call: the same values as
+    those calls one by one. Any number of tokens, the dtypes oneDNN packs. :func:`load` first."""
+    global _onednn_op
+    if _onednn_op is None:
+        _onednn_op = torch.ops.adapter_manager.lora_onednn.default
+    return _onednn_op(x, packed, a_groups, bts, offsets, runs)

@@ -256,6 +256,12 @@ class LoRAKernelMeta:
         """Whether this step applies each fused linear's LoRA in one backend call (:func:`kernels.ops.apply_parts`)."""
         return self.form is LoRAForm.FUSED
 
+    @property
+    def cpu_fused(self) -> bool:
+        """A FUSED step of the cpu backend: :attr:`runs` is the table the C++ kernels (:mod:`kernels.cpu_kernels`)
+        walk, so a layer may call them directly (``lora_linear``, ``lora_onednn``: base matmul and LoRA in one call)."""
+        return self.form is LoRAForm.FUSED and getattr(self.backend, "cpu_kernels", False)
+
     def active_gather_rows(self) -> torch.Tensor:
         """Shape: [k·R] int64: the compact table's rows of the k active slots (no bucket padding; eager forms)."""
         assert self.gather_rows is not None, "no compact table this step"

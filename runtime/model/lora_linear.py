@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kernels import LoRAKernelMeta, apply_parts, expand, shrink, shrink_parts
-from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear
+from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear, lora_onednn
 
 from .packed import can_pack, pack_weight, packed_linear, unpack_weight
 
@@ -131,6 +131,7 @@ class LoRALinear(nn.Module):
         self._fused: tuple[_FusedParts, ...] = ()
         self._groups: tuple[_Group, ...] = ()
         self._kernel_groups: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[int, ...]] = ((), (), ())
+        self._unit_groups = False  # every group's rows have unit inner stride (what the C++ kernels read)
         self._has_lora = False
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
         self.fuse_shrink = True
@@ -218,6 +219,7 @@ class LoRALinear(nn.Module):
             tuple(bt for g in groups for bt in g.bt_parts),
             tuple(g.columns.start for g in groups),
         )
+        self._unit_groups = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
 
     def _apply_groups(self) -> tuple[_Group, ...]:
         """The fused runs, and every other part with stacks on its own as a one-part view (eager devices)."""
@@ -245,6 +247,7 @@ class LoRALinear(nn.Module):
         self._fused = ()
         self._groups = ()
         self._kernel_groups = ((), (), ())
+        self._unit_groups = False
 
     @property
     def fused_parts(self) -> tuple[tuple[int, ...], ...]:
@@ -289,12 +292,14 @@ class LoRALinear(nn.Module):
         backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)].
 
         ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
-        base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call."""
+        base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call. A
+        packed weight on the cpu backend's FUSED step takes one :func:`kernels.cpu_kernels.lora_onednn` call (oneDNN's
+        linear, then each group's LoRA: the values of ``base`` + one ``apply_parts`` per group)."""
         weight = self.weight
         if kernel and weight is not None and kernel_fits(x, weight):
             if meta is None or meta.no_adapter or not self._has_lora:
                 return lora_linear(x, weight, (), (), (), None)
-            if meta.fused:
+            if meta.cpu_fused:
                 a_groups, bts, offsets = self._kernel_groups
                 return lora_linear(x, weight, a_groups, bts, offsets, meta.runs)
         if meta is None or meta.no_adapter or not self._has_lora:
@@ -302,6 +307,9 @@ class LoRALinear(nn.Module):
         if meta.backend.traced:
             return torch.cat(self.forward(x, meta), dim=-1)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
+            if self._packed is not None and self._unit_groups and meta.cpu_fused and x.stride(1) == 1:  # one call
+                a_groups, bts, offsets = self._kernel_groups
+                return lora_onednn(x, self._packed, a_groups, bts, offsets, meta.runs)
             y = self.base(x)
             for group in self._groups:
                 apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
