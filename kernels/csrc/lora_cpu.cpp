@@ -39,7 +39,8 @@ constexpr int64_t kChunk = 1024;    // output columns per expand work item
 constexpr int64_t kMinChunk = 256;  // the narrowest chunk a call with few items splits down to
 
 template <typename scalar_t>
-void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts, const std::vector<Run>& runs) {
+void apply_impl(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts,
+                const std::vector<Run>& runs) {
   const int64_t in = x.size(1), parts = a.size(1), xs = x.stride(0), as = a.stride(0), ps = a.stride(1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* ap = a.data_ptr<scalar_t>();
@@ -53,7 +54,7 @@ void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::Ten
   for (int64_t k = 0; k < nr; ++k)
     for (int64_t p = 0; p < parts; ++p)
       for (int64_t j = 0; j < runs[k].rank; j += kShrinkRows) shrink_items.push_back({k, p, j});
-  scalar_t* yp = y.data_ptr<scalar_t>();
+  scalar_t* yp = y.data_ptr<scalar_t>() + col0;  // the parts' columns start at col0
   const int64_t ys = y.stride(0);
   std::vector<int64_t> yoff(parts + 1, 0);
   for (int64_t p = 0; p < parts; ++p) yoff[p + 1] = yoff[p] + bts[p].size(1);
@@ -115,7 +116,7 @@ void apply_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::Ten
   }
 }
 
-void check_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts) {
+void check_apply(const at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts) {
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && a.device().is_cpu(), "lora_apply: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lora_apply: x must be [T, in] with unit inner stride");
   TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.stride(1) == 1,
@@ -131,20 +132,21 @@ void check_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, 
     TORCH_CHECK(bt.scalar_type() == x.scalar_type(), "lora_apply: Bt dtype differs from x");
     out += bt.size(1);
   }
-  TORCH_CHECK(out <= y.size(1), "lora_apply: the parts' outputs (", out, ") exceed y's columns (", y.size(1), ")");
+  TORCH_CHECK(col0 >= 0 && col0 + out <= y.size(1), "lora_apply: the parts' columns [", col0, ", ", col0 + out,
+              ") exceed y's ", y.size(1));
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type(), "lora_apply: one dtype");
 }
 
-void apply_runs(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts,
+void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts,
                 const std::vector<Run>& list) {
   if (list.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_apply",
-                                  [&] { apply_impl<scalar_t>(y, x, a, bts, list); });
+                                  [&] { apply_impl<scalar_t>(y, col0, x, a, bts, list); });
 }
 
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts, const at::Tensor& runs) {
-  check_apply(y, x, a, bts);
-  apply_runs(y, x, a, bts, parse_runs("lora_apply", runs, x.size(0), a.size(0)));
+  check_apply(y, 0, x, a, bts);
+  apply_runs(y, 0, x, a, bts, parse_runs("lora_apply", runs, x.size(0), a.size(0)));
 }
 
 // A decode linear on a oneDNN-packed weight with its LoRA, in one call from Python: oneDNN's linear (the op
@@ -170,14 +172,9 @@ at::Tensor lora_onednn(const at::Tensor& x, const at::Tensor& w, at::TensorList 
     TORCH_CHECK(next + count <= bts.size(), "lora_onednn: group ", g, " has ", count, " parts, past the ", bts.size(),
                 " Bt");
     const at::TensorList group = bts.slice(next, count);
-    int64_t width = 0;
-    for (const auto& bt : group) width += bt.size(1);
-    TORCH_CHECK(offsets[g] >= 0 && offsets[g] + width <= y.size(1), "lora_onednn: group ", g, "'s columns [",
-                offsets[g], ", ", offsets[g] + width, ") exceed y's ", y.size(1));
     TORCH_CHECK(a.size(0) == a_groups[0].size(0), "lora_onednn: every group's A has the same rows");
-    at::Tensor columns = y.narrow(1, offsets[g], width);
-    check_apply(columns, x, a, group);
-    apply_runs(columns, x, a, group, list);
+    check_apply(y, offsets[g], x, a, group);  // no narrow of y: one operator call per linear in a profile
+    apply_runs(y, offsets[g], x, a, group, list);
     next += count;
   }
   TORCH_CHECK(next == bts.size(), "lora_onednn: ", bts.size(), " Bt for ", next, " parts");
