@@ -135,6 +135,9 @@ class LoRALinear(nn.Module):
         self._has_lora = False
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
         self.fuse_shrink = True
+        self.one_call = True
+        """Packed weight, cpu backend's FUSED step: base matmul and LoRA in one ``lora_onednn`` call; False forces
+        oneDNN's linear, then one ``apply_parts`` per group (the same values; benchmarks compare the two)."""
 
     @property
     def packed(self) -> bool:
@@ -307,7 +310,8 @@ class LoRALinear(nn.Module):
         if meta.backend.traced:
             return torch.cat(self.forward(x, meta), dim=-1)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
-            if self._packed is not None and self._unit_groups and meta.cpu_fused and x.stride(1) == 1:  # one call
+            packed = self._packed is not None and self.one_call and self._unit_groups
+            if packed and meta.cpu_fused and x.stride(1) == 1:  # oneDNN and every group's LoRA in one C++ call
                 a_groups, bts, offsets = self._kernel_groups
                 return lora_onednn(x, self._packed, a_groups, bts, offsets, meta.runs)
             y = self.base(x)

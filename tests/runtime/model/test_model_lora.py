@@ -183,6 +183,17 @@ def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtyp
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     assert meta.fused and calls == {one_call: 4 * len(model.layers)}
+    if one_call == "lora_onednn":  # one_call = False: oneDNN's linear, then apply_parts; the same values
+        linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+        for linear in linears:
+            linear.one_call = False
+        calls.clear()
+        two_calls = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
+        for linear in linears:
+            linear.one_call = True
+        assert calls == {"apply_parts": 4 * len(model.layers)}
+        for ours, theirs in zip(fused, two_calls, strict=True):
+            assert torch.equal(ours, theirs)
     _, _, _, torch_meta, _ = serving_setup(written, dtype, BackendKind.TORCH)
     forms = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), torch_meta, slot_rows=rows)
     for ours, theirs, prompt, name in zip(fused, forms, prompts, adapters, strict=True):
