@@ -278,3 +278,16 @@ BACKENDS = {
     "xla_laned_on_cpu": XlaLanedBackend,
     "reference": lambda: select_backend("cpu", KernelConfig(backend=BackendKind.REFERENCE)),
 }
+
+
+def linear_case(parts: int, outs: tuple[int, ...], num_tokens: int, mix: str, seed: int, in_f: int = 48, rank: int = 8):
+    """One linear's LoRA operands for the CPU linear kernels: a parts pool (mixed ranks, stale rows), its parts' Bt,
+    x, the mix's slots and the cpu backend's metadata prepared for them; returns them with the generator."""
+    gen = torch.Generator().manual_seed(seed)
+    pp = parts_pool(parts, 6, rank, rank, in_f=in_f, seed=seed)
+    bts = bt_parts(pp, outs[:parts], seed)
+    x = torch.randn(num_tokens, in_f, generator=gen)
+    slots = pp.pool.slots(mix, num_tokens, gen)
+    meta = pp.pool.meta(select_backend("cpu"), 128)
+    meta.prepare(slots, pp.pool.slot_rows)
+    return pp, bts, x, slots, meta, gen

@@ -7,22 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import select_backend
 from kernels.cpu_kernels import LINEAR_MAX_TOKENS, load, lora_linear, unavailable_reason
-from tests.kernels._cases import MIXES, bt_parts, parts_pool, reference_apply_parts
+from tests.kernels._cases import MIXES, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
-
-
-def _case(parts: int, outs: tuple[int, ...], num_tokens: int, mix: str, seed: int, in_f: int = 48, rank: int = 8):
-    gen = torch.Generator().manual_seed(seed)
-    pp = parts_pool(parts, 6, rank, rank, in_f=in_f, seed=seed)
-    bts = bt_parts(pp, outs[:parts], seed)
-    x = torch.randn(num_tokens, in_f, generator=gen)
-    slots = pp.pool.slots(mix, num_tokens, gen)
-    meta = pp.pool.meta(select_backend("cpu"), 128)
-    meta.prepare(slots, pp.pool.slot_rows)
-    return pp, bts, x, slots, meta, gen
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 8, 9, 16])
@@ -31,7 +19,7 @@ def test_lora_linear_equals_the_base_matmul_plus_the_loop(mix, num_tokens):
     """Three parts (7, 24, 20 columns: no tile or vector multiple) behind 5 base-only columns and before 6 more;
     mixed ranks 1..8, stale garbage past every rank; an odd number of output rows."""
     outs = (7, 24, 20)
-    pp, bts, x, slots, meta, gen = _case(3, outs, num_tokens, mix, seed=num_tokens)
+    pp, bts, x, slots, meta, gen = linear_case(3, outs, num_tokens, mix, seed=num_tokens)
     n = 5 + sum(outs) + 6
     w = torch.randn(n, pp.in_features, generator=gen)
     y = lora_linear(x, w, [pp.a_parts], bts, [5], meta.runs if meta.fused else None)
@@ -57,7 +45,7 @@ def _loop(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slots: torch.Tenso
 def test_lora_linear_with_two_groups_wide_parts_and_an_in_of_no_vector_multiple(mix):
     """q|k|v with k base-only (PEFT targeting q and v): two groups of one part; parts wider than a 64-column tile
     with ragged ends; in = 40 (the 16-float tail of every dot product); rank 16 in 8-row shrink blocks."""
-    pp, (q, v), x, slots, meta, gen = _case(2, (130, 70), 11, mix, seed=5, in_f=40, rank=16)
+    pp, (q, v), x, slots, meta, gen = linear_case(2, (130, 70), 11, mix, seed=5, in_f=40, rank=16)
     w = torch.randn(130 + 33 + 70, pp.in_features, generator=gen)
     y = lora_linear(x, w, [pp.a_parts[:, 0:1], pp.a_parts[:, 1:2]], [q, v], [0, 163], meta.runs)
     expected = x.double() @ w.double().t()

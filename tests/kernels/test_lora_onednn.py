@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import select_backend
 from kernels.cpu_kernels import load, lora_apply, lora_onednn, unavailable_reason
-from tests.kernels._cases import MIXES, bt_parts, parts_pool, reference_apply_parts
+from tests.kernels._cases import MIXES, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(
     not load() or not torch.backends.mkldnn.is_available(), reason=f"no CPU kernels or oneDNN: {unavailable_reason()}"
@@ -24,24 +23,13 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def _case(parts: int, outs: tuple[int, ...], num_tokens: int, mix: str, seed: int, in_f: int = 48, rank: int = 8):
-    gen = torch.Generator().manual_seed(seed)
-    pp = parts_pool(parts, 6, rank, rank, in_f=in_f, seed=seed)
-    bts = bt_parts(pp, outs[:parts], seed)
-    x = torch.randn(num_tokens, in_f, generator=gen)
-    slots = pp.pool.slots(mix, num_tokens, gen)
-    meta = pp.pool.meta(select_backend("cpu"), 128)
-    meta.prepare(slots, pp.pool.slot_rows)
-    return pp, bts, x, slots, meta, gen
-
-
 @pytest.mark.parametrize("num_tokens", [1, 8, 40])
 @pytest.mark.parametrize("mix", MIXES)
 def test_lora_onednn_equals_the_linear_then_lora_apply(mix, num_tokens):
     """Three parts (7, 24, 20 columns) behind 5 base-only columns and before 6 more; mixed ranks, stale garbage past
     every rank. Bit for bit the two calls it replaces; within fp32 rounding the fp64 loop."""
     outs = (7, 24, 20)
-    pp, bts, x, slots, meta, gen = _case(3, outs, num_tokens, mix, seed=num_tokens)
+    pp, bts, x, slots, meta, gen = linear_case(3, outs, num_tokens, mix, seed=num_tokens)
     w = torch.randn(5 + sum(outs) + 6, pp.in_features, generator=gen)
     runs = meta.runs if meta.runs is not None else torch.zeros(0, 4, dtype=torch.int64)
     y = lora_onednn(x, _pack(w), [pp.a_parts], bts, [5], runs)
@@ -59,7 +47,7 @@ def test_two_groups_each_on_its_own_columns(dtype):
     """q|k|v with k base-only (PEFT targeting q and v): two groups of one part each, the middle columns untouched."""
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 here")
-    pp, (q, v), x, slots, meta, gen = _case(2, (130, 70), 11, "zipf", seed=5, in_f=40, rank=16)
+    pp, (q, v), x, slots, meta, gen = linear_case(2, (130, 70), 11, "zipf", seed=5, in_f=40, rank=16)
     w = torch.randn(130 + 33 + 70, pp.in_features, generator=gen)
     x, w, q, v, a = x.to(dtype), w.to(dtype), q.to(dtype), v.to(dtype), pp.a_parts.to(dtype)
     groups = [a[:, 0:1], a[:, 1:2]]
