@@ -1,10 +1,11 @@
 """Build (once per machine) and load the CPU kernels: ``torch.ops.adapter_manager.lora_apply`` (the LoRA of a fused
-linear), ``lora_linear`` (a decode linear's base matmul with its LoRA), ``lora_onednn`` (the same on a oneDNN-packed
+linear), ``lora_linear`` (a decode linear's base matmul with its LoRA), ``lora_blocked`` (the same on our blocked weight
+layout, any number of tokens), ``lora_onednn`` (the same on a oneDNN-packed
 weight: oneDNN's linear, then lora_apply, in one call) and the decode step's glue ops
 (``decode_attention``, ``add_rms_norm``, ``silu_mul``: kernels.cpu_decode).
 
-The sources are ``kernels/csrc/lora_cpu.cpp``, ``linear_cpu.cpp`` and ``decode_cpu.cpp`` (with their headers
-``lora_common.h`` and ``vec16.h``), one library. It is compiled by
+The sources are ``kernels/csrc/lora_cpu.cpp``, ``linear_cpu.cpp``, ``blocked_cpu.cpp`` and ``decode_cpu.cpp`` (with
+their headers ``lora_common.h`` and ``vec16.h``), one library. It is compiled by
 torch's own extension builder (``torch.utils.cpp_extension``: the system C++ compiler and ninja) for this machine's
 CPU (``-march=native``) on first use, about 10 s (logged at INFO), into ``$ADAPTER_MANAGER_KERNEL_CACHE`` (default
 ``~/.cache/adapter_manager/kernels``), one folder per (sources, flags, torch, CPU) hash, so a stale build is never
@@ -29,19 +30,20 @@ import torch
 _log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(_CSRC / name for name in ("lora_cpu.cpp", "linear_cpu.cpp", "decode_cpu.cpp"))
+SOURCES = tuple(_CSRC / name for name in ("lora_cpu.cpp", "linear_cpu.cpp", "blocked_cpu.cpp", "decode_cpu.cpp"))
 HEADERS = tuple(_CSRC / name for name in ("vec16.h", "lora_common.h"))  # included by the sources: in the build's hash
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
-_OPS = ("lora_apply", "lora_linear", "lora_onednn", "decode_attention", "add_rms_norm", "silu_mul")
+_OPS = ("lora_apply", "lora_linear", "lora_onednn", "lora_blocked", "decode_attention", "add_rms_norm", "silu_mul")
 
 _lock = threading.Lock()
 _loaded: bool | None = None
 _op = None  # torch.ops.adapter_manager.lora_apply.default, once loaded
 _linear_op = None  # torch.ops.adapter_manager.lora_linear.default, once loaded
 _onednn_op = None  # torch.ops.adapter_manager.lora_onednn.default, once loaded
+_blocked_op = None  # torch.ops.adapter_manager.lora_blocked.default, once loaded
 _reason: str | None = None
 build_seconds: float | None = None
 """Seconds this process spent building (None: loaded a build already on disk, or not loaded)."""
@@ -183,3 +185,39 @@ def lora_onednn(
     if _onednn_op is None:
         _onednn_op = torch.ops.adapter_manager.lora_onednn.default
     return _onednn_op(x, packed, a_groups, bts, offsets, runs)
+
+
+BLOCK = 32
+"""Columns per block of :func:`block_weight`'s layout (kBlock in ``blocked_cpu.cpp``)."""
+
+
+def block_weight(w: torch.Tensor) -> torch.Tensor:
+    """W [N, in] in the blocked layout :func:`lora_blocked` streams: ``wb[b, k, c] = W[BLOCK·b + c, k]``, zero past N.
+    Shape: w [N, in]; returns a new contiguous [ceil(N / BLOCK), in, BLOCK]."""
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w.detach(), (0, 0, 0, -n % BLOCK))
+    return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unblock_weight(wb: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain [n, in] weight back from :func:`block_weight`'s layout."""
+    return wb.transpose(1, 2).reshape(-1, wb.shape[1])[:n].contiguous()
+
+
+def lora_blocked(
+    x: torch.Tensor,
+    wb: torch.Tensor,
+    n: int,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor | None,
+) -> torch.Tensor:
+    """``y = x @ W.T`` for W [n, in] held as :func:`block_weight`'s ``wb``, with each group's LoRA (groups as
+    :func:`lora_linear`'s; ``runs`` None or empty: the base matmul only): inside the base loop at up to
+    :data:`LINEAR_MAX_TOKENS` tokens, lora_apply's loops after it beyond. fp32. See the C++ source. :func:`load`
+    first. Shape: x [T, in]; returns a new [T, n]."""
+    global _blocked_op
+    if _blocked_op is None:
+        _blocked_op = torch.ops.adapter_manager.lora_blocked.default
+    return _blocked_op(x, wb, n, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)

@@ -197,4 +197,9 @@ inline std::vector<Run> parse_runs(const char* op, const at::Tensor& runs, int64
   return list;
 }
 
+// lora_cpu.cpp: the checks of lora_apply's operands (y's columns from col0 on), and its loops over the runs.
+void check_apply(const at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts);
+void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts,
+                const std::vector<Run>& list);
+
 }  // namespace adapter_manager_cpu

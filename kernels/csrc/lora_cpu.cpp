@@ -116,6 +116,10 @@ void apply_impl(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tens
   }
 }
 
+}  // namespace
+
+namespace adapter_manager_cpu {
+
 void check_apply(const at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts) {
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && a.device().is_cpu(), "lora_apply: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lora_apply: x must be [T, in] with unit inner stride");
@@ -143,6 +147,13 @@ void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_apply",
                                   [&] { apply_impl<scalar_t>(y, col0, x, a, bts, list); });
 }
+
+}  // namespace adapter_manager_cpu
+
+namespace {
+
+using adapter_manager_cpu::apply_runs;
+using adapter_manager_cpu::check_apply;
 
 void lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList bts, const at::Tensor& runs) {
   check_apply(y, 0, x, a, bts);

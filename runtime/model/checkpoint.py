@@ -114,7 +114,8 @@ def load_model(
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
 
     ``pack_weights`` (None: on unless ``ADAPTER_MANAGER_PACK_WEIGHTS=0``) then reorders the projections' weights
-    into oneDNN's layout where it applies (CPU; :meth:`Llama.pack_weights`), replacing the plain ones.
+    (fp32: our blocked layout; bf16: oneDNN's) where it applies (CPU; :meth:`Llama.pack_weights`), replacing the
+    plain ones.
 
     Every parameter is written exactly once (fused q/k/v and gate/up row slices included); tensors are read one at a
     time from the memory-mapped files, so at no point does a second copy of the weights exist. The end-of-sequence

@@ -234,13 +234,14 @@ class Llama(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether the projections' base weights are held in oneDNN's reordered layout (see :meth:`pack_weights`)."""
+        """Whether the projections' base weights are held packed (see :meth:`pack_weights`)."""
         return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
 
     def pack_weights(self) -> bool:
-        """Reorder every projection's (and an untied lm_head's) base weight into oneDNN's layout, in place of the
-        plain one, where oneDNN takes it (CPU, fp32 / supported bf16); returns whether any was packed. A no-op on
-        CUDA and XLA. Call after loading; :meth:`unpack_weights` undoes it."""
+        """Pack every projection's (and an untied lm_head's) base weight (``runtime.model.packed.pack_weight``: fp32
+        in our blocked layout, bf16 in oneDNN's), in place of the plain one, where it applies (CPU, fp32 / supported
+        bf16); returns whether any was packed. A no-op on CUDA and XLA. Call after loading; :meth:`unpack_weights`
+        undoes it."""
         packed = False
         for module in self.modules():
             if isinstance(module, LoRALinear):

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from kernels import LoRAKernelMeta, apply_parts, expand, shrink, shrink_parts
-from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear, lora_onednn
+from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_blocked, lora_linear, lora_onednn
 
-from .packed import can_pack, pack_weight, packed_linear, unpack_weight
+from .packed import can_pack, is_blocked, onednn_linear, pack_weight, packed_linear, unpack_weight
 
 
 class Stacks(Protocol):
@@ -108,8 +108,9 @@ class LoRALinear(nn.Module):
     output and each group of parts (a fused run, or one part alone) gets its whole LoRA from one
     :func:`kernels.apply_parts` call, whatever the number of distinct adapters in the step.
 
-    Packed weight: :meth:`pack` replaces the plain ``weight`` by oneDNN's reordered copy (CPU only; one copy in
-    memory: ``weight`` becomes None) and every base matmul runs through oneDNN's linear; :meth:`unpack` undoes it.
+    Packed weight: :meth:`pack` replaces the plain ``weight`` by its packed copy (CPU only; one copy in memory:
+    ``weight`` becomes None): fp32 in our blocked layout, every base matmul through ``lora_blocked``; otherwise
+    oneDNN's reordered copy and its linear (``runtime.model.packed``). :meth:`unpack` undoes it.
     ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused; pickling and
     ``deepcopy`` carry the weight plain and pack it again.
     """
@@ -133,15 +134,25 @@ class LoRALinear(nn.Module):
         self._kernel_groups: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[int, ...]] = ((), (), ())
         self._unit_groups = False  # every group's rows have unit inner stride (what the C++ kernels read)
         self._has_lora = False
-        self._packed: torch.Tensor | None = None  # oneDNN's reordered weight [sum(out), in] once packed
+        self._packed: torch.Tensor | None = None  # the packed weight (runtime.model.packed) once packed
         self.fuse_shrink = True
         self.one_call = True
-        """Packed weight, cpu backend's FUSED step: base matmul and LoRA in one ``lora_onednn`` call; False forces
-        oneDNN's linear, then one ``apply_parts`` per group (the same values; benchmarks compare the two)."""
+        """Packed weight, cpu backend's FUSED step: base matmul and LoRA in one ``lora_blocked`` (our blocked layout)
+        or ``lora_onednn`` call; False forces the packed matmul, then one ``apply_parts`` per group (the same values
+        within fp32 rounding; benchmarks compare the two)."""
+
+    @property
+    def out_total(self) -> int:
+        """The output's width: every part's out features."""
+        return sum(self.out_features)
+
+    @property
+    def _blocked(self) -> bool:
+        return self._packed is not None and is_blocked(self._packed)
 
     @property
     def packed(self) -> bool:
-        """Whether the base weight is held in oneDNN's reordered layout (``weight`` is then None)."""
+        """Whether the base weight is held packed, in our blocked layout or oneDNN's (``weight`` is then None)."""
         return self._packed is not None
 
     @property
@@ -149,8 +160,9 @@ class LoRALinear(nn.Module):
         return self._packed.dtype if self._packed is not None else self.weight.dtype
 
     def pack(self) -> bool:
-        """Replace the plain weight by its oneDNN-reordered copy where oneDNN takes it (CPU, fp32 / supported bf16);
-        returns whether the layer is packed. Pack last: ``to()`` does not move or cast a packed weight."""
+        """Replace the plain weight by its packed copy (``runtime.model.packed.pack_weight``: fp32 blocked, bf16
+        oneDNN's) where it applies (CPU, fp32 / supported bf16); returns whether the layer is packed. Pack last:
+        ``to()`` does not move or cast a packed weight."""
         if self._packed is None and self.weight is not None and can_pack(self.weight):
             self._packed = pack_weight(self.weight)
             self.weight = None  # the plain copy goes: one copy of the weight in memory
@@ -159,20 +171,20 @@ class LoRALinear(nn.Module):
     def unpack(self) -> None:
         """Back to a plain ``weight`` Parameter (same values)."""
         if self._packed is not None:
-            self.weight = nn.Parameter(unpack_weight(self._packed), requires_grad=False)
+            self.weight = nn.Parameter(unpack_weight(self._packed, self.out_total), requires_grad=False)
             self._packed = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._packed is not None:
-            destination[prefix + "weight"] = unpack_weight(self._packed)
+            destination[prefix + "weight"] = unpack_weight(self._packed, self.out_total)
 
     def __getstate__(self) -> dict:
         """Pickle / deepcopy (a oneDNN tensor has no storage to copy): a packed weight travels plain, repacked on
         arrival."""
         state = dict(super().__getstate__())
         if self._packed is not None:
-            state["_packed"], state["_packed_plain"] = None, unpack_weight(self._packed)
+            state["_packed"], state["_packed_plain"] = None, unpack_weight(self._packed, self.out_total)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -189,9 +201,9 @@ class LoRALinear(nn.Module):
     def base(self, x: torch.Tensor) -> torch.Tensor:
         """Semantics: ``x @ W.T``, whichever layout W is held in. Shape: x [T, in]; returns a new [T, sum(out)]."""
         if self._packed is not None:
-            return packed_linear(x, self._packed)
+            return packed_linear(x, self._packed, self.out_total)
         if self._onednn_plain(x):
-            return packed_linear(x, self.weight)
+            return onednn_linear(x, self.weight)
         return x @ self.weight.t()
 
     def _onednn_plain(self, x: torch.Tensor) -> bool:
@@ -273,7 +285,7 @@ class LoRALinear(nn.Module):
 
         On eager backends with a plain weight the LoRA terms are written first (``expand(accumulate=False)``) and the
         base matmul is added on top by one ``addmm_``, so the output is never read back by a separate pass; with a
-        packed weight oneDNN's linear writes the base output and each expand accumulates onto its part in place. The
+        packed weight the packed matmul writes the base output and each expand accumulates onto its part in place. The
         parts of a fused run share one ``shrink_parts`` call (its ``h[p]`` is part p's shrink); traced backends add
         the LoRA term to the base matmul's result, one shrink per part.
 
@@ -296,8 +308,9 @@ class LoRALinear(nn.Module):
 
         ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
         base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call. A
-        packed weight on the cpu backend's FUSED step takes one :func:`kernels.cpu_kernels.lora_onednn` call (oneDNN's
-        linear, then each group's LoRA: the values of ``base`` + one ``apply_parts`` per group)."""
+        packed weight on the cpu backend's FUSED step takes one :func:`kernels.cpu_kernels.lora_blocked` call (our
+        blocked layout: the LoRA inside the base loop at decode) or :func:`kernels.cpu_kernels.lora_onednn` call
+        (oneDNN's linear, then each group's LoRA: the values of ``base`` + one ``apply_parts`` per group)."""
         weight = self.weight
         if kernel and weight is not None and kernel_fits(x, weight):
             if meta is None or meta.no_adapter or not self._has_lora:
@@ -311,14 +324,16 @@ class LoRALinear(nn.Module):
             return torch.cat(self.forward(x, meta), dim=-1)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
             packed = self._packed is not None and self.one_call and self._unit_groups
-            if packed and meta.cpu_fused and x.stride(1) == 1:  # oneDNN and every group's LoRA in one C++ call
+            if packed and meta.cpu_fused and x.stride(1) == 1:  # the base matmul and every group's LoRA in one call
                 a_groups, bts, offsets = self._kernel_groups
+                if self._blocked:
+                    return lora_blocked(x, self._packed, self.out_total, a_groups, bts, offsets, meta.runs)
                 return lora_onednn(x, self._packed, a_groups, bts, offsets, meta.runs)
             y = self.base(x)
             for group in self._groups:
                 apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
             return y
-        packed = self._packed is not None or self._onednn_plain(x)  # oneDNN writes y, the LoRA adds onto it
+        packed = self._packed is not None or self._onednn_plain(x)  # the packed matmul writes y, the LoRA adds onto it
         y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
         parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
         h: dict[int, torch.Tensor] = {}  # part -> its shrink output [T, R]

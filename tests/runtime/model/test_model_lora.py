@@ -169,13 +169,18 @@ def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypa
 def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtype) -> None:
     """The cpu backend's FUSED form: one call per linear (q/k/v, o, gate/up, down) per layer, no shrink or expand of
     their own, and the logits those of the torch forms (and PEFT's, within the dtype's tolerance). On a packed weight
-    the call is lora_onednn (base matmul and LoRA), on a plain one apply_parts after the base matmul."""
+    the call is lora_blocked (fp32, our blocked layout) or lora_onednn (bf16), base matmul and LoRA; on a plain one
+    apply_parts after the base matmul."""
     model, _, _, meta, rows = serving_setup(written, dtype, BackendKind.CPU)
-    packed = {module.packed for module in model.modules() if isinstance(module, LoRALinear) and module.has_lora}
-    assert len(packed) == 1
-    one_call = "lora_onednn" if packed.pop() else "apply_parts"
+    kinds = {
+        ("lora_blocked" if module._blocked else "lora_onednn") if module.packed else "apply_parts"
+        for module in model.modules()
+        if isinstance(module, LoRALinear) and module.has_lora
+    }
+    assert len(kinds) == 1
+    one_call = kinds.pop()
     calls: Counter[str] = Counter()
-    for name in ("apply_parts", "lora_onednn", "shrink_parts", "shrink", "expand"):
+    for name in ("apply_parts", "lora_blocked", "lora_onednn", "shrink_parts", "shrink", "expand"):
         op = getattr(lora_linear, name)
         monkeypatch.setattr(
             lora_linear, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k)
@@ -183,7 +188,7 @@ def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtyp
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     assert meta.fused and calls == {one_call: 4 * len(model.layers)}
-    if one_call == "lora_onednn":  # one_call = False: oneDNN's linear, then apply_parts; the same values
+    if one_call != "apply_parts":  # one_call = False: the packed matmul, then apply_parts; the same values
         linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
         for linear in linears:
             linear.one_call = False

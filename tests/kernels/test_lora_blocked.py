@@ -1,0 +1,117 @@
+"""lora_blocked: a linear on our blocked weight layout (kernels.cpu_kernels.block_weight) with its LoRA in the same C++
+call. It must equal ``x @ W.T`` plus the fp32 loop reference of every group's parts over the adversarial mixes, on
+blocks inside one part (the LoRA inside the base loop), blocks straddling parts or base-only columns and the last
+block cut at N; beyond 16 tokens (the GEMM, then lora_apply's loops) as well; and refuse bad operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_kernels import BLOCK, block_weight, load, lora_blocked, unavailable_reason, unblock_weight
+from tests.kernels._cases import MIXES, linear_case, reference_apply_parts
+
+pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
+
+
+def _expected(x, w, pp, bts, slots, start: int) -> torch.Tensor:
+    base = x.double() @ w.double().t()
+    width = sum(bt.shape[1] for bt in bts)
+    base[:, start : start + width] = reference_apply_parts(base[:, start : start + width], x, pp, bts, slots).double()
+    return base
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 9, 16, 40])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize(("start", "outs", "tail"), [(0, (64, 32, 96), 0), (5, (7, 24, 20), 6), (32, (33, 64), 13)])
+def test_lora_blocked_equals_the_base_matmul_plus_the_loop(mix, num_tokens, start, outs, tail):
+    """Parts on block boundaries (every block inside one part), parts of no block multiple behind base-only columns,
+    and a mix (a part ending mid-block, the last block cut at N); mixed ranks 1..8, stale garbage past every rank.
+    Tokens past 16 take the GEMM and lora_apply's loops."""
+    pp, bts, x, slots, meta, gen = linear_case(len(outs), outs, num_tokens, mix, seed=num_tokens)
+    n = start + sum(outs) + tail
+    w = torch.randn(n, pp.in_features, generator=gen)
+    y = lora_blocked(x, block_weight(w), n, [pp.a_parts], bts, [start], meta.runs)
+    expected = _expected(x, w, pp, bts, slots, start)
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+    none = slots < 0
+    torch.testing.assert_close(y[none].double(), x[none].double() @ w.double().t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 8, 12, 16, 17, 30, 100])
+@pytest.mark.parametrize(("n", "k"), [(96, 48), (70, 40), (1, 16), (33, 1)])
+def test_the_base_matmul_alone(num_tokens, n, k):
+    """No runs: every tile width (1, 2, 4, 8 tokens; 12 past 16), N of no block multiple, in of no vector multiple."""
+    gen = torch.Generator().manual_seed(num_tokens * 100 + n)
+    x, w = torch.randn(num_tokens, k, generator=gen), torch.randn(n, k, generator=gen)
+    wb = block_weight(w)
+    assert wb.shape == ((n + BLOCK - 1) // BLOCK, k, BLOCK) and torch.equal(unblock_weight(wb, n), w)
+    y = lora_blocked(x, wb, n, [], [], [], None)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-4)
+    wide = torch.randn(num_tokens, 2 * k, generator=gen)[:, :k]  # x rows of a stride past in
+    strided = lora_blocked(wide, wb, n, [], [], [], None)
+    torch.testing.assert_close(strided, lora_blocked(wide.contiguous(), wb, n, [], [], [], None))
+
+
+@pytest.mark.parametrize(
+    "runs", [[[0, 8, 0, 16]], [[t, 1, 16 * t, 16] for t in range(8)], [[0, 3, 16, 16], [5, 3, 48, 16]]]
+)
+def test_the_bench_models_shapes(runs):
+    """The decode shapes the kernel was tuned on (in 1024, q|k|v 1024 + 256 + 256, rank 16), 8 tokens: one adapter,
+    eight, and two with tokens of no adapter between them."""
+    gen = torch.Generator().manual_seed(9)
+    rows, in_f, outs = 8 * 16, 1024, (1024, 256, 256)
+    buffer = torch.randn(rows, 3 * in_f + sum(outs), generator=gen) * 0.05
+    a = buffer[:, : 3 * in_f].view(rows, 3, in_f)
+    bts, col = [], 3 * in_f
+    for out in outs:
+        bts.append(buffer[:, col : col + out])
+        col += out
+    w = torch.randn(sum(outs), in_f, generator=gen) * 0.03
+    x = torch.randn(8, in_f, generator=gen)
+    y = lora_blocked(x, block_weight(w), sum(outs), [a], bts, [0], torch.tensor(runs))
+    expected, start = x.double() @ w.double().t(), 0
+    for p, bt in enumerate(bts):
+        for s, c, first, r in runs:
+            h = x[s : s + c].double() @ a[first : first + r, p].double().t()
+            expected[s : s + c, start : start + bt.shape[1]] += h @ bt[first : first + r].double()
+        start += bt.shape[1]
+    torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_two_groups_each_on_its_own_columns():
+    """q|k|v with k base-only (PEFT targeting q and v): two groups of one part each, the middle columns the base."""
+    pp, (q, v), x, slots, meta, gen = linear_case(2, (128, 64), 11, "zipf", seed=5, in_f=40, rank=16)
+    w = torch.randn(128 + 32 + 64, pp.in_features, generator=gen)
+    y = lora_blocked(x, block_weight(w), 224, [pp.a_parts[:, 0:1], pp.a_parts[:, 1:2]], [q, v], [0, 160], meta.runs)
+    base = x.double() @ w.double().t()
+    torch.testing.assert_close(y[:, 128:160].double(), base[:, 128:160], atol=1e-4, rtol=1e-4)
+    looped = reference_apply_parts(torch.cat([base[:, :128], base[:, 160:]], 1), x, pp, [q, v], slots).double()
+    expected = torch.cat([looped[:, :128], base[:, 128:160], looped[:, 128:]], 1)
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_blocked_refuses_bad_operands():
+    x, w = torch.randn(4, 8), block_weight(torch.randn(10, 8))
+    a, bts = torch.randn(9, 2, 8), [torch.randn(9, 3), torch.randn(9, 3)]
+    runs = torch.tensor([[0, 4, 6, 2]])
+    with pytest.raises(RuntimeError, match="reads rows"):
+        lora_blocked(x, w, 10, [a], bts, [0], torch.tensor([[0, 4, 8, 2]]))
+    with pytest.raises(RuntimeError, match="covers tokens"):
+        lora_blocked(x, w, 10, [a], bts, [0], torch.tensor([[2, 3, 0, 2]]))
+    with pytest.raises(RuntimeError, match="past the 1 Bt"):
+        lora_blocked(x, w, 10, [a], bts[:1], [0], runs)
+    with pytest.raises(RuntimeError, match="3 Bt for 2 parts"):
+        lora_blocked(x, w, 10, [a], [*bts, bts[0]], [0], runs)
+    with pytest.raises(RuntimeError, match=r"columns \[5, 11\) exceed y's 10"):
+        lora_blocked(x, w, 10, [a], bts, [5], runs)
+    with pytest.raises(RuntimeError, match="must not overlap"):
+        lora_blocked(x, w, 10, [a[:, :1], a[:, 1:]], bts, [3, 1], runs)
+    with pytest.raises(RuntimeError, match="same rows"):
+        lora_blocked(x, w, 10, [a[:, :1], a[:7, 1:]], bts, [0, 3], runs)
+    with pytest.raises(RuntimeError, match="1 to 32 columns, not 40"):
+        lora_blocked(x, w, 40, [], [], [], None)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        lora_blocked(x.double(), w.double(), 10, [], [], [], None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        lora_blocked(x, w.transpose(0, 1), 10, [], [], [], None)
