@@ -3,7 +3,8 @@
 
 Measured side by side in one run (medians), on the CPU by default:
 - references: the decode step's weight matmuls alone (M = sequences, every base weight of the step once, lm_head
-  included) done the fastest way this machine allows (min over ``x @ W.T``, ``W @ x.T`` and oneDNN's packed linear);
+  included) done the fastest way this machine allows (min over ``x @ W.T``, ``W @ x.T``, oneDNN's packed linear and
+  ours on the blocked layout);
   one read pass over the same bytes (the memory floor); the machine's GEMM throughput (M = 1024 on the largest
   projection, the fastest form) for prefill — all run round-robin with the model's steps, so contention on a
   shared machine hits references and steps alike;
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_step_ms, engine_workload, projection_shapes
 
-from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
+from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, cpu_kernels, select_backend
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
 from runtime.model import packed as packing
 from runtime.model.batch import ForwardBatch, SequenceChunk
@@ -84,14 +85,22 @@ class References:
 
     def __init__(self, plain: Llama, seqs: int) -> None:
         weights = [m.weight.detach() for m in base_linears(plain)]
-        packs = [packing.pack_weight(w) for w in weights] if packing.can_pack(weights[0]) else []
+        packs = [packing.onednn_pack(w) for w in weights] if packing.can_pack(weights[0]) else []
+        fp32 = weights[0].dtype == torch.float32 and cpu_kernels.load()
+        blocks = [cpu_kernels.block_weight(w) for w in weights] if fp32 else []
         inputs = {w.shape[1]: torch.randn(seqs, w.shape[1], dtype=w.dtype) for w in weights}
         self.decode: dict[str, Callable[[], object]] = {
             "ref/x_wt": lambda: [inputs[w.shape[1]] @ w.t() for w in weights],
             "ref/w_xt": lambda: [w @ inputs[w.shape[1]].t() for w in weights],
         }
         if packs:
-            self.decode["ref/onednn"] = lambda: [packing.packed_linear(inputs[p.shape[1]], p) for p in packs]
+            self.decode["ref/onednn"] = lambda: [
+                packing.onednn_linear(inputs[w.shape[1]], p) for w, p in zip(weights, packs, strict=True)
+            ]
+        if blocks:
+            self.decode["ref/blocked"] = lambda: [
+                packing.packed_linear(inputs[w.shape[1]], b, w.shape[0]) for w, b in zip(weights, blocks, strict=True)
+            ]
         self.nbytes = sum(w.numel() * w.element_size() for w in weights)
         flat = torch.cat([w.reshape(-1) for w in weights])  # one contiguous copy of the weights' bytes
         self.decode["ref/read"] = lambda: flat.sum()
@@ -101,7 +110,9 @@ class References:
         x = torch.randn(1024, big.shape[1], dtype=big.dtype)
         self.prefill: dict[str, Callable[[], object]] = {"ref/gemm_x_wt": lambda: x @ big.t()}
         if packs:
-            self.prefill["ref/gemm_onednn"] = lambda: packing.packed_linear(x, packs[largest])
+            self.prefill["ref/gemm_onednn"] = lambda: packing.onednn_linear(x, packs[largest])
+        if blocks:
+            self.prefill["ref/gemm_blocked"] = lambda: packing.packed_linear(x, blocks[largest], big.shape[0])
 
     def summary(self, decode: dict[str, float], prefill: dict[str, float]) -> dict[str, float]:
         chains = {k.removeprefix("ref/"): v for k, v in decode.items() if k.startswith("ref/") and k != "ref/read"}

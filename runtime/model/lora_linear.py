@@ -309,7 +309,7 @@ class LoRALinear(nn.Module):
         ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
         base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call. A
         packed weight on the cpu backend's FUSED step takes one :func:`kernels.cpu_kernels.lora_blocked` call (our
-        blocked layout: the LoRA inside the base loop at decode) or :func:`kernels.cpu_kernels.lora_onednn` call
+        blocked layout: our matmul, then each group's LoRA) or :func:`kernels.cpu_kernels.lora_onednn` call
         (oneDNN's linear, then each group's LoRA: the values of ``base`` + one ``apply_parts`` per group)."""
         weight = self.weight
         if kernel and weight is not None and kernel_fits(x, weight):

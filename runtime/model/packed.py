@@ -52,6 +52,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     :func:`blocked_by_default`; otherwise oneDNN's reordered copy (an opaque ``torch._mkldnn`` tensor)."""
     if weight.dtype == torch.float32 and blocked_by_default() and cpu_kernels.load():
         return cpu_kernels.block_weight(weight)
+    return onednn_pack(weight)
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's reordered copy of ``weight`` [out, in] (an opaque ``torch._mkldnn`` tensor, same values)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 

@@ -1,7 +1,7 @@
 """lora_blocked: a linear on our blocked weight layout (kernels.cpu_kernels.block_weight) with its LoRA in the same C++
-call. It must equal ``x @ W.T`` plus the fp32 loop reference of every group's parts over the adversarial mixes, on
-blocks inside one part (the LoRA inside the base loop), blocks straddling parts or base-only columns and the last
-block cut at N; beyond 16 tokens (the GEMM, then lora_apply's loops) as well; and refuse bad operands."""
+call. It must equal ``x @ W.T`` plus the fp32 loop reference of every group's parts over the adversarial mixes, with
+parts on block boundaries and parts straddling blocks and base-only columns, the last block cut at N, every tile width
+(decode's 1, 2, 4, 8 tokens, prefill's 12); and refuse bad operands."""
 
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ def _expected(x, w, pp, bts, slots, start: int) -> torch.Tensor:
 @pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize(("start", "outs", "tail"), [(0, (64, 32, 96), 0), (5, (7, 24, 20), 6), (32, (33, 64), 13)])
 def test_lora_blocked_equals_the_base_matmul_plus_the_loop(mix, num_tokens, start, outs, tail):
-    """Parts on block boundaries (every block inside one part), parts of no block multiple behind base-only columns,
-    and a mix (a part ending mid-block, the last block cut at N); mixed ranks 1..8, stale garbage past every rank.
-    Tokens past 16 take the GEMM and lora_apply's loops."""
+    """Parts on block boundaries, parts of no block multiple behind base-only columns, and a mix (a part ending
+    mid-block, the last block cut at N); mixed ranks 1..8, stale garbage past every rank."""
     pp, bts, x, slots, meta, gen = linear_case(len(outs), outs, num_tokens, mix, seed=num_tokens)
     n = start + sum(outs) + tail
     w = torch.randn(n, pp.in_features, generator=gen)
