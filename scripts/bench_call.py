@@ -2,9 +2,10 @@
 """One call per packed decode linear against two: what the Python layers and a dispatch per linear cost in the step.
 
 The bench model's packed decode step (fp32, ``--seqs`` sequences at context ``--context``) on the cpu backend's FUSED
-form, two ways in the same process: every LoRA linear as one ``lora_onednn`` call (oneDNN's linear and each group's
-LoRA inside one C++ op: the default), and as oneDNN's linear, then ``apply_parts`` per group through the backend
-(``LoRALinear.one_call = False``: the path before it; the same values). Closures for base, lora_1 and lora_8 both
+form, two ways in the same process: every LoRA linear as one ``lora_blocked`` call (our blocked layout's matmul and
+each group's LoRA inside one C++ op: the default; ``lora_onednn`` with ``ADAPTER_MANAGER_WEIGHT_LAYOUT=onednn``), and
+as the packed matmul, then ``apply_parts`` per group through the backend (``LoRALinear.one_call = False``: the path
+before it; the same values). Closures for base, lora_1 and lora_8 both
 ways and a read pass over 512 MB (so no step finds the last one's rows in cache) run in a fresh random order every
 repeat; each round prints medians, LoRA cost = step / base − 1 beside its floor (the active adapters' bytes ÷ the
 base's, shared/DESIGN.md, Floors). Writes out/bench_call.json.
