@@ -291,3 +291,28 @@ def linear_case(parts: int, outs: tuple[int, ...], num_tokens: int, mix: str, se
     meta = pp.pool.meta(select_backend("cpu"), 128)
     meta.prepare(slots, pp.pool.slot_rows)
     return pp, bts, x, slots, meta, gen
+
+
+def bench_qkv_case(
+    runs: list[list[int]],
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bench model's q|k|v decode linear (in 1024, out 1024 + 256 + 256, rank-16 rows of 8 adapters in one row
+    buffer, 8 tokens) for the CPU linear kernels: (A [N, 3, in], its three Bt, W, x, and the fp64 expectation of
+    ``x @ W.T`` plus every run's LoRA)."""
+    gen = torch.Generator().manual_seed(9)
+    rows, in_f, outs = 8 * 16, 1024, (1024, 256, 256)
+    buffer = torch.randn(rows, 3 * in_f + sum(outs), generator=gen) * 0.05
+    a = buffer[:, : 3 * in_f].view(rows, 3, in_f)
+    bts, col = [], 3 * in_f
+    for out in outs:
+        bts.append(buffer[:, col : col + out])
+        col += out
+    w = torch.randn(sum(outs), in_f, generator=gen) * 0.03
+    x = torch.randn(8, in_f, generator=gen)
+    expected, start = x.double() @ w.double().t(), 0
+    for p, bt in enumerate(bts):
+        for s, c, first, r in runs:
+            h = x[s : s + c].double() @ a[first : first + r, p].double().t()
+            expected[s : s + c, start : start + bt.shape[1]] += h @ bt[first : first + r].double()
+        start += bt.shape[1]
+    return a, bts, w, x, expected

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu_kernels import BLOCK, block_weight, load, lora_blocked, unavailable_reason, unblock_weight
-from tests.kernels._cases import MIXES, linear_case, reference_apply_parts
+from tests.kernels._cases import MIXES, bench_qkv_case, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
 
@@ -58,23 +58,8 @@ def test_the_base_matmul_alone(num_tokens, n, k):
 def test_the_bench_models_shapes(runs):
     """The decode shapes the kernel was tuned on (in 1024, q|k|v 1024 + 256 + 256, rank 16), 8 tokens: one adapter,
     eight, and two with tokens of no adapter between them."""
-    gen = torch.Generator().manual_seed(9)
-    rows, in_f, outs = 8 * 16, 1024, (1024, 256, 256)
-    buffer = torch.randn(rows, 3 * in_f + sum(outs), generator=gen) * 0.05
-    a = buffer[:, : 3 * in_f].view(rows, 3, in_f)
-    bts, col = [], 3 * in_f
-    for out in outs:
-        bts.append(buffer[:, col : col + out])
-        col += out
-    w = torch.randn(sum(outs), in_f, generator=gen) * 0.03
-    x = torch.randn(8, in_f, generator=gen)
-    y = lora_blocked(x, block_weight(w), sum(outs), [a], bts, [0], torch.tensor(runs))
-    expected, start = x.double() @ w.double().t(), 0
-    for p, bt in enumerate(bts):
-        for s, c, first, r in runs:
-            h = x[s : s + c].double() @ a[first : first + r, p].double().t()
-            expected[s : s + c, start : start + bt.shape[1]] += h @ bt[first : first + r].double()
-        start += bt.shape[1]
+    a, bts, w, x, expected = bench_qkv_case(runs)
+    y = lora_blocked(x, block_weight(w), w.shape[0], [a], bts, [0], torch.tensor(runs))
     torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-4)
 
 
