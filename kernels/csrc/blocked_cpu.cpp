@@ -9,7 +9,9 @@
 // read pass's rate, W prefetched non-temporally a few rows ahead (oneDNN's packed linear takes ~1.25x as long for the
 // decode step's matmuls here, measured side by side: scripts/bench_layout.py). x is packed once per call as [K][TT]
 // tiles of TT tokens, so the broadcasts read one line per k. Prefill's many tokens take the same loop in tiles of 12
-// (24 accumulators), each thread's blocks in groups that stay in L2 while x's tiles pass over them.
+// (24 accumulators): every tile of x passes over a block while it sits in L2 (at 1024 tokens 0.91–1.04x oneDNN's
+// time per projection of the bench model, measured side by side; passes of 128–512 k with y accumulating, or W's
+// blocks passing over each tile, measured 1.1–1.4x).
 //
 // The LoRA follows the matmul, as lora_onednn's does. Tried and measured slower on the bench model's decode step
 // (scripts/bench_layout.py, LoRA cost over the blocked base step, this way: one adapter +5.3 %, eight +15.1 %):
@@ -41,15 +43,16 @@ constexpr int64_t kBlock = 32;              // columns per block of the layout
 constexpr int64_t kDecodeTokens = 16;       // up to this many tokens: tiles of 8 (or 1, 2, 4), one block at a time
 constexpr int64_t kGemmTile = 12;           // more tokens: tiles of 12, 24 accumulators
 constexpr int64_t kAhead = 16;              // W rows (of 128 bytes) a block's loop prefetches ahead
-constexpr int64_t kGroupBytes = 512 << 10;  // a GEMM thread's blocks per pass over x: this much of W stays in L2
 
 // y rows [0, tb) of one block (ys apart; `cols` of its 32 columns) = x tile · W block; TT tokens in xt [K][TT].
 template <int TT>
 void block_kernel(const float* xt, const float* wb, int64_t K, float* y, int64_t ys, int64_t tb, int64_t cols) {
   v16 a0[TT] = {}, a1[TT] = {};
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(wb + (k + kAhead) * kBlock, 0, 0);  // W streams once: non-temporal
-    __builtin_prefetch(wb + (k + kAhead) * kBlock + 16, 0, 0);
+    if constexpr (TT <= 8) {  // decode: W streams once, non-temporal (prefill's tiles reuse it from L2: no hint)
+      __builtin_prefetch(wb + (k + kAhead) * kBlock, 0, 0);
+      __builtin_prefetch(wb + (k + kAhead) * kBlock + 16, 0, 0);
+    }
     const v16 w0 = load16(wb + k * kBlock), w1 = load16(wb + k * kBlock + 16);
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
@@ -86,10 +89,16 @@ Kernel kernel_for(int64_t width) {
   }
 }
 
-// x rows [t0, t0 + tb) as [K][width] (zero past tb).
+// x rows [t0, t0 + tb) as [K][width] (zero past tb), 16 k at a time: each chunk reads one line of each row and
+// writes width lines (row by row instead, rows 4 KB apart alias in L1's sets).
 void pack_tile(const float* xp, int64_t xs, int64_t K, int64_t t0, int64_t tb, int64_t width, float* out) {
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t t = 0; t < width; ++t) out[k * width + t] = t < tb ? xp[(t0 + t) * xs + k] : 0.f;
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t k1 = std::min(K, k0 + 16);
+    for (int64_t t = 0; t < width; ++t) {
+      const float* row = xp + (t0 + t) * xs;
+      for (int64_t k = k0; k < k1; ++k) out[k * width + t] = t < tb ? row[k] : 0.f;
+    }
+  }
 }
 
 // y = x @ W.T: each thread a contiguous range of blocks.
@@ -103,16 +112,14 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp) {
       pack_tile(xp, xs, K, i * width, std::min(width, T - i * width), width, xt.data() + i * width * K);
   });
   const Kernel kernel = kernel_for(width);
-  const int64_t group = T <= kDecodeTokens ? 1 : std::max<int64_t>(1, kGroupBytes / (K * kBlock * 4));
 #pragma omp parallel num_threads(at::get_num_threads()) if (nb > 1)
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     const int64_t lo = tid * nb / nth, hi = (tid + 1) * nb / nth;
-    for (int64_t g = lo; g < hi; g += group)
+    for (int64_t b = lo; b < hi; ++b)
       for (int64_t i = 0; i < tiles; ++i)
-        for (int64_t b = g; b < std::min(hi, g + group); ++b)
-          kernel(xt.data() + i * width * K, wp + b * K * kBlock, K, yp + i * width * N + b * kBlock, N,
-                 std::min(width, T - i * width), std::min(kBlock, N - b * kBlock));
+        kernel(xt.data() + i * width * K, wp + b * K * kBlock, K, yp + i * width * N + b * kBlock, N,
+               std::min(width, T - i * width), std::min(kBlock, N - b * kBlock));
   }
 }
 

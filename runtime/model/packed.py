@@ -4,9 +4,9 @@ reordered one (bf16, or ``ADAPTER_MANAGER_WEIGHT_LAYOUT=onednn``).
 At M = 8 a plain ``x @ W.T`` on an AVX2/AVX-512 CPU runs far from the memory bound (and may use one core). oneDNN's
 linear over a weight reordered once at load reads it about twice as fast and does prefill's large M as well as MKL's
 sgemm; ``kernels.cpu_kernels.lora_blocked`` over our blocked layout (32 columns per block, each block one contiguous
-stream) reads it at the read pass's rate, faster still, with the step's LoRA inside the same loop (``scripts/
-bench_engine.py`` measures all three). Packing replaces the plain weight: one copy in memory. CUDA and XLA keep their
-plain weights.
+stream) reads it near the read pass's rate, faster still at decode, and adds the step's LoRA in the same call
+(``scripts/bench_layout.py`` compares the two layouts). Packing replaces the plain weight: one copy in memory. CUDA
+and XLA keep their plain weights.
 """
 
 from __future__ import annotations

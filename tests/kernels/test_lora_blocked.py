@@ -37,10 +37,11 @@ def test_lora_blocked_equals_the_base_matmul_plus_the_loop(mix, num_tokens, star
     torch.testing.assert_close(y[none].double(), x[none].double() @ w.double().t(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 8, 12, 16, 17, 30, 100])
-@pytest.mark.parametrize(("n", "k"), [(96, 48), (70, 40), (1, 16), (33, 1)])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 8, 12, 16, 17, 30, 100, 200])
+@pytest.mark.parametrize(("n", "k"), [(96, 48), (70, 40), (1, 16), (33, 1), (70, 600)])
 def test_the_base_matmul_alone(num_tokens, n, k):
-    """No runs: every tile width (1, 2, 4, 8 tokens; 12 past 16), N of no block multiple, in of no vector multiple."""
+    """No runs: every tile width (1, 2, 4, 8 tokens; 12 past 16, a last tile cut short), N of no block multiple, in of
+    no vector multiple and of several 16-k packing chunks."""
     gen = torch.Generator().manual_seed(num_tokens * 100 + n)
     x, w = torch.randn(num_tokens, k, generator=gen), torch.randn(n, k, generator=gen)
     wb = block_weight(w)
