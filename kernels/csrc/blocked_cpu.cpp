@@ -10,8 +10,8 @@
 // decode step's matmuls here, measured side by side: scripts/bench_layout.py). x is packed once per call as [K][TT]
 // tiles of TT tokens, so the broadcasts read one line per k. Prefill's many tokens take the same loop in tiles of 12
 // (24 accumulators): every tile of x passes over a block while it sits in L2 (at 1024 tokens 0.91–1.04x oneDNN's
-// time per projection of the bench model, measured side by side; passes of 128–512 k with y accumulating, or W's
-// blocks passing over each tile, measured 1.1–1.4x).
+// time per projection of the bench model, 1.04–1.09x over two layers' chain, measured side by side; passes of 128–512
+// k with y accumulating, 1.21–1.39x, or panels of 8–48 tiles over each thread's blocks, 1.10–1.17x, were slower).
 //
 // The LoRA follows the matmul, as lora_onednn's does. Tried and measured slower on the bench model's decode step
 // (scripts/bench_layout.py, LoRA cost over the blocked base step, this way: one adapter +5.3 %, eight +15.1 %):
