@@ -6,7 +6,10 @@ matmuls per run of tokens it is one small call per (run, part, layer), each far 
 gate/up; every run of equal slots) in one call of ``torch.ops.adapter_manager.lora_apply``
 (:mod:`kernels.cpu_kernels`), which reads each active adapter's pool rows once, in place: the call count per step
 does not grow with the number of distinct adapters, and its bytes are the active adapters' bytes. Steps of more tokens
-(prefill) take the torch forms, whose matmuls per run are compute-efficient there.
+(prefill) take the torch forms, whose matmuls per run are compute-efficient there, except in a layer held in our
+blocked fp32 layout: every step with an adapter carries the runs table on this backend
+(:attr:`kernels.meta.LoRAKernelMeta.cpu_runs`), and such a layer takes any step in one ``lora_blocked`` call, a
+prefill's long runs with their LoRA inside its GEMM (kernels/csrc/blocked_cpu.cpp).
 
 ``shrink`` / ``expand`` on a FUSED step run the torch segments path over the same runs (the metadata sets both), so
 every op keeps its semantics whichever form the step took.

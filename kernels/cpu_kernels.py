@@ -1,6 +1,6 @@
 """Build (once per machine) and load the CPU kernels: ``torch.ops.adapter_manager.lora_apply`` (the LoRA of a fused
 linear), ``lora_linear`` (a decode linear's base matmul with its LoRA), ``lora_blocked`` (a linear on our blocked weight
-layout, then its LoRA, any number of tokens), ``lora_onednn`` (the same on a oneDNN-packed
+layout with its LoRA, any number of tokens), ``lora_onednn`` (the same on a oneDNN-packed
 weight: oneDNN's linear, then lora_apply, in one call) and the decode step's glue ops
 (``decode_attention``, ``add_rms_norm``, ``silu_mul``: kernels.cpu_decode).
 
@@ -213,9 +213,11 @@ def lora_blocked(
     offsets: Sequence[int],
     runs: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``y = x @ W.T`` for W [n, in] held as :func:`block_weight`'s ``wb``, then each group's :func:`lora_apply` onto
-    its columns (groups as :func:`lora_linear`'s; ``runs`` None or empty: the base matmul only), in one call. Any
-    number of tokens, fp32. See the C++ source. :func:`load` first. Shape: x [T, in]; returns a new [T, n]."""
+    """Semantics: ``y = x @ W.T`` for W [n, in] held as :func:`block_weight`'s ``wb``, plus each group's
+    :func:`lora_apply` onto its columns (groups as :func:`lora_linear`'s; ``runs`` None or empty: the base matmul
+    only), in one call. Any number of tokens, fp32: runs of 16+ tokens in a step of more than 16 (prefill) take their
+    LoRA inside the GEMM, the others lora_apply's loops after it. See the C++ source. :func:`load` first.
+    Shape: x [T, in]; returns a new [T, n]."""
     global _blocked_op
     if _blocked_op is None:
         _blocked_op = torch.ops.adapter_manager.lora_blocked.default

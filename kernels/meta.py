@@ -74,8 +74,9 @@ class LoRAKernelMeta:
     orders its batch by adapter gives one run per adapter): plain matmuls on row slices."""
     grouping: SlotGrouping | None = field(init=False, default=None)
     runs: torch.Tensor | None = field(init=False, default=None)
-    """Eager FUSED form only (with ``segments``). Shape: [runs, 4] int64 on the host: (token start, token count, first
-    pool row, rank) of each run of equal slots, the table the fused kernel walks."""
+    """Eager FUSED form, and every step with an adapter on the cpu backend (whose blocked linear takes any step:
+    :attr:`cpu_runs`). Shape: [runs, 4] int64 on the host: (token start, token count, first pool row, rank) of each
+    run of equal slots, the table the fused kernels walk."""
     step_tables: object | None = field(init=False, default=None)
     """Eager FUSED form only: the backend's own per-step device tables (the triton backend's token or runs table),
     built by the backend on first use from ``runs``; every prepare resets it. A captured step sets it to tables in
@@ -229,9 +230,6 @@ class LoRAKernelMeta:
             elif form in (LoRAForm.SEGMENTS, LoRAForm.FUSED):
                 by_slot = {a.slot: a for a in adapters}
                 self.segments = tuple(Segment(by_slot[slot], start, count) for slot, start, count in runs)
-                if form is LoRAForm.FUSED:
-                    table = [(seg.start, seg.count, seg.adapter.first, seg.adapter.rank) for seg in self.segments]
-                    self.runs = torch.tensor(table, dtype=torch.int64)
             elif form is LoRAForm.LANED:
                 self._build_table(compact_ids(np.asarray(slots, dtype=np.int32))[2], adapters)
                 assert self.token_compact is not None
@@ -243,6 +241,10 @@ class LoRAKernelMeta:
                 self.grouping = group_by_slot(self.token_slots, adapters, counts_by_slot, self.num_slots)
                 if self.grouping.padded:
                     self._build_table(compact_ids(np.asarray(slots, dtype=np.int32))[2], adapters)
+            if form is LoRAForm.FUSED or getattr(self.backend, "cpu_kernels", False):  # the C++ kernels' runs table
+                rows = {a.slot: a for a in adapters}
+                table = [(start, count, rows[slot].first, rows[slot].rank) for slot, start, count in runs]
+                self.runs = torch.tensor(table, dtype=torch.int64)
         self.form = form
         self.no_adapter = form is LoRAForm.NONE
         if (self.num_tokens, form) not in self._logged_forms:
@@ -261,6 +263,12 @@ class LoRAKernelMeta:
         """A FUSED step of the cpu backend: :attr:`runs` is the table the C++ kernels (:mod:`kernels.cpu_kernels`)
         walk, so a layer may call them directly (``lora_linear``, ``lora_onednn``: base matmul and LoRA in one call)."""
         return self.form is LoRAForm.FUSED and getattr(self.backend, "cpu_kernels", False)
+
+    @property
+    def cpu_runs(self) -> bool:
+        """A step with an adapter on the cpu backend, whatever its form: :attr:`runs` is set, so a layer on our
+        blocked weight layout may take the whole step in one ``lora_blocked`` call (prefill's runs included)."""
+        return self.runs is not None and getattr(self.backend, "cpu_kernels", False)
 
     def active_gather_rows(self) -> torch.Tensor:
         """Shape: [k·R] int64: the compact table's rows of the k active slots (no bucket padding; eager forms)."""

@@ -7,8 +7,11 @@ oneDNN's (``ADAPTER_MANAGER_WEIGHT_LAYOUT=onednn``: ``lora_onednn``), each decod
 adapters; beside them each layout's weight-matmul chain alone (every base weight of the step once, M = seqs) and a read
 pass over the weights' bytes (the memory floor; it also flushes the caches between closures). Every closure runs in a
 fresh random order each repeat; each round prints medians and LoRA cost = step / the same layout's base − 1 beside
-its floor (the active adapters' bytes ÷ the base's: shared/DESIGN.md, Floors), and base step / chain. With
-``--prefill N`` the same for a prefill of N tokens over the sequences (floor: LoRA FLOPs ÷ base FLOPs).
+its floor (the active adapters' bytes ÷ the base's: shared/DESIGN.md, Floors), and base step / chain. "split" is the
+blocked model with the matmul and the LoRA in separate calls (``LoRALinear.one_call = False``: ``apply_parts`` per
+group at decode, the torch forms at prefill), its cost over the blocked base. With ``--prefill N`` the same for a
+prefill of N tokens over the sequences (floor: LoRA FLOPs ÷ base FLOPs): there ``lora_blocked`` applies each long
+run's LoRA inside its GEMM, where "split" and oneDNN's layout take the torch forms.
 Writes out/bench_layout.json.
 
   PYTHONPATH=. .venv/bin/python scripts/bench_layout.py [--rounds 3] [--repeats 30] [--seqs 8] [--context 144]
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +34,22 @@ from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms, lor
 from runtime.model import packed as packing
 
 LAYOUTS = ("blocked", "onednn")
+VARIANTS = (*LAYOUTS, "split")
+"""split: the blocked layout's layers with ``one_call = False``: the blocked matmul, then the step's own LoRA form
+(``apply_parts`` per group at decode, the torch forms at prefill), against the blocked base."""
+BASE_OF = {"blocked": "blocked", "onednn": "onednn", "split": "blocked"}
+
+
+def one_call(model: torch.nn.Module, value: bool, step: Callable[[], object]) -> Callable[[], object]:
+    """``step`` with every LoRALinear's ``one_call`` set to ``value`` first (two variants share one model)."""
+    layers = base_linears(model)
+
+    def run() -> object:
+        for layer in layers:
+            layer.one_call = value
+        return step()
+
+    return run
 
 
 def main() -> None:
@@ -61,7 +81,9 @@ def main() -> None:
             setup = Setup(work, model, args.seqs, args.context, max(args.seqs, args.prefill))
             setups.append(setup)
             for cfg in CONFIGS:
-                fns[f"{layout}/{cfg}"] = setup.step_fn(cfg, prefill)
+                fns[f"{layout}/{cfg}"] = one_call(model, True, setup.step_fn(cfg, prefill))
+                if layout == "blocked" and cfg != "base":  # the same layers, the matmul and the LoRA in two calls
+                    fns[f"split/{cfg}"] = one_call(model, False, setup.step_fn(cfg, prefill))
         os.environ.pop(packing.LAYOUT_ENV)
         if not prefill:
             inputs = {w.shape[1]: torch.randn(args.seqs, w.shape[1]) for w in weights}
@@ -78,8 +100,8 @@ def main() -> None:
         for index in range(args.rounds):
             ms = interleaved_ms(fns, args.repeats)
             cost = {
-                f"{layout}/{cfg}": ms[f"{layout}/{cfg}"] / ms[f"{layout}/base"] - 1
-                for layout in LAYOUTS
+                f"{layout}/{cfg}": ms[f"{layout}/{cfg}"] / ms[f"{BASE_OF[layout]}/base"] - 1
+                for layout in VARIANTS
                 for cfg in CONFIGS[1:]
             }
             rounds.append({"ms": ms, "cost": cost})
@@ -100,6 +122,7 @@ def main() -> None:
             ref = med(f"chain/{layout}")
             chain = f"  chain {ref:.2f}  base / chain {base / ref:.2f}x"
         print(f"  {layout:8s} base {base:.2f}{chain}")
+    for layout in VARIANTS:
         for cfg in CONFIGS[1:]:
             cost = statistics.median(r["cost"][f"{layout}/{cfg}"] for r in rounds)
             summary[f"{layout}/{cfg}"] = cost

@@ -1,31 +1,37 @@
 // The CPU linear on our own blocked weight layout, with its LoRA in the same call (fp32).
 //
-//   wb [NB, K, 32]: wb[b, k, c] = W[32·b + c, k] (zero past N);  y = x @ W.T  (y [T, N]), then for every run and
-//   every part p of every group y[t, off_p : off_p + out_p] += (x[t] @ A_p[first : first + rank].T) @ Bt_p[...]
-//   (lora_apply's loops, lora_cpu.cpp).
+//   wb [NB, K, 32]: wb[b, k, c] = W[32·b + c, k] (zero past N);  y = x @ W.T  (y [T, N]), plus for every run and
+//   every part p of every group y[t, off_p : off_p + out_p] += (x[t] @ A_p[first : first + rank].T) @ Bt_p[...].
 //
 // A block's 32 columns are one contiguous stream of K × 128 bytes: per k, two vectors of W times each token's x[t, k]
 // broadcast (8 tokens: 16 FMAs per two loads, no horizontal sums), so a thread streams its blocks in order near the
 // read pass's rate, W prefetched non-temporally a few rows ahead (oneDNN's packed linear takes ~1.25x as long for the
 // decode step's matmuls here, measured side by side: scripts/bench_layout.py). x is packed once per call as [K][TT]
-// tiles of TT tokens, so the broadcasts read one line per k. Prefill's many tokens take the same loop in tiles of 12
-// (24 accumulators): every tile of x passes over a block while it sits in L2 (at 1024 tokens 0.91–1.04x oneDNN's
-// time per projection of the bench model, 1.04–1.09x over two layers' chain, measured side by side; passes of 128–512
-// k with y accumulating, 1.21–1.39x, or panels of 8–48 tiles over each thread's blocks, 1.10–1.17x, were slower).
+// tiles of TT tokens (16 × 16 register transposes), so the broadcasts read one line per k. Prefill's many tokens take
+// the same loop in tiles of 12 (24 accumulators): every tile of x passes over a block while it sits in L2 (passes of
+// 128–512 k with y accumulating, 1.21–1.39x, or panels of 8–48 tiles over each thread's blocks, 1.10–1.17x, were
+// slower).
 //
-// The LoRA follows the matmul, as lora_onednn's does. Tried and measured slower on the bench model's decode step
+// The LoRA of decode's few tokens (and of any run of fewer than kFuseMin tokens) follows the matmul: lora_apply's
+// loops (lora_cpu.cpp), as lora_onednn's does. Tried and measured slower on the bench model's decode step
 // (scripts/bench_layout.py, LoRA cost over the blocked base step, this way: one adapter +5.3 %, eight +15.1 %):
 // - the expand inside the block loop, h laned per token against each block's Bt rows: +9.0 % and +27.6 % (each block
 //   reads 2 lines of every active Bt row: 128 scattered streams at eight adapters);
 // - the matmul's loops prefetching the LoRA's rows (A, then Bt; one line every few k, up to 768 KB a thread), so
 //   that lora_apply finds them in cache: +11.6 % and +27.4 %.
+// A prefill's runs of kFuseMin or more tokens take their LoRA inside the GEMM instead (FusedLoRA below): the shrink
+// is the GEMM's own kernel with the run's A rows as columns, the expand rank more steps of each block's k loop, so
+// neither re-reads y nor runs at less than the GEMM's FLOP rate (after lora_apply's loops, a prefill's LoRA cost 2-4x
+// as much per projection of the bench model; the torch forms' matmuls per run, 4-8x).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "lora_common.h"
@@ -36,6 +42,7 @@ using adapter_manager_cpu::apply_runs;
 using adapter_manager_cpu::check_apply;
 using adapter_manager_cpu::load16;
 using adapter_manager_cpu::parse_runs;
+using adapter_manager_cpu::transpose16;
 using adapter_manager_cpu::Run;
 using adapter_manager_cpu::v16;
 
@@ -43,26 +50,52 @@ constexpr int64_t kBlock = 32;              // columns per block of the layout
 constexpr int64_t kDecodeTokens = 16;       // up to this many tokens: tiles of 8 (or 1, 2, 4), one block at a time
 constexpr int64_t kGemmTile = 12;           // more tokens: tiles of 12, 24 accumulators
 constexpr int64_t kAhead = 16;              // W rows (of 128 bytes) a block's loop prefetches ahead
+constexpr int64_t kFuseMin = 16;            // runs of at least this many tokens (prefill): the LoRA inside the GEMM
 
-// y rows [0, tb) of one block (ys apart; `cols` of its 32 columns) = x tile · W block; TT tokens in xt [K][TT].
-template <int TT>
-void block_kernel(const float* xt, const float* wb, int64_t K, float* y, int64_t ys, int64_t tb, int64_t cols) {
+// One run's expand onto one block of a tile: acc[t] += Σ_j h[j · TT + t] · Bt[first + j, the block's 32 columns].
+struct Expand {
+  const float* h;   // [rank][TT]: the run's shrink for the tile's tokens, zero for the tile's tokens outside the run
+  const float* bt;  // Bt row `first`, at the block's first column
+  int64_t bs, rank;
+};
+
+// y rows [0, tb) of one block (ys apart; `cols` of its 16·V columns) = x tile · W block (+ each expand); TT tokens
+// in xt [K][TT]; W block rows kBlock apart (V = 1: the first 16 columns of each).
+template <int TT, int V = 2>
+void block_kernel(const float* xt, const float* wb, int64_t K, float* y, int64_t ys, int64_t tb, int64_t cols,
+                  const Expand* ex = nullptr, int64_t nex = 0) {
   v16 a0[TT] = {}, a1[TT] = {};
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (TT <= 8) {  // decode: W streams once, non-temporal (prefill's tiles reuse it from L2: no hint)
       __builtin_prefetch(wb + (k + kAhead) * kBlock, 0, 0);
       __builtin_prefetch(wb + (k + kAhead) * kBlock + 16, 0, 0);
     }
-    const v16 w0 = load16(wb + k * kBlock), w1 = load16(wb + k * kBlock + 16);
+    const v16 w0 = load16(wb + k * kBlock);
+    const v16 w1 = V == 2 ? load16(wb + k * kBlock + 16) : v16{};
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
       const float xv = xt[k * TT + t];
       a0[t] += xv * w0;
-      a1[t] += xv * w1;
+      if constexpr (V == 2) a1[t] += xv * w1;
     }
   }
-  if (cols == kBlock) {
-    for (int64_t t = 0; t < tb; ++t) std::memcpy(y + t * ys, &a0[t], 64), std::memcpy(y + t * ys + 16, &a1[t], 64);
+  for (int64_t e = 0; e < nex; ++e) {  // the LoRA's expand: rank more steps of the same loop
+    const float *h = ex[e].h, *bt = ex[e].bt;
+    for (int64_t j = 0; j < ex[e].rank; ++j) {
+      const v16 w0 = load16(bt + j * ex[e].bs), w1 = load16(bt + j * ex[e].bs + 16);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) {
+        const float hv = h[j * TT + t];
+        a0[t] += hv * w0;
+        a1[t] += hv * w1;
+      }
+    }
+  }
+  if (cols == 16 * V) {
+    for (int64_t t = 0; t < tb; ++t) {
+      std::memcpy(y + t * ys, &a0[t], 64);
+      if constexpr (V == 2) std::memcpy(y + t * ys + 16, &a1[t], 64);
+    }
     return;
   }
   for (int64_t t = 0; t < tb; ++t) {  // the last block, cut at N
@@ -72,7 +105,8 @@ void block_kernel(const float* xt, const float* wb, int64_t K, float* y, int64_t
   }
 }
 
-using Kernel = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+using Kernel = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, int64_t, const Expand*,
+                        int64_t);
 
 // The tile width for T tokens and its kernel.
 int64_t tile_width(int64_t T) {
@@ -89,37 +123,189 @@ Kernel kernel_for(int64_t width) {
   }
 }
 
-// x rows [t0, t0 + tb) as [K][width] (zero past tb), 16 k at a time: each chunk reads one line of each row and
-// writes width lines (row by row instead, rows 4 KB apart alias in L1's sets).
-void pack_tile(const float* xp, int64_t xs, int64_t K, int64_t t0, int64_t tb, int64_t width, float* out) {
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t k1 = std::min(K, k0 + 16);
-    for (int64_t t = 0; t < width; ++t) {
-      const float* row = xp + (t0 + t) * xs;
-      for (int64_t k = k0; k < k1; ++k) out[k * width + t] = t < tb ? row[k] : 0.f;
-    }
-  }
+// 16 rows' (row i at rows[i], nullptr: zeros) k0 .. k0 + 16 as 16 vectors over the rows: r[k][i] = rows[i][k0 + k].
+inline void columns16(const float* const* rows, int64_t k0, v16* r) {
+  for (int i = 0; i < 16; ++i) r[i] = rows[i] != nullptr ? load16(rows[i] + k0) : v16{};
+  transpose16(r);
 }
 
-// y = x @ W.T: each thread a contiguous range of blocks.
-void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp) {
+// x rows [t0, t0 + tb) as [K][width] (zero past tb; width <= 16): 16 k at a time, transposed in registers (scalar
+// stores, or rows read one by one, were 5x slower at prefill's 1024 tokens).
+void pack_tile(const float* xp, int64_t xs, int64_t K, int64_t t0, int64_t tb, int64_t width, float* out) {
+  const float* rows[16];
+  for (int64_t t = 0; t < 16; ++t) rows[t] = t < tb ? xp + (t0 + t) * xs : nullptr;
+  const int64_t K16 = K - K % 16;
+  v16 r[16];
+  for (int64_t k0 = 0; k0 < K16; k0 += 16) {
+    columns16(rows, k0, r);
+    for (int64_t k = 0; k < 16; ++k) std::memcpy(out + (k0 + k) * width, &r[k], width * sizeof(float));
+  }
+  for (int64_t k = K16; k < K; ++k)
+    for (int64_t t = 0; t < width; ++t) out[k * width + t] = t < tb ? rows[t][k] : 0.f;
+}
+
+// A LoRA part as the fused GEMM sees it: its columns of y and its Bt rows.
+struct Part {
+  int64_t col0, cols;  // y columns [col0, col0 + cols)
+  const float* bt;     // Bt row 0
+  int64_t bs;          // Bt row stride
+  int64_t group, index;  // its group, its index there
+};
+
+// The tokens [lo, hi) of a tile (relative to it) that belong to one long run; h: [Q][rank][TT] floats (Q: every
+// group's parts in order), the run's shrink for the tile's tokens, zero outside [lo, hi).
+struct Segment {
+  int64_t tile, lo, hi;
+  const Run* run;
+  float* h;
+};
+
+// The runs of at least kFuseMin tokens (prefill) take their LoRA inside the GEMM (Σ over groups, parts):
+//   1. each run's A rows of each group, packed as the layout's blocks of 32 (A rows as columns: h = x · A.T);
+//   2. the shrink per (tile, run, group, block of A rows): the GEMM's own kernel on the packed x tile, the result
+//      transposed into the segment's h;
+//   3. the GEMM: a block inside one part adds each segment's expand in the kernel's loop (rank more steps); a block
+//      a part covers only in part (a part's edge off the block grid, or the last block cut at N) adds it afterwards.
+struct FusedLoRA {
+  std::vector<Part> parts;
+  std::vector<Segment> segments;
+  std::vector<std::vector<int64_t>> tile_segments;  // per tile, its segments' indices
+  std::vector<float> h;
+};
+
+// y = x @ W.T (plus the long runs' LoRA, `fused` non-null): each thread a contiguous range of blocks.
+void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::TensorList a_groups,
+          const std::vector<Run>& long_runs, FusedLoRA* fused) {
   const int64_t T = x.size(0), K = x.size(1), xs = x.stride(0), nb = (N + kBlock - 1) / kBlock;
   const float* xp = x.data_ptr<float>();
   const int64_t width = tile_width(T), tiles = (T + width - 1) / width;
-  std::vector<float> xt(static_cast<size_t>(tiles * width * K));
+  std::unique_ptr<float[]> xt(new float[tiles * width * K]);  // no zero fill: pack_tile writes every lane
   at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i)
-      pack_tile(xp, xs, K, i * width, std::min(width, T - i * width), width, xt.data() + i * width * K);
+      pack_tile(xp, xs, K, i * width, std::min(width, T - i * width), width, xt.get() + i * width * K);
   });
   const Kernel kernel = kernel_for(width);
-#pragma omp parallel num_threads(at::get_num_threads()) if (nb > 1)
+  // the fused LoRA's tables (fused: width == kGemmTile)
+  const int64_t groups = static_cast<int64_t>(a_groups.size()), nr = static_cast<int64_t>(long_runs.size());
+  std::vector<int64_t> group_part0(groups + 1, 0), a_off((nr * groups) + 1, 0);
+  std::vector<std::array<int64_t, 3>> pack_items, shrink_items;  // (run, group, A block); (segment, group, A block)
+  std::unique_ptr<float[]> a_packed;  // every run's A rows of every group, [blocks][K][32] (lanes past the rows: zero)
+  std::vector<int64_t> full_part(fused ? nb : 0, -1);  // per block: the part covering it whole, or -1
+  std::vector<std::array<int64_t, 4>> edges;           // (block, part, first column, end column) of partial covers
+  if (fused) {
+    for (int64_t g = 0; g < groups; ++g) group_part0[g + 1] = group_part0[g] + a_groups[g].size(1);
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t rows = a_groups[g].size(1) * long_runs[r].rank, blocks = (rows + kBlock - 1) / kBlock;
+        a_off[r * groups + g + 1] = a_off[r * groups + g] + blocks * K * kBlock;
+        for (int64_t ab = 0; ab < blocks; ++ab) pack_items.push_back({r, g, ab});
+      }
+    a_packed.reset(new float[a_off.back()]);  // no zero fill: the packing writes every lane the shrink reads
+    for (int64_t s = 0; s < static_cast<int64_t>(fused->segments.size()); ++s) {
+      const int64_t r = fused->segments[s].run - long_runs.data();
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t ab = 0; ab * kBlock < a_groups[g].size(1) * long_runs[r].rank; ++ab) shrink_items.push_back({s, g, ab});
+    }
+    for (int64_t q = 0; q < static_cast<int64_t>(fused->parts.size()); ++q) {
+      const Part& part = fused->parts[q];
+      const int64_t end = part.col0 + part.cols;
+      for (int64_t b = part.col0 / kBlock; b * kBlock < end; ++b) {
+        const int64_t lo = std::max(part.col0, b * kBlock), hi = std::min(end, std::min(N, (b + 1) * kBlock));
+        if (lo == b * kBlock && hi == (b + 1) * kBlock)
+          full_part[b] = q;
+        else
+          edges.push_back({b, q, lo, hi});
+      }
+    }
+  }
+  const int64_t threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads) if (nb > 1 || !pack_items.empty())
   {
+    if (fused) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < static_cast<int64_t>(pack_items.size()); ++w) {  // A rows -> [blocks][K][32]
+        const auto [r, g, ab] = pack_items[w];
+        const at::Tensor& a = a_groups[g];
+        const int64_t rank = long_runs[r].rank, rows = a.size(1) * rank, as = a.stride(0), ps = a.stride(1);
+        const float* ap = a.data_ptr<float>();
+        float* out = a_packed.get() + a_off[r * groups + g] + ab * K * kBlock;
+        for (int64_t c0 = ab * kBlock; c0 < std::min(rows, (ab + 1) * kBlock); c0 += 16) {  // 16 rows at a time
+          const float* src[16];
+          for (int64_t c = 0; c < 16; ++c) {
+            const int64_t row = c0 + c;
+            src[c] = row < rows ? ap + (long_runs[r].first + row % rank) * as + (row / rank) * ps : nullptr;
+          }
+          const int64_t K16 = K - K % 16, half = c0 - ab * kBlock;
+          v16 cols[16];
+          for (int64_t k0 = 0; k0 < K16; k0 += 16) {
+            columns16(src, k0, cols);
+            for (int64_t k = 0; k < 16; ++k) std::memcpy(out + (k0 + k) * kBlock + half, &cols[k], 64);
+          }
+          for (int64_t k = K16; k < K; ++k)
+            for (int64_t c = 0; c < 16; ++c) out[k * kBlock + half + c] = src[c] != nullptr ? src[c][k] : 0.f;
+        }
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < static_cast<int64_t>(shrink_items.size()); ++w) {  // h = x tile · A.T, transposed
+        const auto [s, g, ab] = shrink_items[w];
+        const Segment& seg = fused->segments[s];
+        const int64_t r = seg.run - long_runs.data(), rank = seg.run->rank;
+        const int64_t rows = a_groups[g].size(1) * rank, cols = std::min(kBlock, rows - ab * kBlock);
+        float tmp[kGemmTile * kBlock];
+        const float* ablock = a_packed.get() + a_off[r * groups + g] + ab * K * kBlock;
+        const float* tile = xt.get() + seg.tile * kGemmTile * K;
+        if (cols > 16)
+          block_kernel<kGemmTile, 2>(tile, ablock, K, tmp, kBlock, kGemmTile, cols);
+        else
+          block_kernel<kGemmTile, 1>(tile, ablock, K, tmp, kBlock, kGemmTile, cols);
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t row = ab * kBlock + c, q = group_part0[g] + row / rank;
+          float* hq = seg.h + (q * rank + row % rank) * kGemmTile;
+          for (int64_t t = 0; t < kGemmTile; ++t) hq[t] = t >= seg.lo && t < seg.hi ? tmp[t * kBlock + c] : 0.f;
+        }
+      }
+    }
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     const int64_t lo = tid * nb / nth, hi = (tid + 1) * nb / nth;
+    Expand ex[kGemmTile];
     for (int64_t b = lo; b < hi; ++b)
-      for (int64_t i = 0; i < tiles; ++i)
-        kernel(xt.data() + i * width * K, wp + b * K * kBlock, K, yp + i * width * N + b * kBlock, N,
-               std::min(width, T - i * width), std::min(kBlock, N - b * kBlock));
+      for (int64_t i = 0; i < tiles; ++i) {
+        int64_t nex = 0;
+        if (fused && full_part[b] >= 0) {
+          const Part& part = fused->parts[full_part[b]];
+          for (const int64_t s : fused->tile_segments[i]) {
+            const Segment& seg = fused->segments[s];
+            const int64_t rank = seg.run->rank;
+            ex[nex++] = Expand{seg.h + full_part[b] * rank * kGemmTile,
+                               part.bt + seg.run->first * part.bs + (b * kBlock - part.col0), part.bs, rank};
+          }
+        }
+        float* yt = yp + i * width * N + b * kBlock;
+        const int64_t tb = std::min(width, T - i * width);
+        kernel(xt.get() + i * width * K, wp + b * K * kBlock, K, yt, N, tb, std::min(kBlock, N - b * kBlock), ex,
+               nex);
+      }
+  }
+  if (fused && !edges.empty()) {  // the parts' columns off the block grid: y += h · Bt there, column by column
+    at::parallel_for(0, static_cast<int64_t>(edges.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t e = lo; e < hi; ++e) {
+        const auto [b, q, c0, c1] = edges[e];
+        const Part& part = fused->parts[q];
+        for (const Segment& seg : fused->segments) {
+          const int64_t rank = seg.run->rank;
+          const float* hq = seg.h + q * rank * kGemmTile;
+          for (int64_t t = seg.lo; t < seg.hi; ++t) {
+            float* yrow = yp + (seg.tile * kGemmTile + t) * N;
+            for (int64_t c = c0; c < c1; ++c) {
+              const float* bcol = part.bt + seg.run->first * part.bs + (c - part.col0);
+              float acc = 0.f;
+              for (int64_t j = 0; j < rank; ++j) acc += hq[j * kGemmTile + t] * bcol[j * part.bs];
+              yrow[c] += acc;
+            }
+          }
+        }
+      }
+    });
   }
 }
 
@@ -153,11 +339,40 @@ at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at
   TORCH_CHECK(next == bts.size(), "lora_blocked: ", bts.size(), " Bt for ", next, " parts");
   const std::vector<Run> list = a_groups.empty() ? std::vector<Run>{} : parse_runs("lora_blocked", runs, T, rows);
   if (T == 0) return y;
-  gemm(x, wb.data_ptr<float>(), n, y.data_ptr<float>());
+  // prefill's long runs: the LoRA inside the GEMM; the others (and every run at decode's few tokens): lora_apply's
+  // loops afterwards
+  std::vector<Run> long_runs, short_runs;
+  for (const Run& run : list) (T > kDecodeTokens && run.count >= kFuseMin ? long_runs : short_runs).push_back(run);
+  FusedLoRA fused;
+  if (!long_runs.empty()) {
+    size_t first = 0;
+    for (size_t g = 0; g < a_groups.size(); ++g)
+      for (int64_t p = 0; p < a_groups[g].size(1); ++p, ++first) {
+        const at::Tensor& bt = bts[first];
+        const int64_t col0 = p == 0 ? offsets[g] : fused.parts.back().col0 + fused.parts.back().cols;
+        fused.parts.push_back(Part{col0, bt.size(1), bt.data_ptr<float>(), bt.stride(0), int64_t(g), p});
+      }
+    const int64_t tiles = (T + kGemmTile - 1) / kGemmTile, Q = static_cast<int64_t>(fused.parts.size());
+    fused.tile_segments.resize(tiles);
+    std::vector<size_t> h_off;
+    size_t h_size = 0;
+    for (const Run& run : long_runs)
+      for (int64_t i = run.start / kGemmTile; i * kGemmTile < run.start + run.count; ++i) {
+        const int64_t lo = std::max<int64_t>(0, run.start - i * kGemmTile);
+        const int64_t hi = std::min<int64_t>(kGemmTile, run.start + run.count - i * kGemmTile);
+        fused.tile_segments[i].push_back(static_cast<int64_t>(fused.segments.size()));
+        fused.segments.push_back(Segment{i, lo, hi, &run, nullptr});
+        h_off.push_back(h_size);
+        h_size += static_cast<size_t>(Q * run.rank * kGemmTile);
+      }
+    fused.h.resize(h_size);
+    for (size_t s = 0; s < fused.segments.size(); ++s) fused.segments[s].h = fused.h.data() + h_off[s];
+  }
+  gemm(x, wb.data_ptr<float>(), n, y.data_ptr<float>(), a_groups, long_runs, long_runs.empty() ? nullptr : &fused);
   size_t first = 0;
-  for (size_t g = 0; g < a_groups.size() && !list.empty(); ++g) {
+  for (size_t g = 0; g < a_groups.size() && !short_runs.empty(); ++g) {
     const size_t count = static_cast<size_t>(a_groups[g].size(1));
-    apply_runs(y, offsets[g], x, a_groups[g], bts.slice(first, count), list);
+    apply_runs(y, offsets[g], x, a_groups[g], bts.slice(first, count), short_runs);
     first += count;
   }
   return y;

@@ -33,4 +33,31 @@ inline v16 reduce16(v16* t) {
          __builtin_shufflevector(l3[0], l3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
+// r[i][j] <- r[j][i]: a 16 × 16 block transposed in registers (4 levels: 8 × 8 quadrants swapped, then 4 × 4, 2 × 2,
+// 1 × 1 blocks within them; 2 shuffles per row pair per level).
+inline void transpose16(v16* r) {
+  for (int i = 0; i < 8; ++i) {
+    const v16 a = r[i], b = r[i + 8];
+    r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int g = 0; g < 16; g += 8)
+    for (int i = g; i < g + 4; ++i) {
+      const v16 a = r[i], b = r[i + 4];
+      r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+  for (int g = 0; g < 16; g += 4)
+    for (int i = g; i < g + 2; ++i) {
+      const v16 a = r[i], b = r[i + 2];
+      r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  for (int i = 0; i < 16; i += 2) {
+    const v16 a = r[i], b = r[i + 1];
+    r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+}
+
 }  // namespace adapter_manager_cpu

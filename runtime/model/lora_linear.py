@@ -137,9 +137,10 @@ class LoRALinear(nn.Module):
         self._packed: torch.Tensor | None = None  # the packed weight (runtime.model.packed) once packed
         self.fuse_shrink = True
         self.one_call = True
-        """Packed weight, cpu backend's FUSED step: base matmul and LoRA in one ``lora_blocked`` (our blocked layout)
-        or ``lora_onednn`` call; False forces the packed matmul, then one ``apply_parts`` per group (the same values
-        within fp32 rounding; benchmarks compare the two)."""
+        """Packed weight on the cpu backend: base matmul and LoRA in one ``lora_blocked`` call (our blocked layout, any
+        step with an adapter) or ``lora_onednn`` call (FUSED steps); False forces the packed matmul, then the step's
+        form (one ``apply_parts`` per group, or the torch forms at prefill: the same values within fp32 rounding;
+        benchmarks compare the two)."""
 
     @property
     def out_total(self) -> int:
@@ -308,9 +309,11 @@ class LoRALinear(nn.Module):
 
         ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
         base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call. A
-        packed weight on the cpu backend's FUSED step takes one :func:`kernels.cpu_kernels.lora_blocked` call (our
-        blocked layout: our matmul, then each group's LoRA) or :func:`kernels.cpu_kernels.lora_onednn` call
-        (oneDNN's linear, then each group's LoRA: the values of ``base`` + one ``apply_parts`` per group)."""
+        weight in our blocked layout takes any step with an adapter on the cpu backend (``meta.cpu_runs``: prefill
+        too) in one :func:`kernels.cpu_kernels.lora_blocked` call (our matmul with each group's LoRA; a prefill's long
+        runs inside the GEMM); a oneDNN-packed weight on the cpu backend's FUSED step takes one
+        :func:`kernels.cpu_kernels.lora_onednn` call (oneDNN's linear, then each group's LoRA: the values of ``base``
+        + one ``apply_parts`` per group)."""
         weight = self.weight
         if kernel and weight is not None and kernel_fits(x, weight):
             if meta is None or meta.no_adapter or not self._has_lora:
@@ -322,12 +325,13 @@ class LoRALinear(nn.Module):
             return self.base(x)  # [T, sum(out)]
         if meta.backend.traced:
             return torch.cat(self.forward(x, meta), dim=-1)
+        one_call = self.one_call and self._unit_groups and x.stride(1) == 1
+        if one_call and self._blocked and meta.cpu_runs:  # our matmul and every group's LoRA in one call, any T
+            a_groups, bts, offsets = self._kernel_groups
+            return lora_blocked(x, self._packed, self.out_total, a_groups, bts, offsets, meta.runs)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
-            packed = self._packed is not None and self.one_call and self._unit_groups
-            if packed and meta.cpu_fused and x.stride(1) == 1:  # the base matmul and every group's LoRA in one call
+            if one_call and self._packed is not None and meta.cpu_fused:  # oneDNN's linear and the LoRA, one call
                 a_groups, bts, offsets = self._kernel_groups
-                if self._blocked:
-                    return lora_blocked(x, self._packed, self.out_total, a_groups, bts, offsets, meta.runs)
                 return lora_onednn(x, self._packed, a_groups, bts, offsets, meta.runs)
             y = self.base(x)
             for group in self._groups:

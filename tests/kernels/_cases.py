@@ -280,24 +280,36 @@ BACKENDS = {
 }
 
 
-def linear_case(parts: int, outs: tuple[int, ...], num_tokens: int, mix: str, seed: int, in_f: int = 48, rank: int = 8):
+def linear_case(
+    parts: int,
+    outs: tuple[int, ...],
+    num_tokens: int,
+    mix: str,
+    seed: int,
+    in_f: int = 48,
+    rank: int = 8,
+    grouped: bool = False,
+):
     """One linear's LoRA operands for the CPU linear kernels: a parts pool (mixed ranks, stale rows), its parts' Bt,
-    x, the mix's slots and the cpu backend's metadata prepared for them; returns them with the generator."""
+    x, the mix's slots (``grouped``: sorted, as the engine orders a step by adapter, so a prefill's runs are long) and
+    the cpu backend's metadata prepared for them; returns them with the generator."""
     gen = torch.Generator().manual_seed(seed)
     pp = parts_pool(parts, 6, rank, rank, in_f=in_f, seed=seed)
     bts = bt_parts(pp, outs[:parts], seed)
     x = torch.randn(num_tokens, in_f, generator=gen)
     slots = pp.pool.slots(mix, num_tokens, gen)
-    meta = pp.pool.meta(select_backend("cpu"), 128)
+    if grouped:
+        slots = torch.sort(slots, stable=True).values
+    meta = pp.pool.meta(select_backend("cpu"), max(128, num_tokens))
     meta.prepare(slots, pp.pool.slot_rows)
     return pp, bts, x, slots, meta, gen
 
 
 def bench_qkv_case(
-    runs: list[list[int]],
+    runs: list[list[int]], tokens: int = 8
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The bench model's q|k|v decode linear (in 1024, out 1024 + 256 + 256, rank-16 rows of 8 adapters in one row
-    buffer, 8 tokens) for the CPU linear kernels: (A [N, 3, in], its three Bt, W, x, and the fp64 expectation of
+    """The bench model's q|k|v linear (in 1024, out 1024 + 256 + 256, rank-16 rows of 8 adapters in one row buffer;
+    8 tokens: decode) for the CPU linear kernels: (A [N, 3, in], its three Bt, W, x, and the fp64 expectation of
     ``x @ W.T`` plus every run's LoRA)."""
     gen = torch.Generator().manual_seed(9)
     rows, in_f, outs = 8 * 16, 1024, (1024, 256, 256)
@@ -308,7 +320,7 @@ def bench_qkv_case(
         bts.append(buffer[:, col : col + out])
         col += out
     w = torch.randn(sum(outs), in_f, generator=gen) * 0.03
-    x = torch.randn(8, in_f, generator=gen)
+    x = torch.randn(tokens, in_f, generator=gen)
     expected, start = x.double() @ w.double().t(), 0
     for p, bt in enumerate(bts):
         for s, c, first, r in runs:

@@ -37,6 +37,41 @@ def test_lora_blocked_equals_the_base_matmul_plus_the_loop(mix, num_tokens, star
     torch.testing.assert_close(y[none].double(), x[none].double() @ w.double().t(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens", [17, 100, 257])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize(
+    ("start", "outs", "tail", "rank", "in_f"),
+    [(0, (64, 32, 96), 0, 8, 48), (5, (7, 24, 20), 6, 24, 40), (32, (33, 64), 13, 40, 48), (0, (32,), 0, 16, 64)],
+)
+def test_prefill_runs_take_their_lora_inside_the_gemm(mix, num_tokens, start, outs, tail, rank, in_f):
+    """A prefill step, its tokens grouped by slot as the engine orders them: runs of 16 or more tokens (their LoRA
+    inside the GEMM: tiles of 12 cut at run edges, two runs in one tile) beside shorter runs (lora_apply's loops
+    after it) and slot -1 runs; mixed ranks up to 40 (one part's A rows fill 1..4 blocks of 32, a last one of <= 16),
+    in of no 16 multiple; parts on block boundaries, off them (their edges column by column), the last block cut."""
+    pp, bts, x, slots, meta, gen = linear_case(len(outs), outs, num_tokens, mix, num_tokens, in_f, rank, grouped=True)
+    n = start + sum(outs) + tail
+    w = torch.randn(n, in_f, generator=gen)
+    y = lora_blocked(x, block_weight(w), n, [pp.a_parts], bts, [start], meta.runs)
+    torch.testing.assert_close(y.double(), _expected(x, w, pp, bts, slots, start), atol=1e-4, rtol=1e-4)
+    none = slots < 0
+    torch.testing.assert_close(y[none].double(), x[none].double() @ w.double().t(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_prefill_of_the_bench_models_shapes():
+    """q|k|v of the bench model (in 1024, 1024 + 256 + 256 columns, rank 16) over 200 tokens: two adapters' runs of
+    90 and 60 tokens with 50 tokens of no adapter between them, and two groups (q | v, k base-only)."""
+    runs = [[0, 90, 16, 16], [140, 60, 48, 16]]
+    a, bts, w, x, expected = bench_qkv_case(runs, tokens=200)
+    wb = block_weight(w)
+    y = lora_blocked(x, wb, w.shape[0], [a], bts, [0], torch.tensor(runs))
+    torch.testing.assert_close(y.double(), expected, atol=2e-4, rtol=1e-4)
+    q_v = lora_blocked(x, wb, w.shape[0], [a[:, 0:1], a[:, 2:3]], [bts[0], bts[2]], [0, 1280], torch.tensor(runs))
+    base = x.double() @ w.double().t()
+    torch.testing.assert_close(q_v[:, 1024:1280].double(), base[:, 1024:1280], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(q_v[:, :1024].double(), expected[:, :1024], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(q_v[:, 1280:].double(), expected[:, 1280:], atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 8, 12, 16, 17, 30, 100, 200])
 @pytest.mark.parametrize(("n", "k"), [(96, 48), (70, 40), (1, 16), (33, 1), (70, 600)])
 def test_the_base_matmul_alone(num_tokens, n, k):

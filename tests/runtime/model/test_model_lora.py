@@ -210,6 +210,30 @@ def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtyp
             assert max_diff(ours, reference) <= BF16_ATOL + BF16_RTOL * reference.abs().max().item(), name
 
 
+def test_a_prefill_of_long_prompts_takes_lora_blocked_and_equals_peft(written, monkeypatch) -> None:
+    """A prefill past the FUSED form's token limit (the torch forms' step), prompts of 16+ tokens: every blocked
+    linear still takes one lora_blocked call (their runs' LoRA inside its GEMM), and each row equals PEFT's logits
+    with its adapter alone (slot -1 rows the base model's)."""
+    model, _, pool, _, rows = serving_setup(written, torch.float32, BackendKind.CPU)
+    backend = select_backend("cpu", KernelConfig(fused_max_tokens=16))
+    meta = LoRAKernelMeta.make(backend, pool.num_slots, MAX_RANK, 256, "cpu", granule=pool.granule)
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear) and m.has_lora]
+    assert linears and all(m._blocked for m in linears)
+    calls: Counter[str] = Counter()
+    for name in ("apply_parts", "lora_blocked", "lora_onednn", "shrink_parts", "shrink", "expand"):
+        op = getattr(lora_linear, name)
+        monkeypatch.setattr(
+            lora_linear, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k)
+        )
+    gen = torch.Generator().manual_seed(3)
+    lengths, adapters = (30, 17, 24, 20), ["all_rslora", None, "qv", "mlp_subset"]
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    ours = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
+    assert not meta.fused and meta.cpu_runs and calls == {"lora_blocked": 4 * len(model.layers)}
+    for logits, prompt, name in zip(ours, prompts, adapters, strict=True):
+        assert max_diff(logits, oracle_logits(written, name, prompt)) <= FP32_TOL, name
+
+
 def test_fusion_needs_adjacent_attached_parts(written) -> None:
     """Only consecutive attached parts whose A rows are adjacent column blocks of one tensor are fused."""
     _, _, pool, _, _ = serving_setup(written, torch.float32)
