@@ -14,7 +14,9 @@ Prints a table and writes out/bench_slowdown.json.
 --heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
 lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
 in prefill and of the weight bytes read per step in decode (distinct active adapters), weighted by the time the base
-run spends in each phase (prefill time measured by a run with one output token). Target: slowdown <= 1.25x floor.
+run spends in each phase (prefill time measured by a run with one output token); a cell's slowdown is the median over
+repeats of each repeat's base / LoRA ratio (the three serves of a repeat run back to back). Target: slowdown <= 1.25x
+floor.
 Writes out/bench_slowdown_heatmap.json and, with matplotlib (the `bench` extra), out/bench_slowdown_heatmap.png.
 """
 
@@ -91,7 +93,9 @@ def heatmap(args: argparse.Namespace) -> None:
                 for name, k in (("lora_1", 1), ("lora_8", 8)):
                     prefill_floor, decode_floor = floors(config, RANK, k)
                     floor = prefill_share * prefill_floor + (1 - prefill_share) * decode_floor
-                    slowdown = med["base"] / med[name] - 1  # extra time per token, as a fraction of base
+                    # extra time per token, as a fraction of base: each repeat's own ratio (its three serves run
+                    # back to back, so the machine's drift between repeats cancels), the median over repeats
+                    slowdown = statistics.median(b / v for b, v in zip(runs["base"], runs[name], strict=True)) - 1
                     cell[name] = {
                         "slowdown_pct": round(100 * slowdown, 2),
                         "floor_pct": round(100 * floor, 2),
