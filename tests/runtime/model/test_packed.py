@@ -141,7 +141,8 @@ def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype, pack_
     every decode linear's base matmul and LoRA in one kernels.cpu_kernels.lora_linear call) against the torch forms
     on the same slotted model: a ragged prefill with mixed adapters, decode steps with rows out of order and one row
     idle, and a mixed step (a new prompt's prefill beside decodes). fp32: every step's logits and every cache equal;
-    bf16: both forms' distance from the fp32 model, and ours is no larger than the torch forms' (rounding apart)."""
+    bf16: both forms' distance from the fp32 model, and ours is no larger than the torch forms' (rounding apart: one
+    bf16 ulp of the entry's largest value, a KV cache value rounded the other way after the prefill's attention)."""
     from kernels import KernelConfig, LoRAKernelMeta, cpu_kernels, select_backend
     from runtime.model.batch import SequenceChunk
     from tests.runtime._oracle import SLOTTED, slots_of
@@ -178,4 +179,5 @@ def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype, pack_
         return
     for ours, theirs, truth in zip(outs[0] + caches[0], outs[1] + caches[1], outs[2] + caches[2], strict=True):
         ours_err, theirs_err = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
-        assert ours_err <= 1.5 * theirs_err + 1e-2, (ours_err, theirs_err)
+        ulp = 2**-7 * truth.abs().max().item()  # one bf16 rounding apart at the entry's largest magnitude
+        assert ours_err <= 1.5 * theirs_err + 1e-2 + ulp, (ours_err, theirs_err, ulp)
