@@ -149,7 +149,6 @@ struct Part {
   int64_t col0, cols;  // y columns [col0, col0 + cols)
   const float* bt;     // Bt row 0
   int64_t bs;          // Bt row stride
-  int64_t group, index;  // its group, its index there
 };
 
 // The tokens [lo, hi) of a tile (relative to it) that belong to one long run; h: [Q][rank][TT] floats (Q: every
@@ -350,7 +349,7 @@ at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at
       for (int64_t p = 0; p < a_groups[g].size(1); ++p, ++first) {
         const at::Tensor& bt = bts[first];
         const int64_t col0 = p == 0 ? offsets[g] : fused.parts.back().col0 + fused.parts.back().cols;
-        fused.parts.push_back(Part{col0, bt.size(1), bt.data_ptr<float>(), bt.stride(0), int64_t(g), p});
+        fused.parts.push_back(Part{col0, bt.size(1), bt.data_ptr<float>(), bt.stride(0)});
       }
     const int64_t tiles = (T + kGemmTile - 1) / kGemmTile, Q = static_cast<int64_t>(fused.parts.size());
     fused.tile_segments.resize(tiles);
