@@ -11,6 +11,9 @@ blocked fp32 layout: every step with an adapter carries the runs table on this b
 (:attr:`kernels.meta.LoRAKernelMeta.cpu_runs`), and such a layer takes any step in one ``lora_blocked`` call, a
 prefill's long runs with their LoRA inside its GEMM (kernels/csrc/blocked_cpu.cpp).
 
+Which one-call kernel a linear takes is this backend's choice (:meth:`CpuFusedBackend.fused_linear`, reached
+through :func:`kernels.ops.fused_linear`): the model only says how its weight is held (:class:`LinearWeight`).
+
 ``shrink`` / ``expand`` on a FUSED step run the torch segments path over the same runs (the metadata sets both), so
 every op keeps its semantics whichever form the step took.
 """
@@ -22,10 +25,19 @@ from collections.abc import Sequence
 import torch
 
 from kernels.config import LoRAForm
-from kernels.cpu_kernels import load, lora_apply, unavailable_reason
+from kernels.cpu_kernels import (
+    LINEAR_MAX_TOKENS,
+    load,
+    lora_apply,
+    lora_blocked,
+    lora_linear,
+    lora_onednn,
+    unavailable_reason,
+)
 from kernels.dispatch_table import TorchDispatchTable
 from kernels.meta import LoRAKernelMeta
 from kernels.ops import compose_parts
+from kernels.protocol import LinearWeight, LoRAGroups, WeightLayout
 from kernels.torch_eager import TorchEagerBackend
 
 
@@ -77,3 +89,25 @@ class CpuFusedBackend(TorchEagerBackend):
             lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, bt_parts, meta.runs)
             return y
         return compose_parts(y, x, a_parts, bt_parts, meta)
+
+    def fused_linear(
+        self, x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
+    ) -> torch.Tensor | None:
+        """Semantics: :func:`kernels.ops.fused_linear`. One C++ call for the base matmul and the step's LoRA:
+        ``lora_blocked`` for our blocked layout on any step with an adapter (a prefill's runs of 16+ tokens take
+        their LoRA inside its GEMM), and on FUSED steps ``lora_onednn`` for oneDNN's layout and ``lora_linear`` for a
+        plain fp32 weight of at most ``LINEAR_MAX_TOKENS`` tokens. None otherwise (x without unit inner stride, a
+        step without the runs table, a plain weight at prefill). Shape: x [T, in]; returns a new [T, out] or None."""
+        runs = meta.runs
+        if runs is None or x.stride(1) != 1:  # runs: set on every step with an adapter on this backend
+            return None
+        a_groups, bts, offsets = groups
+        w = weight.tensor
+        if weight.layout is WeightLayout.BLOCKED:  # any step with an adapter: prefill too
+            return lora_blocked(x, w, weight.out_features, a_groups, bts, offsets, runs)
+        if meta.form is not LoRAForm.FUSED:
+            return None
+        if weight.layout is WeightLayout.ONEDNN:
+            return lora_onednn(x, w, a_groups, bts, offsets, runs)
+        fits = x.shape[0] <= LINEAR_MAX_TOKENS and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
+        return lora_linear(x, w, a_groups, bts, offsets, runs) if fits else None

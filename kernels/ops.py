@@ -8,6 +8,7 @@ import torch
 
 from kernels.config import LoRAForm
 from kernels.meta import LoRAKernelMeta
+from kernels.protocol import LinearWeight, LoRAGroups
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -110,6 +111,29 @@ def expand(
     if h.dtype != y.dtype:
         raise ValueError(f"h is {h.dtype}, expected y's dtype {y.dtype}")
     return meta.backend.expand(y, h, bt_rows, meta, accumulate)
+
+
+def fused_linear(
+    x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
+) -> torch.Tensor | None:
+    """The base matmul and every group's LoRA in one call of the step's backend, where it has a form for this
+    weight's layout and this step; None where it has not (the caller runs its base matmul, then :func:`apply_parts`
+    per group, or shrink / expand per part: the same values within fp32 rounding).
+
+    Semantics (where not None)::
+
+        y = x @ W.T
+        for each group g: apply_parts(y[:, offsets[g] : offsets[g] + sum of its parts' out], x, a_groups[g],
+                                      its parts' bts, meta)
+        return y
+
+    The cpu backend (:class:`kernels.cpu_fused.CpuFusedBackend`) takes our blocked layout on any step with an
+    adapter (``lora_blocked``: prefill's long runs inside its GEMM), oneDNN's layout and a plain fp32 weight of
+    few tokens on its FUSED steps (``lora_onednn``, ``lora_linear``). Eager backends only. Shape: x [T, in];
+    returns a new [T, weight.out_features] or None.
+    """
+    fn = getattr(meta.backend, "fused_linear", None)
+    return None if fn is None else fn(x, weight, groups, meta)
 
 
 def apply_parts(

@@ -7,8 +7,18 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from kernels import LoRAKernelMeta, apply_parts, expand, shrink, shrink_parts
-from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_blocked, lora_linear, lora_onednn
+from kernels import (
+    LinearWeight,
+    LoRAGroups,
+    LoRAKernelMeta,
+    WeightLayout,
+    apply_parts,
+    expand,
+    fused_linear,
+    shrink,
+    shrink_parts,
+)
+from kernels.cpu_kernels import LINEAR_MAX_TOKENS, lora_linear
 
 from .packed import can_pack, is_blocked, onednn_linear, pack_weight, packed_linear, unpack_weight
 
@@ -131,16 +141,18 @@ class LoRALinear(nn.Module):
         self._lora: list[Stacks | None] = [None] * len(out_features)
         self._fused: tuple[_FusedParts, ...] = ()
         self._groups: tuple[_Group, ...] = ()
-        self._kernel_groups: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[int, ...]] = ((), (), ())
+        self._kernel_groups = LoRAGroups((), (), ())
         self._unit_groups = False  # every group's rows have unit inner stride (what the C++ kernels read)
         self._has_lora = False
         self._packed: torch.Tensor | None = None  # the packed weight (runtime.model.packed) once packed
+        self._packed_weight: LinearWeight | None = None  # the same, as the backend's one-call form reads it
         self.fuse_shrink = True
         self.one_call = True
-        """Packed weight on the cpu backend: base matmul and LoRA in one ``lora_blocked`` call (our blocked layout, any
-        step with an adapter) or ``lora_onednn`` call (FUSED steps); False forces the packed matmul, then the step's
-        form (one ``apply_parts`` per group, or the torch forms at prefill: the same values within fp32 rounding;
-        benchmarks compare the two)."""
+        """Offer the step's backend the base matmul and the LoRA as one call (:func:`kernels.fused_linear`: on the
+        cpu backend ``lora_blocked`` for our blocked layout on any step with an adapter, ``lora_onednn`` /
+        ``lora_linear`` on FUSED steps); False forces the base matmul, then the step's form (one ``apply_parts``
+        per group, or the torch forms at prefill: the same values within fp32 rounding; benchmarks compare the
+        two)."""
 
     @property
     def out_total(self) -> int:
@@ -165,7 +177,7 @@ class LoRALinear(nn.Module):
         oneDNN's) where it applies (CPU, fp32 / supported bf16); returns whether the layer is packed. Pack last:
         ``to()`` does not move or cast a packed weight."""
         if self._packed is None and self.weight is not None and can_pack(self.weight):
-            self._packed = pack_weight(self.weight)
+            self._set_packed(pack_weight(self.weight))
             self.weight = None  # the plain copy goes: one copy of the weight in memory
         return self._packed is not None
 
@@ -173,7 +185,7 @@ class LoRALinear(nn.Module):
         """Back to a plain ``weight`` Parameter (same values)."""
         if self._packed is not None:
             self.weight = nn.Parameter(unpack_weight(self._packed, self.out_total), requires_grad=False)
-            self._packed = None
+            self._set_packed(None)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -186,26 +198,46 @@ class LoRALinear(nn.Module):
         state = dict(super().__getstate__())
         if self._packed is not None:
             state["_packed"], state["_packed_plain"] = None, unpack_weight(self._packed, self.out_total)
+            state["_packed_weight"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         plain = state.pop("_packed_plain", None)
         super().__setstate__(state)
         if plain is not None:
-            self._packed = pack_weight(plain)
+            self._set_packed(pack_weight(plain))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         if self._packed is not None:
             raise RuntimeError(f"{prefix or 'layer'}: the weight is packed; unpack() before loading a state dict")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def base(self, x: torch.Tensor) -> torch.Tensor:
-        """Semantics: ``x @ W.T``, whichever layout W is held in. Shape: x [T, in]; returns a new [T, sum(out)]."""
+    def base(self, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+        """Semantics: ``x @ W.T``, whichever layout W is held in. ``kernel`` (the model's CPU ops are on): a plain
+        fp32 weight of few tokens takes :func:`kernels.cpu_kernels.lora_linear`. Shape: x [T, in]; returns a new
+        [T, sum(out)]."""
         if self._packed is not None:
             return packed_linear(x, self._packed, self.out_total)
+        if kernel and kernel_fits(x, self.weight):
+            return lora_linear(x, self.weight, (), (), (), None)
         if self._onednn_plain(x):
             return onednn_linear(x, self.weight)
         return x @ self.weight.t()
+
+    def _set_packed(self, packed: torch.Tensor | None) -> None:
+        self._packed = packed
+        self._packed_weight = None
+        if packed is not None:
+            layout = WeightLayout.BLOCKED if is_blocked(packed) else WeightLayout.ONEDNN
+            self._packed_weight = LinearWeight(layout, packed, self.out_total)
+
+    def _one_call_weight(self, kernel: bool) -> LinearWeight | None:
+        """The weight as the backend's one-call form reads it: packed (blocked or oneDNN's) always, plain only with
+        the model's CPU ops on (``kernel``)."""
+        if self._packed_weight is not None:
+            return self._packed_weight
+        weight = self.weight
+        return LinearWeight(WeightLayout.PLAIN, weight, self.out_total) if kernel and weight is not None else None
 
     def _onednn_plain(self, x: torch.Tensor) -> bool:
         """Whether oneDNN's linear takes this plain weight for ``x``: CPU, a dtype it packs, and more tokens than the
@@ -230,7 +262,7 @@ class LoRALinear(nn.Module):
         self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
         self._groups = self._apply_groups()
         groups = self._groups
-        self._kernel_groups = (
+        self._kernel_groups = LoRAGroups(
             tuple(g.a_parts for g in groups),
             tuple(bt for g in groups for bt in g.bt_parts),
             tuple(g.columns.start for g in groups),
@@ -262,7 +294,7 @@ class LoRALinear(nn.Module):
         self._has_lora = False
         self._fused = ()
         self._groups = ()
-        self._kernel_groups = ((), (), ())
+        self._kernel_groups = LoRAGroups((), (), ())
         self._unit_groups = False
 
     @property
@@ -307,32 +339,23 @@ class LoRALinear(nn.Module):
         """:meth:`forward`'s parts as the one ``[T, sum(out)]`` tensor they are views of on eager backends (traced
         backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)].
 
-        ``kernel`` (the model's CPU ops are on): a plain fp32 weight and at most ``LINEAR_MAX_TOKENS`` tokens run the
-        base matmul and, on a FUSED step, every group's LoRA in one :func:`kernels.cpu_kernels.lora_linear` call. A
-        weight in our blocked layout takes any step with an adapter on the cpu backend (``meta.cpu_runs``: prefill
-        too) in one :func:`kernels.cpu_kernels.lora_blocked` call (our matmul with each group's LoRA; a prefill's long
-        runs inside the GEMM); a oneDNN-packed weight on the cpu backend's FUSED step takes one
-        :func:`kernels.cpu_kernels.lora_onednn` call (oneDNN's linear, then each group's LoRA: the values of ``base``
-        + one ``apply_parts`` per group)."""
-        weight = self.weight
-        if kernel and weight is not None and kernel_fits(x, weight):
-            if meta is None or meta.no_adapter or not self._has_lora:
-                return lora_linear(x, weight, (), (), (), None)
-            if meta.cpu_fused:
-                a_groups, bts, offsets = self._kernel_groups
-                return lora_linear(x, weight, a_groups, bts, offsets, meta.runs)
+        ``kernel`` (the model's CPU ops are on): a plain fp32 weight of at most ``LINEAR_MAX_TOKENS`` tokens takes
+        :func:`kernels.cpu_kernels.lora_linear` for its base matmul, and is offered to the backend's one-call form.
+        With an adapter in the step the layer first offers the step's backend its weight (:class:`LinearWeight`:
+        our blocked layout, oneDNN's, or plain) and its LoRA groups: :func:`kernels.fused_linear` runs the base
+        matmul and every group's LoRA in one call where the backend has a form for them (the cpu backend's
+        ``lora_blocked`` / ``lora_onednn`` / ``lora_linear``); otherwise the base matmul, then one
+        :func:`kernels.apply_parts` per group (FUSED steps) or shrink / expand per part."""
         if meta is None or meta.no_adapter or not self._has_lora:
-            return self.base(x)  # [T, sum(out)]
+            return self.base(x, kernel)  # [T, sum(out)]
         if meta.backend.traced:
             return torch.cat(self.forward(x, meta), dim=-1)
-        one_call = self.one_call and self._unit_groups and x.stride(1) == 1
-        if one_call and self._blocked and meta.cpu_runs:  # our matmul and every group's LoRA in one call, any T
-            a_groups, bts, offsets = self._kernel_groups
-            return lora_blocked(x, self._packed, self.out_total, a_groups, bts, offsets, meta.runs)
+        if self.one_call and self._unit_groups:
+            weight = self._one_call_weight(kernel)
+            y = None if weight is None else fused_linear(x, weight, self._kernel_groups, meta)
+            if y is not None:
+                return y
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
-            if one_call and self._packed is not None and meta.cpu_fused:  # oneDNN's linear and the LoRA, one call
-                a_groups, bts, offsets = self._kernel_groups
-                return lora_onednn(x, self._packed, a_groups, bts, offsets, meta.runs)
             y = self.base(x)
             for group in self._groups:
                 apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from adapter_manager import ModuleKey
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from kernels import BackendKind, KernelConfig, LoRAKernelMeta, cpu_fused, select_backend
 from runtime.model import lora_linear
 from runtime.model.checkpoint import load_model
 from runtime.model.llama import Llama
@@ -165,6 +165,18 @@ def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypa
         assert max_diff(ours, oracle_logits(written, name, prompt)) <= FP32_TOL, name
 
 
+def count_linear_calls(monkeypatch) -> Counter[str]:  # noqa: ANN001
+    """Count, by name, the LoRA calls a linear makes: the model's own (apply_parts, shrink_parts, shrink, expand) and
+    the one-call kernels the cpu backend's ``fused_linear`` chooses (lora_blocked, lora_onednn, lora_linear)."""
+    calls: Counter[str] = Counter()
+    targets = [(lora_linear, n) for n in ("apply_parts", "shrink_parts", "shrink", "expand")]
+    targets += [(cpu_fused, n) for n in ("lora_blocked", "lora_onednn", "lora_linear")]
+    for module, name in targets:
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtype) -> None:
     """The cpu backend's FUSED form: one call per linear (q/k/v, o, gate/up, down) per layer, no shrink or expand of
@@ -179,12 +191,7 @@ def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtyp
     }
     assert len(kinds) == 1
     one_call = kinds.pop()
-    calls: Counter[str] = Counter()
-    for name in ("apply_parts", "lora_blocked", "lora_onednn", "shrink_parts", "shrink", "expand"):
-        op = getattr(lora_linear, name)
-        monkeypatch.setattr(
-            lora_linear, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k)
-        )
+    calls = count_linear_calls(monkeypatch)
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     assert meta.fused and calls == {one_call: 4 * len(model.layers)}
@@ -219,12 +226,7 @@ def test_a_prefill_of_long_prompts_takes_lora_blocked_and_equals_peft(written, m
     meta = LoRAKernelMeta.make(backend, pool.num_slots, MAX_RANK, 256, "cpu", granule=pool.granule)
     linears = [m for m in model.modules() if isinstance(m, LoRALinear) and m.has_lora]
     assert linears and all(m._blocked for m in linears)
-    calls: Counter[str] = Counter()
-    for name in ("apply_parts", "lora_blocked", "lora_onednn", "shrink_parts", "shrink", "expand"):
-        op = getattr(lora_linear, name)
-        monkeypatch.setattr(
-            lora_linear, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k)
-        )
+    calls = count_linear_calls(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     lengths, adapters = (30, 17, 24, 20), ["all_rslora", None, "qv", "mlp_subset"]
     prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
