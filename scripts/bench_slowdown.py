@@ -14,9 +14,10 @@ Prints a table and writes out/bench_slowdown.json.
 --heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
 lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
 in prefill and of the weight bytes read per step in decode (distinct active adapters), weighted by the time the base
-run spends in each phase (prefill time measured by a run with one output token); a cell's slowdown is the median over
-repeats of each repeat's base / LoRA ratio (the three serves of a repeat run back to back). Target: slowdown <= 1.25x
-floor.
+run spends in each phase (prefill time measured by a run with one output token). The three configurations run on
+three engines (one model copy each, one manager) stepped in turn, one step each in a fresh random order, each timed by
+the sum of its own steps, so the machine's drift hits all three alike; a cell's slowdown is the median over repeats
+of each repeat's base / LoRA ratio. Target: slowdown <= 1.25x floor.
 Writes out/bench_slowdown_heatmap.json and, with matplotlib (the `bench` extra), out/bench_slowdown_heatmap.png.
 """
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_workload, projection_shapes
+from _bench_setup import CONFIGS, RANK, EngineWorkload, build_engine, engine_workload, projection_shapes
 
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
@@ -63,29 +65,64 @@ def floors(config: LlamaConfig, rank: int, adapters: int) -> tuple[float, float]
     return lora / base, adapters * lora / base
 
 
+def serve_interleaved(
+    engines: dict[str, Engine], prompts: list[list[int]], adapters: dict[str, list[str | None]], output: int, seed: int
+) -> dict[str, float]:
+    """Tokens per second of each engine serving every prompt to completion under its own mix, the engines stepped
+    in turn (one step each, in a fresh random order every round) and each timed by the sum of its own steps: the
+    machine's drift over seconds hits all of them alike, where serving one batch after the other it moved a cell
+    by +-10 points between repeats."""
+    params = SamplingParams(max_tokens=output)
+    handles = {
+        name: [engine.submit(p, a, params) for p, a in zip(prompts, adapters[name], strict=True)]
+        for name, engine in engines.items()
+    }
+    busy, order = dict.fromkeys(engines, 0.0), random.Random(seed)
+    while any(engine.has_work for engine in engines.values()):
+        for name in order.sample(list(engines), len(engines)):
+            if engines[name].has_work:
+                start = time.perf_counter()
+                engines[name].step()
+                busy[name] += time.perf_counter() - start
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {
+        name: (prompt_tokens + sum(len(h.result(timeout=0)) for h in handles[name])) / busy[name] for name in engines
+    }
+
+
 def heatmap(args: argparse.Namespace) -> None:
-    """Every (input, output) cell: base, lora_1, lora_8 rotated per repeat; slowdown vs floor."""
+    """Every (input, output) cell: base, lora_1, lora_8 on three engines stepped in turn; slowdown vs floor."""
     inputs = [int(n) for n in args.inputs.split(",")]
     outputs = [int(n) for n in args.outputs.split(",")]
     cells = []
     with engine_workload(getattr(torch, args.dtype), args.device) as work:
         config = work.config
-        engine = work.engine(args.requests, max(inputs) + max(outputs) + 1, token_budget=max(2048, max(inputs)))
+        names = ("base", "lora_1", "lora_8")
+        # one engine per configuration, each over its own copy of the model (the KV cache lives on the model), all
+        # on the workload's manager: lora_1's adapter is one of lora_8's, so the 8 slots hold both
+        models = {"base": work.model, **{name: work.load_model() for name in names[1:]}}
+        max_seq_len, budget = max(inputs) + max(outputs) + 1, max(2048, max(inputs))
+        engines = {
+            name: build_engine(models[name], work.manager, args.requests, max_seq_len, token_budget=budget)
+            for name in names
+        }
         gen = torch.Generator().manual_seed(0)
-        serve(engine, [[1, 2, 3]] * 2, ["a0", None], 4)  # warm-up
-        adapters = {name: work.mix(name, args.requests) for name in ("base", "lora_1", "lora_8")}
+        for engine in engines.values():
+            serve(engine, [[1, 2, 3]] * 2, ["a0", None], 4)  # warm-up
+        adapters = {name: work.mix(name, args.requests) for name in names}
         total, done = len(inputs) * len(outputs), 0
         for length in inputs:
             prompts = random_prompts(work, length, args.requests, gen)
             # one output token: (almost) only prefill; median of the repeats like every other figure
-            prefill_tok_s = statistics.median(serve(engine, prompts, adapters["base"], 1) for _ in range(args.repeats))
+            base = engines["base"]
+            prefill_tok_s = statistics.median(serve(base, prompts, adapters["base"], 1) for _ in range(args.repeats))
             prefill_s = len(prompts) * (length + 1) / prefill_tok_s
             for output in outputs:
                 runs: dict[str, list[float]] = {name: [] for name in adapters}
                 for repeat in range(args.repeats):
-                    names = list(adapters)
-                    for name in names[repeat % 3 :] + names[: repeat % 3]:
-                        runs[name].append(serve(engine, prompts, adapters[name], output))
+                    tok_s = serve_interleaved(engines, prompts, adapters, output, seed=repeat + 1000 * done)
+                    for name, value in tok_s.items():
+                        runs[name].append(value)
                 med = {name: statistics.median(v) for name, v in runs.items()}
                 base_s = len(prompts) * (length + output) / med["base"]
                 prefill_share = min(1.0, prefill_s / base_s)
@@ -93,11 +130,13 @@ def heatmap(args: argparse.Namespace) -> None:
                 for name, k in (("lora_1", 1), ("lora_8", 8)):
                     prefill_floor, decode_floor = floors(config, RANK, k)
                     floor = prefill_share * prefill_floor + (1 - prefill_share) * decode_floor
-                    # extra time per token, as a fraction of base: each repeat's own ratio (its three serves run
-                    # back to back, so the machine's drift between repeats cancels), the median over repeats
-                    slowdown = statistics.median(b / v for b, v in zip(runs["base"], runs[name], strict=True)) - 1
+                    # extra time per token, as a fraction of base: each repeat's own ratio (its three engines
+                    # stepped in turn), the median over repeats
+                    ratios = [b / v - 1 for b, v in zip(runs["base"], runs[name], strict=True)]
+                    slowdown = statistics.median(ratios)
                     cell[name] = {
                         "slowdown_pct": round(100 * slowdown, 2),
+                        "repeats_pct": [round(100 * r, 2) for r in ratios],
                         "floor_pct": round(100 * floor, 2),
                         "x_floor": round(slowdown / floor, 2),
                     }
