@@ -26,10 +26,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <sys/mman.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -308,6 +310,21 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
   }
 }
 
+// An output past glibc's largest mmap threshold (32 MB: a prefill step's gate|up at 2048 tokens is 46 MB) is a fresh
+// mapping at every call, and its first touch took one page fault per 4 KB (11,265 per call, ~14 of a ~60 ms
+// projection); asked for transparent huge pages before the GEMM writes it, it faults once per 2 MB. Where THP is
+// off ("never") the advice is ignored.
+constexpr size_t kHugeMin = size_t{32} << 20;
+constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+
+void huge_pages(const at::Tensor& y) {
+  const size_t bytes = y.nbytes();
+  if (bytes < kHugeMin) return;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(y.data_ptr());
+  const uintptr_t lo = (start + kHugePage - 1) & ~(kHugePage - 1), hi = (start + bytes) & ~(kHugePage - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice only: a failure changes nothing
+}
+
 at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at::TensorList a_groups,
                         at::TensorList bts, at::IntArrayRef offsets, const at::Tensor& runs) {
   TORCH_CHECK(x.device().is_cpu() && wb.device().is_cpu(), "lora_blocked: CPU tensors only");
@@ -320,6 +337,7 @@ at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at
               " blocks hold ", (wb.size(0) - 1) * kBlock + 1, " to ", wb.size(0) * kBlock, " columns, not ", n);
   TORCH_CHECK(a_groups.size() == offsets.size(), "lora_blocked: one column offset per group");
   auto y = at::empty({T, n}, x.options());
+  huge_pages(y);
   int64_t rows = -1, end = 0;
   size_t next = 0;  // the first Bt of the group
   for (size_t g = 0; g < a_groups.size(); ++g) {
