@@ -168,11 +168,78 @@ struct Segment {
 //   3. the GEMM: a block inside one part adds each segment's expand in the kernel's loop (rank more steps); a block
 //      a part covers only in part (a part's edge off the block grid, or the last block cut at N) adds it afterwards.
 struct FusedLoRA {
-  std::vector<Part> parts;
-  std::vector<Segment> segments;
-  std::vector<std::vector<int64_t>> tile_segments;  // per tile, its segments' indices
-  std::vector<float> h;
+  std::vector<Part> parts;                           // every group's parts, in column order
+  std::vector<Segment> segments;                     // each long run's tiles
+  std::vector<std::vector<int64_t>> tile_segments;   // per tile, its segments' indices
+  std::vector<float> h;                              // every segment's h
+  std::vector<int64_t> group_part0;                  // per group its first part (one more entry: the part count)
+  std::vector<int64_t> a_off;                        // per (run, group): its packed A rows' offset in a_packed
+  std::vector<std::array<int64_t, 3>> pack_items;    // phase 1's work: (run, group, A block)
+  std::vector<std::array<int64_t, 3>> shrink_items;  // phase 2's work: (segment, group, A block)
+  std::unique_ptr<float[]> a_packed;                 // every run's A rows of every group, [blocks][K][32]
+  std::vector<int64_t> full_part;                    // per block of y: the part covering it whole, or -1
+  std::vector<std::array<int64_t, 4>> edges;         // (block, part, first column, end column) of partial covers
 };
+
+// The fused LoRA of the long runs of T tokens × K features into N columns of y: its parts (each group's Bt, from the
+// group's column offset on), each run's segments per tile of kGemmTile with room for their h, the work items of the
+// A packing and of the shrink, and per block of y the part that covers it whole or the edges parts cover in part.
+FusedLoRA make_fused(int64_t T, int64_t K, int64_t N, at::TensorList a_groups, at::TensorList bts,
+                     at::IntArrayRef offsets, const std::vector<Run>& long_runs) {
+  FusedLoRA f;
+  const int64_t groups = static_cast<int64_t>(a_groups.size()), nr = static_cast<int64_t>(long_runs.size());
+  f.group_part0.assign(groups + 1, 0);
+  size_t first = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    f.group_part0[g + 1] = f.group_part0[g] + a_groups[g].size(1);
+    for (int64_t p = 0; p < a_groups[g].size(1); ++p, ++first) {
+      const at::Tensor& bt = bts[first];
+      const int64_t col0 = p == 0 ? offsets[g] : f.parts.back().col0 + f.parts.back().cols;
+      f.parts.push_back(Part{col0, bt.size(1), bt.data_ptr<float>(), bt.stride(0)});
+    }
+  }
+  const int64_t tiles = (T + kGemmTile - 1) / kGemmTile, Q = static_cast<int64_t>(f.parts.size());
+  f.tile_segments.resize(tiles);
+  std::vector<size_t> h_off;
+  size_t h_size = 0;
+  for (const Run& run : long_runs)
+    for (int64_t i = run.start / kGemmTile; i * kGemmTile < run.start + run.count; ++i) {
+      const int64_t lo = std::max<int64_t>(0, run.start - i * kGemmTile);
+      const int64_t hi = std::min<int64_t>(kGemmTile, run.start + run.count - i * kGemmTile);
+      f.tile_segments[i].push_back(static_cast<int64_t>(f.segments.size()));
+      f.segments.push_back(Segment{i, lo, hi, &run, nullptr});
+      h_off.push_back(h_size);
+      h_size += static_cast<size_t>(Q * run.rank * kGemmTile);
+    }
+  f.h.resize(h_size);
+  for (size_t s = 0; s < f.segments.size(); ++s) f.segments[s].h = f.h.data() + h_off[s];
+  f.a_off.assign(nr * groups + 1, 0);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t rows = a_groups[g].size(1) * long_runs[r].rank, blocks = (rows + kBlock - 1) / kBlock;
+      f.a_off[r * groups + g + 1] = f.a_off[r * groups + g] + blocks * K * kBlock;
+      for (int64_t ab = 0; ab < blocks; ++ab) f.pack_items.push_back({r, g, ab});
+    }
+  f.a_packed.reset(new float[f.a_off.back()]);  // no zero fill: the packing writes every lane the shrink reads
+  for (int64_t s = 0; s < static_cast<int64_t>(f.segments.size()); ++s)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t ab = 0; ab * kBlock < a_groups[g].size(1) * f.segments[s].run->rank; ++ab)
+        f.shrink_items.push_back({s, g, ab});
+  const int64_t nb = (N + kBlock - 1) / kBlock;
+  f.full_part.assign(nb, -1);
+  for (int64_t q = 0; q < Q; ++q) {
+    const Part& part = f.parts[q];
+    const int64_t end = part.col0 + part.cols;
+    for (int64_t b = part.col0 / kBlock; b * kBlock < end; ++b) {
+      const int64_t lo = std::max(part.col0, b * kBlock), hi = std::min(end, std::min(N, (b + 1) * kBlock));
+      if (lo == b * kBlock && hi == (b + 1) * kBlock)
+        f.full_part[b] = q;
+      else
+        f.edges.push_back({b, q, lo, hi});
+    }
+  }
+  return f;
+}
 
 // y = x @ W.T (plus the long runs' LoRA, `fused` non-null): each thread a contiguous range of blocks.
 void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::TensorList a_groups,
@@ -186,50 +253,18 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
       pack_tile(xp, xs, K, i * width, std::min(width, T - i * width), width, xt.get() + i * width * K);
   });
   const Kernel kernel = kernel_for(width);
-  // the fused LoRA's tables (fused: width == kGemmTile)
-  const int64_t groups = static_cast<int64_t>(a_groups.size()), nr = static_cast<int64_t>(long_runs.size());
-  std::vector<int64_t> group_part0(groups + 1, 0), a_off((nr * groups) + 1, 0);
-  std::vector<std::array<int64_t, 3>> pack_items, shrink_items;  // (run, group, A block); (segment, group, A block)
-  std::unique_ptr<float[]> a_packed;  // every run's A rows of every group, [blocks][K][32] (lanes past the rows: zero)
-  std::vector<int64_t> full_part(fused ? nb : 0, -1);  // per block: the part covering it whole, or -1
-  std::vector<std::array<int64_t, 4>> edges;           // (block, part, first column, end column) of partial covers
-  if (fused) {
-    for (int64_t g = 0; g < groups; ++g) group_part0[g + 1] = group_part0[g] + a_groups[g].size(1);
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t rows = a_groups[g].size(1) * long_runs[r].rank, blocks = (rows + kBlock - 1) / kBlock;
-        a_off[r * groups + g + 1] = a_off[r * groups + g] + blocks * K * kBlock;
-        for (int64_t ab = 0; ab < blocks; ++ab) pack_items.push_back({r, g, ab});
-      }
-    a_packed.reset(new float[a_off.back()]);  // no zero fill: the packing writes every lane the shrink reads
-    for (int64_t s = 0; s < static_cast<int64_t>(fused->segments.size()); ++s) {
-      const int64_t r = fused->segments[s].run - long_runs.data();
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t ab = 0; ab * kBlock < a_groups[g].size(1) * long_runs[r].rank; ++ab) shrink_items.push_back({s, g, ab});
-    }
-    for (int64_t q = 0; q < static_cast<int64_t>(fused->parts.size()); ++q) {
-      const Part& part = fused->parts[q];
-      const int64_t end = part.col0 + part.cols;
-      for (int64_t b = part.col0 / kBlock; b * kBlock < end; ++b) {
-        const int64_t lo = std::max(part.col0, b * kBlock), hi = std::min(end, std::min(N, (b + 1) * kBlock));
-        if (lo == b * kBlock && hi == (b + 1) * kBlock)
-          full_part[b] = q;
-        else
-          edges.push_back({b, q, lo, hi});
-      }
-    }
-  }
+  const int64_t groups = static_cast<int64_t>(a_groups.size());
   const int64_t threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads) if (nb > 1 || !pack_items.empty())
+#pragma omp parallel num_threads(threads) if (nb > 1 || fused != nullptr)
   {
     if (fused) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t w = 0; w < static_cast<int64_t>(pack_items.size()); ++w) {  // A rows -> [blocks][K][32]
-        const auto [r, g, ab] = pack_items[w];
+      for (int64_t w = 0; w < static_cast<int64_t>(fused->pack_items.size()); ++w) {  // A rows -> [blocks][K][32]
+        const auto [r, g, ab] = fused->pack_items[w];
         const at::Tensor& a = a_groups[g];
         const int64_t rank = long_runs[r].rank, rows = a.size(1) * rank, as = a.stride(0), ps = a.stride(1);
         const float* ap = a.data_ptr<float>();
-        float* out = a_packed.get() + a_off[r * groups + g] + ab * K * kBlock;
+        float* out = fused->a_packed.get() + fused->a_off[r * groups + g] + ab * K * kBlock;
         for (int64_t c0 = ab * kBlock; c0 < std::min(rows, (ab + 1) * kBlock); c0 += 16) {  // 16 rows at a time
           const float* src[16];
           for (int64_t c = 0; c < 16; ++c) {
@@ -247,20 +282,20 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
         }
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t w = 0; w < static_cast<int64_t>(shrink_items.size()); ++w) {  // h = x tile · A.T, transposed
-        const auto [s, g, ab] = shrink_items[w];
+      for (int64_t w = 0; w < static_cast<int64_t>(fused->shrink_items.size()); ++w) {  // h = x tile · A.T
+        const auto [s, g, ab] = fused->shrink_items[w];
         const Segment& seg = fused->segments[s];
         const int64_t r = seg.run - long_runs.data(), rank = seg.run->rank;
         const int64_t rows = a_groups[g].size(1) * rank, cols = std::min(kBlock, rows - ab * kBlock);
         float tmp[kGemmTile * kBlock];
-        const float* ablock = a_packed.get() + a_off[r * groups + g] + ab * K * kBlock;
+        const float* ablock = fused->a_packed.get() + fused->a_off[r * groups + g] + ab * K * kBlock;
         const float* tile = xt.get() + seg.tile * kGemmTile * K;
         if (cols > 16)
           block_kernel<kGemmTile, 2>(tile, ablock, K, tmp, kBlock, kGemmTile, cols);
         else
           block_kernel<kGemmTile, 1>(tile, ablock, K, tmp, kBlock, kGemmTile, cols);
         for (int64_t c = 0; c < cols; ++c) {
-          const int64_t row = ab * kBlock + c, q = group_part0[g] + row / rank;
+          const int64_t row = ab * kBlock + c, q = fused->group_part0[g] + row / rank;
           float* hq = seg.h + (q * rank + row % rank) * kGemmTile;
           for (int64_t t = 0; t < kGemmTile; ++t) hq[t] = t >= seg.lo && t < seg.hi ? tmp[t * kBlock + c] : 0.f;
         }
@@ -272,12 +307,13 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
     for (int64_t b = lo; b < hi; ++b)
       for (int64_t i = 0; i < tiles; ++i) {
         int64_t nex = 0;
-        if (fused && full_part[b] >= 0) {
-          const Part& part = fused->parts[full_part[b]];
+        if (fused && fused->full_part[b] >= 0) {
+          const int64_t q = fused->full_part[b];
+          const Part& part = fused->parts[q];
           for (const int64_t s : fused->tile_segments[i]) {
             const Segment& seg = fused->segments[s];
             const int64_t rank = seg.run->rank;
-            ex[nex++] = Expand{seg.h + full_part[b] * rank * kGemmTile,
+            ex[nex++] = Expand{seg.h + q * rank * kGemmTile,
                                part.bt + seg.run->first * part.bs + (b * kBlock - part.col0), part.bs, rank};
           }
         }
@@ -287,10 +323,10 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
                nex);
       }
   }
-  if (fused && !edges.empty()) {  // the parts' columns off the block grid: y += h · Bt there, column by column
-    at::parallel_for(0, static_cast<int64_t>(edges.size()), 1, [&](int64_t lo, int64_t hi) {
+  if (fused && !fused->edges.empty()) {  // the parts' columns off the block grid: y += h · Bt, column by column
+    at::parallel_for(0, static_cast<int64_t>(fused->edges.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t e = lo; e < hi; ++e) {
-        const auto [b, q, c0, c1] = edges[e];
+        const auto [b, q, c0, c1] = fused->edges[e];
         const Part& part = fused->parts[q];
         for (const Segment& seg : fused->segments) {
           const int64_t rank = seg.run->rank;
@@ -361,30 +397,7 @@ at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at
   std::vector<Run> long_runs, short_runs;
   for (const Run& run : list) (T > kDecodeTokens && run.count >= kFuseMin ? long_runs : short_runs).push_back(run);
   FusedLoRA fused;
-  if (!long_runs.empty()) {
-    size_t first = 0;
-    for (size_t g = 0; g < a_groups.size(); ++g)
-      for (int64_t p = 0; p < a_groups[g].size(1); ++p, ++first) {
-        const at::Tensor& bt = bts[first];
-        const int64_t col0 = p == 0 ? offsets[g] : fused.parts.back().col0 + fused.parts.back().cols;
-        fused.parts.push_back(Part{col0, bt.size(1), bt.data_ptr<float>(), bt.stride(0)});
-      }
-    const int64_t tiles = (T + kGemmTile - 1) / kGemmTile, Q = static_cast<int64_t>(fused.parts.size());
-    fused.tile_segments.resize(tiles);
-    std::vector<size_t> h_off;
-    size_t h_size = 0;
-    for (const Run& run : long_runs)
-      for (int64_t i = run.start / kGemmTile; i * kGemmTile < run.start + run.count; ++i) {
-        const int64_t lo = std::max<int64_t>(0, run.start - i * kGemmTile);
-        const int64_t hi = std::min<int64_t>(kGemmTile, run.start + run.count - i * kGemmTile);
-        fused.tile_segments[i].push_back(static_cast<int64_t>(fused.segments.size()));
-        fused.segments.push_back(Segment{i, lo, hi, &run, nullptr});
-        h_off.push_back(h_size);
-        h_size += static_cast<size_t>(Q * run.rank * kGemmTile);
-      }
-    fused.h.resize(h_size);
-    for (size_t s = 0; s < fused.segments.size(); ++s) fused.segments[s].h = fused.h.data() + h_off[s];
-  }
+  if (!long_runs.empty()) fused = make_fused(T, K, n, a_groups, bts, offsets, long_runs);
   gemm(x, wb.data_ptr<float>(), n, y.data_ptr<float>(), a_groups, long_runs, long_runs.empty() ? nullptr : &fused);
   size_t first = 0;
   for (size_t g = 0; g < a_groups.size() && !short_runs.empty(); ++g) {
