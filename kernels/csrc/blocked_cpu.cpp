@@ -10,7 +10,10 @@
 // tiles of TT tokens (16 × 16 register transposes), so the broadcasts read one line per k. Prefill's many tokens take
 // the same loop in tiles of 12 (24 accumulators): every tile of x passes over a block while it sits in L2 (passes of
 // 128–512 k with y accumulating, 1.21–1.39x, or panels of 8–48 tiles over each thread's blocks, 1.10–1.17x, were
-// slower).
+// slower at 1024 tokens). Past 8 MB of packed x (kPanelBytes: 2048 tokens of the down projection's 2816 features are
+// 23 MB, more than L3 holds beside the rest) the tiles pass in panels of that size, each over all of a thread's
+// blocks: x then comes from L3, not memory, at every block (the down projection at 2048 tokens 42–47 -> 28–31 ms;
+// W is read once more per panel).
 //
 // The LoRA of decode's few tokens (and of any run of fewer than kFuseMin tokens) follows the matmul: lora_apply's
 // loops (lora_cpu.cpp), as lora_onednn's does. Tried and measured slower on the bench model's decode step
@@ -53,6 +56,7 @@ constexpr int64_t kDecodeTokens = 16;       // up to this many tokens: tiles of 
 constexpr int64_t kGemmTile = 12;           // more tokens: tiles of 12, 24 accumulators
 constexpr int64_t kAhead = 16;              // W rows (of 128 bytes) a block's loop prefetches ahead
 constexpr int64_t kFuseMin = 16;            // runs of at least this many tokens (prefill): the LoRA inside the GEMM
+constexpr int64_t kPanelBytes = 8 << 20;    // x's packed tiles per pass over a thread's blocks (a long prefill)
 
 // One run's expand onto one block of a tile: acc[t] += Σ_j h[j · TT + t] · Bt[first + j, the block's 32 columns].
 struct Expand {
@@ -254,6 +258,8 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
   });
   const Kernel kernel = kernel_for(width);
   const int64_t groups = static_cast<int64_t>(a_groups.size());
+  // tiles per panel: x's packed tiles stream past every block, so a long prefill passes over them a panel at a time
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (width * K * static_cast<int64_t>(sizeof(float))));
   const int64_t threads = at::get_num_threads();
 #pragma omp parallel num_threads(threads) if (nb > 1 || fused != nullptr)
   {
@@ -304,24 +310,25 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     const int64_t lo = tid * nb / nth, hi = (tid + 1) * nb / nth;
     Expand ex[kGemmTile];
-    for (int64_t b = lo; b < hi; ++b)
-      for (int64_t i = 0; i < tiles; ++i) {
-        int64_t nex = 0;
-        if (fused && fused->full_part[b] >= 0) {
-          const int64_t q = fused->full_part[b];
-          const Part& part = fused->parts[q];
-          for (const int64_t s : fused->tile_segments[i]) {
-            const Segment& seg = fused->segments[s];
-            const int64_t rank = seg.run->rank;
-            ex[nex++] = Expand{seg.h + q * rank * kGemmTile,
-                               part.bt + seg.run->first * part.bs + (b * kBlock - part.col0), part.bs, rank};
+    for (int64_t i0 = 0; i0 < tiles; i0 += panel)
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t i = i0; i < std::min(tiles, i0 + panel); ++i) {
+          int64_t nex = 0;
+          if (fused && fused->full_part[b] >= 0) {
+            const int64_t q = fused->full_part[b];
+            const Part& part = fused->parts[q];
+            for (const int64_t s : fused->tile_segments[i]) {
+              const Segment& seg = fused->segments[s];
+              const int64_t rank = seg.run->rank;
+              ex[nex++] = Expand{seg.h + q * rank * kGemmTile,
+                                 part.bt + seg.run->first * part.bs + (b * kBlock - part.col0), part.bs, rank};
+            }
           }
+          float* yt = yp + i * width * N + b * kBlock;
+          const int64_t tb = std::min(width, T - i * width);
+          kernel(xt.get() + i * width * K, wp + b * K * kBlock, K, yt, N, tb, std::min(kBlock, N - b * kBlock), ex,
+                 nex);
         }
-        float* yt = yp + i * width * N + b * kBlock;
-        const int64_t tb = std::min(width, T - i * width);
-        kernel(xt.get() + i * width * K, wp + b * K * kBlock, K, yt, N, tb, std::min(kBlock, N - b * kBlock), ex,
-               nex);
-      }
   }
   if (fused && !fused->edges.empty()) {  // the parts' columns off the block grid: y += h · Bt, column by column
     at::parallel_for(0, static_cast<int64_t>(fused->edges.size()), 1, [&](int64_t lo, int64_t hi) {

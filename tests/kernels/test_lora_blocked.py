@@ -72,6 +72,25 @@ def test_a_prefill_of_the_bench_models_shapes():
     torch.testing.assert_close(q_v[:, 1280:].double(), expected[:, 1280:], atol=2e-4, rtol=1e-4)
 
 
+def test_a_long_prefill_passes_over_x_in_panels():
+    """in 2816 (the down projection's) × 900 tokens: x's packed tiles (12.2 MB) are more than one panel (8 MB: 62
+    tiles of 12), so the GEMM passes over each thread's blocks twice; a run crosses the panel edge (token 744), the
+    part starts off the block grid and ends mid-block, the last block is cut at N, the last 100 tokens have no
+    adapter."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, k, n, out, rank = 900, 2816, 70, 45, 16
+    a = torch.randn(3 * rank, 1, k, generator=gen) * 0.05
+    bt = torch.randn(3 * rank, out, generator=gen) * 0.05
+    w, x = torch.randn(n, k, generator=gen) * 0.03, torch.randn(tokens, k, generator=gen)
+    runs = [[0, 500, 0, rank], [500, 300, rank, rank]]
+    expected = x.double() @ w.double().t()
+    for start, count, first, r in runs:
+        h = x[start : start + count].double() @ a[first : first + r, 0].double().t()
+        expected[start : start + count, 5 : 5 + out] += h @ bt[first : first + r].double()
+    y = lora_blocked(x, block_weight(w), n, [a], [bt], [5], torch.tensor(runs))
+    torch.testing.assert_close(y.double(), expected, atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 2, 4, 7, 8, 12, 16, 17, 30, 100, 200])
 @pytest.mark.parametrize(("n", "k"), [(96, 48), (70, 40), (1, 16), (33, 1), (70, 600)])
 def test_the_base_matmul_alone(num_tokens, n, k):
