@@ -8,7 +8,7 @@ gate/up; every run of equal slots) in one call of ``torch.ops.adapter_manager.lo
 does not grow with the number of distinct adapters, and its bytes are the active adapters' bytes. Steps of more tokens
 (prefill) take the torch forms, whose matmuls per run are compute-efficient there, except in a layer held in our
 blocked fp32 layout: every step with an adapter carries the runs table on this backend
-(:attr:`kernels.meta.LoRAKernelMeta.cpu_runs`), and such a layer takes any step in one ``lora_blocked`` call, a
+(:attr:`kernels.meta.LoRAKernelMeta.runs`), and such a layer takes any step in one ``lora_blocked`` call, a
 prefill's long runs with their LoRA inside its GEMM (kernels/csrc/blocked_cpu.cpp).
 
 Which one-call kernel a linear takes is this backend's choice (:meth:`CpuFusedBackend.fused_linear`, reached
@@ -47,7 +47,7 @@ class CpuFusedBackend(TorchEagerBackend):
     fused = True
     """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
     cpu_kernels = True
-    """Its FUSED steps' runs table is the C++ kernels' (:attr:`kernels.meta.LoRAKernelMeta.cpu_fused`)."""
+    """Every step with an adapter carries the C++ kernels' runs table (:attr:`kernels.meta.LoRAKernelMeta.runs`)."""
 
     def __init__(
         self,

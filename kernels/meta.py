@@ -74,8 +74,8 @@ class LoRAKernelMeta:
     orders its batch by adapter gives one run per adapter): plain matmuls on row slices."""
     grouping: SlotGrouping | None = field(init=False, default=None)
     runs: torch.Tensor | None = field(init=False, default=None)
-    """Eager FUSED form, and every step with an adapter on the cpu backend (whose blocked linear takes any step:
-    :attr:`cpu_runs`). Shape: [runs, 4] int64 on the host: (token start, token count, first pool row, rank) of each
+    """Eager FUSED form, and every step with an adapter on the cpu backend (whose ``fused_linear`` takes a blocked
+    linear's any step). Shape: [runs, 4] int64 on the host: (token start, token count, first pool row, rank) of each
     run of equal slots, the table the fused kernels walk."""
     step_tables: object | None = field(init=False, default=None)
     """Eager FUSED form only: the backend's own per-step device tables (the triton backend's token or runs table),
@@ -257,18 +257,6 @@ class LoRAKernelMeta:
     def fused(self) -> bool:
         """Whether this step applies each fused linear's LoRA in one backend call (:func:`kernels.ops.apply_parts`)."""
         return self.form is LoRAForm.FUSED
-
-    @property
-    def cpu_fused(self) -> bool:
-        """A FUSED step of the cpu backend: :attr:`runs` is the table the C++ kernels (:mod:`kernels.cpu_kernels`)
-        walk, so a layer may call them directly (``lora_linear``, ``lora_onednn``: base matmul and LoRA in one call)."""
-        return self.form is LoRAForm.FUSED and getattr(self.backend, "cpu_kernels", False)
-
-    @property
-    def cpu_runs(self) -> bool:
-        """A step with an adapter on the cpu backend, whatever its form: :attr:`runs` is set, so a layer on our
-        blocked weight layout may take the whole step in one ``lora_blocked`` call (prefill's runs included)."""
-        return self.runs is not None and getattr(self.backend, "cpu_kernels", False)
 
     def active_gather_rows(self) -> torch.Tensor:
         """Shape: [k·R] int64: the compact table's rows of the k active slots (no bucket padding; eager forms)."""

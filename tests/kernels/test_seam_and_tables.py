@@ -101,17 +101,17 @@ def test_the_form_is_chosen_per_step_or_forced_and_recorded(slots, auto, forced,
 
 def test_the_cpu_backend_fuses_steps_of_few_tokens():
     """FUSED up to fused_max_tokens (its runs table set beside the segments), the torch forms beyond, still with the
-    runs table (cpu_runs: a blocked layer takes any step in one lora_blocked call); the torch backend sets none."""
+    runs table (a blocked layer takes any step in one lora_blocked call); the torch backend sets none."""
     small = prepared([2, 2, -1, 0, 0], backend=select_backend("cpu"))
-    assert small.form is LoRAForm.FUSED and small.fused and small.segments is not None and small.cpu_runs
+    assert small.form is LoRAForm.FUSED and small.fused and small.segments is not None
     assert small.runs is not None and small.runs.tolist() == [[0, 2, 4, 2], [3, 2, 0, 2]]  # granule 2
     big = prepared([2, 2, -1, 0, 0], backend=select_backend("cpu", KernelConfig(fused_max_tokens=4)))
-    assert big.form is LoRAForm.SEGMENTS and not big.fused and not big.cpu_fused and big.cpu_runs
+    assert big.form is LoRAForm.SEGMENTS and not big.fused
     assert big.runs is not None and big.runs.tolist() == small.runs.tolist()
     torch_forms = prepared([2, 2, -1, 0, 0], backend=select_backend("cpu", KernelConfig(backend=BackendKind.TORCH)))
-    assert torch_forms.runs is None and not torch_forms.cpu_runs
+    assert torch_forms.runs is None
     none = prepared([-1, -1], backend=select_backend("cpu"))
-    assert none.form is LoRAForm.NONE and none.runs is None and not none.cpu_runs
+    assert none.form is LoRAForm.NONE and none.runs is None
     forced = prepared([1] * 9, backend=select_backend("cpu", KernelConfig(torch_form="fused", fused_max_tokens=0)))
     assert forced.form is LoRAForm.FUSED
 
