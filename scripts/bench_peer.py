@@ -8,7 +8,8 @@ LoRA), lora_1 (every request on a0) and lora_8 (spread over a0 .. a7), the order
 warmed up first. Throughput = generated tokens / wall time of serving the batch (prefill included). vLLM runs in its
 own venv (never a project dependency) as a subprocess (scripts/_peer_vllm.py) with VLLM_ENABLE_V1_MULTIPROCESSING=0,
 OMP_NUM_THREADS=2, VLLM_CPU_KVCACHE_SPACE=2 and prefix caching off; this project runs here with its defaults (packed
-weights, the cpu backend). Prints one table (medians) and writes out/bench_peer.json. Target: our lora_8 ≥ 3× vLLM's
+weights, the cpu backend, the scheduler's 512-token budget; runs before issue 21's tenth session used
+``--token-budget 2048``). Prints one table (medians) and writes out/bench_peer.json. Target: our lora_8 ≥ 3× vLLM's
 at every shape.
 
 Peer venv, once (~3.4 GB)::
@@ -17,6 +18,7 @@ Peer venv, once (~3.4 GB)::
     /work/peer-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 
   PYTHONPATH=. .venv/bin/python scripts/bench_peer.py --peer /work/peer-venv/bin/python [--shapes 128/32,128/128,512/32]
+      [--token-budget 512] [--reuse-peer]
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ CONFIGS = ["base", "lora_1", "lora_8"]
 PEER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
-def ours(checkpoint: Path, folders: list[Path], prompts: dict[str, list[list[int]]], repeats: int, requests: int):
-    """This project's engine over the same files: {shape: {config: [generated tok/s per repeat]}}."""
+def ours(
+    checkpoint: Path,
+    folders: list[Path],
+    prompts: dict[str, list[list[int]]],
+    repeats: int,
+    requests: int,
+    scheduler: SchedulerConfig,
+):
+    """This project's engine over the same files, stepping under ``scheduler``: {shape: {config: [generated tok/s per
+    repeat]}}."""
     config = LlamaConfig.bench()
     model = load_model(checkpoint)
     manager = AdapterManager(
@@ -64,7 +74,7 @@ def ours(checkpoint: Path, folders: list[Path], prompts: dict[str, list[list[int
                 EngineConfig(
                     max_batch=requests,
                     max_seq_len=length + output + 1,
-                    scheduler=SchedulerConfig(token_budget=max(2048, length)),
+                    scheduler=scheduler,
                 ),
             )
             params = SamplingParams(max_tokens=output, ignore_eos=True)
@@ -106,7 +116,14 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("out/bench_peer"))
     parser.add_argument("--out", type=Path, default=Path("out/bench_peer.json"))
     parser.add_argument("--reuse-peer", action="store_true", help="take vLLM's runs from the last job's saved result")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=SchedulerConfig().token_budget,
+        help="our engine's tokens per step (default: the engine's own)",
+    )
     args = parser.parse_args()
+    scheduler = SchedulerConfig(token_budget=args.token_budget)
     config = LlamaConfig.bench()
     checkpoint = write_checkpoint(args.cache / "model", config, reuse=True)
     ids = [f"a{i}" for i in range(ADAPTERS)]
@@ -140,10 +157,13 @@ def main() -> None:
         theirs = peer(args.peer, job)
         saved.write_text(json.dumps(theirs))
     print(f"vLLM (generated tok/s per repeat): {json.dumps(theirs)}", flush=True)
-    mine = ours(checkpoint, folders, prompts, args.repeats, args.requests)
+    mine = ours(checkpoint, folders, prompts, args.repeats, args.requests, scheduler)
     med = lambda runs: {c: statistics.median(v) for c, v in runs.items()}
     table = {s: {"vllm": med(theirs[s]), "ours": med(mine[s])} for s in shapes}
-    print(f"generated tok/s, {args.requests} requests, greedy, ignore_eos (medians of {args.repeats}, rotated)")
+    print(
+        f"generated tok/s, {args.requests} requests, greedy, ignore_eos (medians of {args.repeats}, rotated); "
+        f"our token budget {args.token_budget}"
+    )
     print("shape     engine   base     lora_1   lora_8   lora_8 cost   ours / vLLM (base, lora_1, lora_8)")
     for s, row in table.items():
         ratio = [row["ours"][c] / row["vllm"][c] for c in CONFIGS]
@@ -155,7 +175,8 @@ def main() -> None:
     worst = min(row["ours"]["lora_8"] / row["vllm"]["lora_8"] for row in table.values())
     print(f"lora_8 ours / vLLM, worst shape: {worst:.2f}x (target >= 3x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": {"vllm": theirs, "ours": mine}, "medians": table}, indent=2))
+    result = {"token_budget": args.token_budget, "runs": {"vllm": theirs, "ours": mine}, "medians": table}
+    args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
 

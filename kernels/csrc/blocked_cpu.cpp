@@ -22,6 +22,12 @@
 //   reads 2 lines of every active Bt row: 128 scattered streams at eight adapters);
 // - the matmul's loops prefetching the LoRA's rows (A, then Bt; one line every few k, up to 768 KB a thread), so
 //   that lora_apply finds them in cache: +11.6 % and +27.4 %.
+// Issue 21's tenth session, the same step, in-process A/B (scripts/bench_rows.py is the diagnosis): one adapter's
+// runs in the GEMM as prefill's (shrink first, expand in the block loop, the next block's Bt lines prefetched during
+// each block): +5.2–8.0 % against +6.0–7.2 %; the LoRA after the GEMM in its own parallel region, each thread a fixed
+// share, with a register-blocked expand (8 tokens × 32 columns; 1.6x faster than lora_apply's loops with the rows in
+// L2): within the step's noise; that share's rows prefetched during the thread's last blocks: slower. A work queue
+// after the GEMM without a barrier is wrong: an expand adds onto columns the other thread's GEMM may not have written.
 // A prefill's runs of kFuseMin or more tokens take their LoRA inside the GEMM instead (FusedLoRA below): the shrink
 // is the GEMM's own kernel with the run's A rows as columns, the expand rank more steps of each block's k loop, so
 // neither re-reads y nor runs at less than the GEMM's FLOP rate (after lora_apply's loops, a prefill's LoRA cost 2-4x
