@@ -9,7 +9,7 @@ Targets: >= -1 %, >= -3 %, >= -5 %. lora_none runs exactly base's code path, so 
 Prints a table and writes out/bench_slowdown.json.
 
   .venv/bin/python scripts/bench_slowdown.py [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
-      [--dtype float32|bfloat16] [--device cpu|cuda]
+      [--dtype float32|bfloat16] [--device cpu|cuda] [--token-budget N]
 
 --heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
 lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
@@ -101,9 +101,9 @@ def heatmap(args: argparse.Namespace) -> None:
         # one engine per configuration, each over its own copy of the model (the KV cache lives on the model), all
         # on the workload's manager: lora_1's adapter is one of lora_8's, so the 8 slots hold both
         models = {"base": work.model, **{name: work.load_model() for name in names[1:]}}
-        max_seq_len, budget = max(inputs) + max(outputs) + 1, max(2048, max(inputs))
+        max_seq_len = max(inputs) + max(outputs) + 1
         engines = {
-            name: build_engine(models[name], work.manager, args.requests, max_seq_len, token_budget=budget)
+            name: build_engine(models[name], work.manager, args.requests, max_seq_len, token_budget=args.token_budget)
             for name in names
         }
         gen = torch.Generator().manual_seed(0)
@@ -153,6 +153,7 @@ def heatmap(args: argparse.Namespace) -> None:
                     flush=True,
                 )
     result = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "repeats": args.repeats}
+    result["token_budget"] = args.token_budget  # None: the engine's default
     result["cells"] = cells
     out = args.out if args.out != Path("out/bench_slowdown.json") else Path("out/bench_slowdown_heatmap.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +212,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench_slowdown.json"))
     parser.add_argument("--heatmap", action="store_true", help="the input x output grid, with floors and a PNG")
     parser.add_argument("--outputs", default="32,128,512", help="--heatmap: output lengths, comma separated")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="tokens per engine step (default: the engine's own, 512; runs before issue 21's tenth session used 2048)",
+    )
     args = parser.parse_args()
     if args.heatmap:
         args.inputs = args.inputs or "128,256,512,1024,2048"
@@ -219,11 +226,12 @@ def main() -> None:
     args.inputs = args.inputs or "128,512,2048"
     inputs = [int(n) for n in args.inputs.split(",")]
     results = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "output": args.output, "rows": []}
+    results["token_budget"] = args.token_budget  # None: the engine's default
     with engine_workload(getattr(torch, args.dtype), args.device) as work:
         model, manager = work.model, work.manager
         gen = torch.Generator().manual_seed(0)
         for length in inputs:
-            engine = work.engine(args.requests, length + args.output + 1, token_budget=max(2048, length))
+            engine = work.engine(args.requests, length + args.output + 1, token_budget=args.token_budget)
             prompts = random_prompts(work, length, args.requests, gen)
             adapters = {name: work.mix(name, args.requests) for name in CONFIGS}
             serve(engine, prompts[:2], ["a0", None], 4)  # warm-up: loads, allocator, kernels
