@@ -13,6 +13,7 @@ Scripts beside this file import it by name (``python scripts/bench_x.py`` puts s
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -86,6 +87,18 @@ def build_engine(
     scheduler = SchedulerConfig() if token_budget is None else SchedulerConfig(token_budget=token_budget)
     config = EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, scheduler=scheduler, kernels=kernels)
     return Engine(model, manager, config)
+
+
+def decode_step_parser(doc: str, out: str, repeats: int) -> argparse.ArgumentParser:
+    """The options every in-process decode-step benchmark shares: ``--rounds`` of ``--repeats`` interleaved steps of
+    ``--seqs`` sequences at context ``--context``, results to ``--out`` (default ``out``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--context", type=int, default=144)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser
 
 
 def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:

@@ -15,25 +15,18 @@ base's, shared/DESIGN.md, Floors). Writes out/bench_call.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
-from _bench_setup import engine_workload
+from _bench_setup import decode_step_parser, engine_workload
 from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms
 
 from runtime.model.lora_linear import LoRALinear
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--seqs", type=int, default=8)
-    parser.add_argument("--context", type=int, default=144)
-    parser.add_argument("--out", type=Path, default=Path("out/bench_call.json"))
+    parser = decode_step_parser(__doc__, "out/bench_call.json", repeats=40)
     args = parser.parse_args()
     torch.manual_seed(0)
     rounds = []

@@ -20,15 +20,13 @@ Writes out/bench_layout.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from _bench_setup import CONFIGS, engine_workload
+from _bench_setup import CONFIGS, decode_step_parser, engine_workload
 from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms, lora_flop_fraction
 
 from runtime.model import packed as packing
@@ -53,13 +51,8 @@ def one_call(model: torch.nn.Module, value: bool, step: Callable[[], object]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--seqs", type=int, default=8)
-    parser.add_argument("--context", type=int, default=144)
+    parser = decode_step_parser(__doc__, "out/bench_layout.json", repeats=30)
     parser.add_argument("--prefill", type=int, default=0, help="prefill tokens over the sequences (0: decode)")
-    parser.add_argument("--out", type=Path, default=Path("out/bench_layout.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
     prefill = args.prefill or None

@@ -22,7 +22,6 @@ Writes out/bench_rows.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -30,11 +29,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from _bench_setup import engine_workload
+from _bench_setup import decode_step_parser, engine_workload
 from bench_engine import Setup, adapter_bytes
 
 from runtime.model.lora_linear import LoRALinear
@@ -124,12 +122,7 @@ def cache_residency(nbytes: int, step: Callable[[], object], repeats: int) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--seqs", type=int, default=8)
-    parser.add_argument("--context", type=int, default=144)
-    parser.add_argument("--out", type=Path, default=Path("out/bench_rows.json"))
+    parser = decode_step_parser(__doc__, "out/bench_rows.json", repeats=40)
     args = parser.parse_args()
     torch.manual_seed(0)
     with engine_workload() as work:
