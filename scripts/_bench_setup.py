@@ -107,6 +107,27 @@ def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     return [spec.projection_shape(p) for p in PROJECTIONS]
 
 
+def prefill_floor(config: LlamaConfig, rank: int, prompt: int) -> float:
+    """LoRA FLOPs / base FLOPs of prefilling one ``prompt``-token sequence (every adapter the same rank: the fraction
+    does not depend on how many are distinct). The base does, per token, the seven projections of every layer and
+    causal attention's QKᵀ and PV (on average ``heads · head_dim · (prompt + 1)`` multiply-adds a layer), and the
+    lm_head once for the sequence (the engine computes logits for the sampled row only)."""
+    shapes = projection_shapes(config)
+    linears = config.num_layers * sum(i * o for i, o in shapes)
+    attention = config.num_layers * config.num_heads * config.head_dim * (prompt + 1)
+    lm_head = config.hidden_size * config.vocab_size
+    lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
+    return prompt * lora / (prompt * (linears + attention) + lm_head)
+
+
+def decode_floor(config: LlamaConfig, rank: int, adapters: int) -> float:
+    """``adapters`` distinct rank-``rank`` adapters' LoRA weight bytes / the base weight bytes a decode step reads
+    (every projection and the lm_head; the KV cache's bytes are not counted: DESIGN.md's Floors)."""
+    shapes = projection_shapes(config)
+    base = config.num_layers * sum(i * o for i, o in shapes) + config.hidden_size * config.vocab_size
+    return adapters * config.num_layers * sum(rank * (i + o) for i, o in shapes) / base
+
+
 @dataclass
 class EngineWorkload:
     """The bench model serving ADAPTERS synthetic rank-RANK adapters from one manager; from :func:`engine_workload`,

@@ -36,7 +36,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _bench_setup import CONFIGS, RANK, EngineWorkload, engine_step_ms, engine_workload, projection_shapes
+from _bench_setup import (
+    CONFIGS,
+    RANK,
+    EngineWorkload,
+    engine_step_ms,
+    engine_workload,
+    prefill_floor,
+    projection_shapes,
+)
 
 from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, cpu_kernels, select_backend
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
@@ -130,11 +138,6 @@ class References:
 def adapter_bytes(config: LlamaConfig, adapters: int, element: int) -> int:
     per_layer = sum(i + o for i, o in projection_shapes(config))
     return adapters * RANK * per_layer * config.num_layers * element
-
-
-def lora_flop_fraction(config: LlamaConfig) -> float:
-    shapes = projection_shapes(config)
-    return sum(RANK * (i + o) for i, o in shapes) / sum(i * o for i, o in shapes)
 
 
 class Setup:
@@ -347,8 +350,7 @@ def main() -> None:
         "lora_prefill_cost": {c: packed_prefill[c] / packed_prefill["base"] - 1 for c in CONFIGS[1:]},
         "lora_prefill_floor": {
             "lora_none": 0.0,
-            "lora_1": lora_flop_fraction(config),
-            "lora_8": lora_flop_fraction(config),
+            **dict.fromkeys(("lora_1", "lora_8"), prefill_floor(config, RANK, args.prefill // args.seqs)),
         },
         "plain": {  # plain weights (lora_linear at decode), beside the packed default in the same rounds
             "decode_vs_packed": {c: decode_ms["plain"][c] / packed_decode[c] for c in CONFIGS},

@@ -26,8 +26,8 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from _bench_setup import CONFIGS, decode_step_parser, engine_workload
-from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms, lora_flop_fraction
+from _bench_setup import CONFIGS, RANK, decode_step_parser, engine_workload, prefill_floor
+from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms
 
 from runtime.model import packed as packing
 
@@ -62,7 +62,7 @@ def main() -> None:
         weights = [m.weight.detach() for m in base_linears(plain)]
         base_bytes = sum(w.numel() * w.element_size() for w in weights)
         if prefill:
-            floors = dict.fromkeys(("lora_1", "lora_8"), lora_flop_fraction(work.config))
+            floors = dict.fromkeys(("lora_1", "lora_8"), prefill_floor(work.config, RANK, prefill // args.seqs))
         else:
             floors = {c: adapter_bytes(work.config, n, 4) / base_bytes for c, n in (("lora_1", 1), ("lora_8", 8))}
         fns, setups = {}, []

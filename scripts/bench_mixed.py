@@ -19,9 +19,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _bench_setup import write_adapters, write_checkpoint
+from _bench_setup import decode_floor, write_adapters, write_checkpoint
 from bench_engine import interleaved_ms, op_calls
-from bench_slowdown import floors
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
@@ -87,7 +86,7 @@ def main() -> None:
             manager.release(lease)
         finally:
             manager.close()
-    floor = sum(floors(config, rank, 1)[1] for rank in RANKS)  # the 16 adapters' bytes / the base's
+    floor = sum(decode_floor(config, rank, 1) for rank in RANKS)  # the 16 adapters' bytes / the base's
     cost = {name: ms[name] / ms["base"] - 1 for name in ("mixed16", "mixed16_torch")}
     result = {"ms": ms, "cost": cost, "floor": floor, "x_floor": cost["mixed16"] / floor, "op_calls": calls}
     result["op_calls_torch"] = calls_torch

@@ -13,11 +13,12 @@ Prints a table and writes out/bench_slowdown.json.
 
 --heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
 lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
-in prefill and of the weight bytes read per step in decode (distinct active adapters), weighted by the time the base
-run spends in each phase (prefill time measured by a run with one output token). The three configurations run on
-three engines (one model copy each, one manager) stepped in turn, one step each in a fresh random order, each timed by
-the sum of its own steps, so the machine's drift hits all three alike; a cell's slowdown is the median over repeats
-of each repeat's base / LoRA ratio. Target: slowdown <= 1.25x floor.
+in prefill (the base's projections and causal attention per prompt token, its lm_head once per sequence:
+_bench_setup.prefill_floor) and of the weight bytes read per step in decode (distinct active adapters:
+decode_floor), weighted by the time the base run spends in each phase (prefill time measured by a run with one
+output token). The three configurations run on three engines (one model copy each, one manager) stepped in turn, one
+step each in a fresh random order, each timed by the sum of its own steps, so the machine's drift hits all three
+alike; a cell's slowdown is the median over repeats of each repeat's base / LoRA ratio. Target: slowdown <= 1.25x floor.
 Writes out/bench_slowdown_heatmap.json and, with matplotlib (the `bench` extra), out/bench_slowdown_heatmap.png.
 """
 
@@ -31,11 +32,10 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_setup import CONFIGS, RANK, EngineWorkload, build_engine, engine_workload, projection_shapes
+from _bench_setup import CONFIGS, RANK, EngineWorkload, build_engine, decode_floor, engine_workload, prefill_floor
 
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
-from runtime.model.config import LlamaConfig
 
 TARGETS = {"lora_none": -1.0, "lora_1": -3.0, "lora_8": -5.0}
 
@@ -54,15 +54,6 @@ def serve(engine: Engine, prompts: list[list[int]], adapters: list[str | None], 
 def random_prompts(work: EngineWorkload, length: int, count: int, gen: torch.Generator) -> list[list[int]]:
     """``count`` prompts of ``length`` uniform random tokens of the workload's vocabulary."""
     return [torch.randint(0, work.config.vocab_size, (length,), generator=gen).tolist() for _ in range(count)]
-
-
-def floors(config: LlamaConfig, rank: int, adapters: int) -> tuple[float, float]:
-    """(prefill floor, decode floor): LoRA FLOPs / base FLOPs per token, and `adapters` distinct adapters' LoRA
-    weight bytes / the base weight bytes a decode step reads (every linear and the lm_head)."""
-    shapes = projection_shapes(config)
-    base = config.num_layers * sum(i * o for i, o in shapes) + config.hidden_size * config.vocab_size
-    lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
-    return lora / base, adapters * lora / base
 
 
 def serve_interleaved(
@@ -128,8 +119,8 @@ def heatmap(args: argparse.Namespace) -> None:
                 prefill_share = min(1.0, prefill_s / base_s)
                 cell = {"input": length, "output": output, "base_tok_s": round(med["base"], 1)}
                 for name, k in (("lora_1", 1), ("lora_8", 8)):
-                    prefill_floor, decode_floor = floors(config, RANK, k)
-                    floor = prefill_share * prefill_floor + (1 - prefill_share) * decode_floor
+                    floor = prefill_share * prefill_floor(config, RANK, length)
+                    floor += (1 - prefill_share) * decode_floor(config, RANK, k)
                     # extra time per token, as a fraction of base: each repeat's own ratio (its three engines
                     # stepped in turn), the median over repeats
                     ratios = [b / v - 1 for b, v in zip(runs["base"], runs[name], strict=True)]
