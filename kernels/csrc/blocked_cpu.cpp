@@ -28,6 +28,10 @@
 // share, with a register-blocked expand (8 tokens × 32 columns; 1.6x faster than lora_apply's loops with the rows in
 // L2): within the step's noise; that share's rows prefetched during the thread's last blocks: slower. A work queue
 // after the GEMM without a barrier is wrong: an expand adds onto columns the other thread's GEMM may not have written.
+// Issue 21's eleventh session, the same step, paired medians of 300 interleaved repeats (a throwaway variant switch):
+// every group's LoRA in one region as shrink_pairs + expand_tile on 64 columns, the next tile's Bt prefetched: one
+// adapter -0.09 ms (+1.09 ms over base before), eight +0.29 ms; only reading the rows there (no compute, no y):
+// one adapter +0.68 ms, 2.3x its byte floor (scripts/bench_reads.py reads them alone at 1.7-2.2x).
 // A prefill's runs of kFuseMin or more tokens take their LoRA inside the GEMM instead (FusedLoRA below): the shrink
 // is the GEMM's own kernel with the run's A rows as columns, the expand rank more steps of each block's k loop, so
 // neither re-reads y nor runs at less than the GEMM's FLOP rate (after lora_apply's loops, a prefill's LoRA cost 2-4x
