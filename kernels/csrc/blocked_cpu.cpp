@@ -31,7 +31,7 @@
 // Issue 21's eleventh session, the same step, paired medians of 300 interleaved repeats (a throwaway variant switch):
 // every group's LoRA in one region as shrink_pairs + expand_tile on 64 columns, the next tile's Bt prefetched: one
 // adapter -0.09 ms (+1.09 ms over base before), eight +0.29 ms; only reading the rows there (no compute, no y):
-// one adapter +0.68 ms, 2.3x its byte floor (scripts/bench_reads.py reads them alone at 1.7-2.2x).
+// one adapter +0.68 ms, 2.3x its byte floor (scripts/bench_reads.py: alone, 1.7-2.4x in the pool's layout).
 // A prefill's runs of kFuseMin or more tokens take their LoRA inside the GEMM instead (FusedLoRA below): the shrink
 // is the GEMM's own kernel with the run's A rows as columns, the expand rank more steps of each block's k loop, so
 // neither re-reads y nor runs at less than the GEMM's FLOP rate (after lora_apply's loops, a prefill's LoRA cost 2-4x
