@@ -120,12 +120,17 @@ def prefill_floor(config: LlamaConfig, rank: int, prompt: int) -> float:
     return prompt * lora / (prompt * (linears + attention) + lm_head)
 
 
+def adapter_bytes(config: LlamaConfig, adapters: int, element: int, rank: int = RANK) -> int:
+    """The LoRA weight bytes of ``adapters`` rank-``rank`` adapters on every projection, ``element`` bytes a value."""
+    per_layer = sum(i + o for i, o in projection_shapes(config))
+    return adapters * rank * per_layer * config.num_layers * element
+
+
 def decode_floor(config: LlamaConfig, rank: int, adapters: int) -> float:
     """``adapters`` distinct rank-``rank`` adapters' LoRA weight bytes / the base weight bytes a decode step reads
     (every projection and the lm_head; the KV cache's bytes are not counted: DESIGN.md's Floors)."""
-    shapes = projection_shapes(config)
-    base = config.num_layers * sum(i * o for i, o in shapes) + config.hidden_size * config.vocab_size
-    return adapters * config.num_layers * sum(rank * (i + o) for i, o in shapes) / base
+    base = config.num_layers * sum(i * o for i, o in projection_shapes(config)) + config.hidden_size * config.vocab_size
+    return adapter_bytes(config, adapters, 1, rank) / base
 
 
 @dataclass

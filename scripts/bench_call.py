@@ -19,8 +19,8 @@ import json
 import statistics
 
 import torch
-from _bench_setup import decode_step_parser, engine_workload
-from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms
+from _bench_setup import adapter_bytes, decode_step_parser, engine_workload
+from bench_engine import Setup, base_linears, interleaved_ms
 
 from runtime.model.lora_linear import LoRALinear
 

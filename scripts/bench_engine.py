@@ -40,17 +40,16 @@ from _bench_setup import (
     CONFIGS,
     RANK,
     EngineWorkload,
+    adapter_bytes,
     engine_step_ms,
     engine_workload,
     prefill_floor,
-    projection_shapes,
 )
 
 from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, cpu_kernels, select_backend
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
 from runtime.model import packed as packing
 from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.config import LlamaConfig
 from runtime.model.llama import Llama
 from runtime.model.lora_linear import LoRALinear
 
@@ -133,11 +132,6 @@ class References:
         out["gemm_gflop_s"] = self.gemm_flops / min(gemm.values()) / 1e6
         out["base_weight_bytes"] = self.nbytes
         return out
-
-
-def adapter_bytes(config: LlamaConfig, adapters: int, element: int) -> int:
-    per_layer = sum(i + o for i, o in projection_shapes(config))
-    return adapters * RANK * per_layer * config.num_layers * element
 
 
 class Setup:

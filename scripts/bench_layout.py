@@ -26,8 +26,8 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from _bench_setup import CONFIGS, RANK, decode_step_parser, engine_workload, prefill_floor
-from bench_engine import Setup, adapter_bytes, base_linears, interleaved_ms
+from _bench_setup import CONFIGS, RANK, adapter_bytes, decode_step_parser, engine_workload, prefill_floor
+from bench_engine import Setup, base_linears, interleaved_ms
 
 from runtime.model import packed as packing
 

@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from _bench_setup import decode_step_parser, engine_workload
-from bench_engine import Setup, adapter_bytes
+from _bench_setup import adapter_bytes, decode_step_parser, engine_workload
+from bench_engine import Setup
 
 from runtime.model.lora_linear import LoRALinear
 
