@@ -1,16 +1,29 @@
-"""Shrink/expand LoRA kernels and their batch metadata."""
+"""Shrink/expand LoRA kernels, their batch metadata, and the model's other ops: the model names an op, the step's
+backend (or the room of the tensors' device) picks its implementation."""
 
+from kernels.active_table import bucket_for
 from kernels.backend import select_backend
 from kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.grouping import AdapterRows, Segment, SlotGrouping
+from kernels.layer_ops import base_linear, decode_ops, pack_weight, packs_by_default, plain_matmul, unpack_weight
 from kernels.meta import LoRAKernelMeta
 from kernels.ops import apply_parts, expand, fused_linear, shrink, shrink_parts
-from kernels.protocol import EagerBackend, KernelBackend, LinearWeight, LoRAGroups, WeightLayout
+from kernels.protocol import (
+    DecodeCapture,
+    DecodeOps,
+    EagerBackend,
+    KernelBackend,
+    LinearWeight,
+    LoRAGroups,
+    WeightLayout,
+)
 
 __all__ = [
     "AdapterRows",
     "BackendKind",
+    "DecodeCapture",
+    "DecodeOps",
     "DispatchEntry",
     "EagerBackend",
     "KernelBackend",
@@ -25,9 +38,16 @@ __all__ = [
     "TorchDispatchTable",
     "WeightLayout",
     "apply_parts",
+    "base_linear",
+    "bucket_for",
+    "decode_ops",
     "expand",
     "fused_linear",
+    "pack_weight",
+    "packs_by_default",
+    "plain_matmul",
     "select_backend",
     "shrink",
     "shrink_parts",
+    "unpack_weight",
 ]

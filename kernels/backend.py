@@ -25,7 +25,7 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
 
         return TorchEagerBackend(TorchDispatchTable.load(config.dispatch_table), form=config.torch_form)
     if kind is BackendKind.CPU:
-        from kernels.cpu_fused import CpuFusedBackend
+        from kernels.cpu.backend import CpuFusedBackend
         from kernels.dispatch_table import TorchDispatchTable
 
         table = TorchDispatchTable.load(config.dispatch_table)
@@ -35,14 +35,14 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
 
         return XlaLanedBackend()
     if kind is BackendKind.PALLAS:
-        from kernels.block_sizes import BlockSizeTable
-        from kernels.pallas_backend import PallasBackend
+        from kernels.pallas.backend import PallasBackend
+        from kernels.pallas.block_sizes import BlockSizeTable
 
         return PallasBackend(BlockSizeTable.load(config.block_size_table), interpret=config.pallas_interpret)
     if kind is BackendKind.TRITON:
         from kernels.dispatch_table import TorchDispatchTable
-        from kernels.triton_backend import TritonBackend
-        from kernels.triton_block_sizes import TritonBlockTable
+        from kernels.triton.backend import TritonBackend
+        from kernels.triton.block_sizes import TritonBlockTable
 
         blocks = TritonBlockTable.load(config.triton_block_size_table)
         return TritonBackend(TorchDispatchTable.load(config.dispatch_table), blocks, config.bgmv_max_tokens)
@@ -61,7 +61,7 @@ def triton_unavailable_reason() -> str | None:
 def triton_interpreting() -> bool:
     """Whether Triton would decorate kernels for its interpreter now (``TRITON_INTERPRET=1``); needs triton. The
     backend's build also checks that triton was imported in the same mode."""
-    from kernels.triton_kernels import interpret_mode
+    from kernels.triton.kernels import interpret_mode
 
     return interpret_mode()
 
@@ -84,7 +84,7 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
     kind = config.backend
     if kind is BackendKind.AUTO:
         if device_type == "cpu" and config.torch_form in (LoRAForm.AUTO, LoRAForm.FUSED):
-            from kernels.cpu_kernels import load
+            from kernels.cpu import load
 
             kind = BackendKind.CPU if load() else BackendKind.TORCH
         elif device_type == "cuda" and config.torch_form is LoRAForm.AUTO:
@@ -101,7 +101,7 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
     if kind in (*_TORCH_FORMS, BackendKind.REFERENCE, BackendKind.TRITON) and device_type == "xla":
         raise ValueError(f"backend {kind.value!r} is eager-only (host syncs per step); device is {device_type!r}")
     if kind is BackendKind.CPU:
-        from kernels.cpu_kernels import load, unavailable_reason
+        from kernels.cpu import load, unavailable_reason
 
         if device_type != "cpu":
             raise ValueError(f"backend 'cpu' runs on CPU tensors only, got device type {device_type!r}")

@@ -13,11 +13,11 @@ class BackendKind(StrEnum):
     REFERENCE = "reference"
     TORCH = "torch"
     CPU = "cpu"
-    """The torch forms plus the C++ CPU kernel (kernels/cpu_kernels.py) for steps of few tokens."""
+    """The torch forms plus the C++ CPU kernel (kernels/cpu/library.py) for steps of few tokens."""
     XLA = "xla"
     PALLAS = "pallas"
     TRITON = "triton"
-    """The cuda backend: Triton BGMV / SGMV kernels for every step with an adapter (kernels/triton_backend.py);
+    """The cuda backend: Triton BGMV / SGMV kernels for every step with an adapter (kernels/triton/backend.py);
     on a CPU device only in Triton's interpret mode (``TRITON_INTERPRET=1``, tests)."""
 
 

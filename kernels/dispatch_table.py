@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels._table_file import read_table
+from kernels.tables import load_entries
 
 SHIPPED_TABLE = "torch_dispatch.json"
 
@@ -45,12 +45,7 @@ class TorchDispatchTable:
     @classmethod
     def load(cls, path: str | Path | None = None) -> TorchDispatchTable:
         """Read a table written by ``scripts/bench_kernels.py --write-table``; None reads the shipped one."""
-        text, source = read_table(SHIPPED_TABLE, path)
-        data = json.loads(text)
-        try:
-            entries = tuple(DispatchEntry(**e) for e in data["entries"])
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"dispatch table {source} is malformed: {err}") from err
+        entries, source = load_entries("kernels", SHIPPED_TABLE, path, "dispatch table", lambda r: DispatchEntry(**r))
         return cls(entries, source)
 
     def prefers_laned(self, num_tokens: int, active_slots: int, rank: int) -> bool:

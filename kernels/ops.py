@@ -127,7 +127,7 @@ def fused_linear(
                                       its parts' bts, meta)
         return y
 
-    The cpu backend (:class:`kernels.cpu_fused.CpuFusedBackend`) takes our blocked layout on any step with an
+    The cpu backend (:class:`kernels.cpu.backend.CpuFusedBackend`) takes our blocked layout on any step with an
     adapter (``lora_blocked``: prefill's long runs inside its GEMM), oneDNN's layout and a plain fp32 weight of
     few tokens on its FUSED steps (``lora_onednn``, ``lora_linear``). Eager backends only. Shape: x [T, in];
     returns a new [T, weight.out_features] or None.

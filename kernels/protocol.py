@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -56,7 +56,7 @@ class WeightLayout(enum.Enum):
     PLAIN = "plain"
     """``[out, in]``, as ``nn.Linear`` holds it."""
     BLOCKED = "blocked"
-    """Our fp32 blocked layout, ``[ceil(out / 32), in, 32]`` (:func:`kernels.cpu_kernels.block_weight`)."""
+    """Our fp32 blocked layout, ``[ceil(out / 32), in, 32]`` (:func:`kernels.cpu.linear_ops.block_weight`)."""
     ONEDNN = "onednn"
     """oneDNN's reordered copy (an opaque ``torch._mkldnn`` tensor: ``torch.ops.mkldnn._reorder_linear_weight``)."""
 
@@ -79,3 +79,86 @@ class LoRAGroups(NamedTuple):
     """Every group's parts' Bt rows in order, ``[N, out_p]`` each (views of the pool, unit inner stride)."""
     offsets: tuple[int, ...]
     """Per group, its first column of the linear's output (ascending, groups not overlapping)."""
+
+
+@runtime_checkable
+class DecodeOps(Protocol):
+    """A backend's fused decode glue (:func:`kernels.layer_ops.decode_ops`: the cpu room's C++ ops); the torch forms
+    with the same signatures are :mod:`kernels.layer_reference`."""
+
+    def decode_attention(
+        self,
+        qkv: torch.Tensor,
+        rope_table: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """RoPE, KV cache write and causal GQA attention of a step's tokens, in one call.
+
+        Semantics (D = head dim, q/k/v the column blocks of qkv, cos/sin = rope_table[positions] in qkv's dtype)::
+
+            q, k = rope(q, cos, sin), rope(k, cos, sin)             # HF's rotate_half pairing, i with i + D/2
+            K[rows[t], positions[t]] = k[t];  V[rows[t], positions[t]] = v[t]    for every t (all written first)
+            out[t, h] = softmax(q[t, h] · K[rows[t], :positions[t] + 1, h // (H / KV)].T / √D) · V[rows[t], ...]
+
+        Shape: qkv [T, (H + 2·KV)·D] (unit inner stride; the fused q|k|v output); rope_table [P, 2, D/2] fp32 (cos,
+        sin); k_cache, v_cache [B, P, KV, D] contiguous, written in place; rows, positions [T] int64. Returns a new
+        [T, H·D]. Every token reads its whole row up to its own position: one sequence's decode token, or a chunk of
+        them in order (each token then sees the chunk's earlier keys).
+        """
+        ...
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The residual add (in place) and the next RMSNorm, in one call.
+
+        Semantics::
+
+            h += delta                                      # when delta is given: h is the residual stream after it
+            out = weight · (h / sqrt(mean(h², -1) + eps))   # computed in fp32, rounded to h's dtype before the weight
+
+        Shape: h [T, H] (unit inner stride), written in place when ``delta`` [T, H] is given; weight [H]. Returns a
+        new [T, H].
+        """
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation over the fused gate|up output.
+
+        Semantics: ``gate, up = gate_up.chunk(2, -1); out = silu(gate) · up`` (silu rounded to the dtype first).
+
+        Shape: gate_up [T, 2·I] (unit inner stride); returns a new [T, I].
+        """
+        ...
+
+
+@runtime_checkable
+class DecodeCapture(Protocol):
+    """A backend whose decode steps a CUDA graph may capture (the triton backend): what the graph keeps static.
+
+    A captured step's LoRA launches read the step's adapters from one static tensor of the backend's making, so one
+    graph per token bucket serves any mix of adapters: before each replay the caller copies the step's inputs
+    (:meth:`step_inputs`) into the bucket's static tensor (:meth:`static_inputs`), which the metadata points the
+    kernels at (:meth:`bind_inputs`). The model and the pool need nothing else of the backend.
+    """
+
+    capture_max_tokens: int
+    """The most tokens a captured step may have (its kernels' grid must depend on T alone)."""
+
+    def static_inputs(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """A new static input tensor for steps of ``num_tokens`` tokens on ``device``, all padding (no adapter)."""
+        ...
+
+    def step_inputs(self, meta: object, num_tokens: int) -> torch.Tensor:
+        """The host tensor to copy into a static input of ``num_tokens`` tokens for the step ``meta`` was prepared
+        for (``meta.num_tokens`` <= num_tokens; the rest padding)."""
+        ...
+
+    def bind_inputs(self, meta: object, static: torch.Tensor) -> None:
+        """Point ``meta``'s (just prepared) step at ``static``: its kernels read the step's adapters from it."""
+        ...

@@ -29,7 +29,7 @@ from adapter_manager import ModuleKey  # noqa: E402
 from adapter_manager.base_model import BaseModelSpec  # noqa: E402
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
 from kernels import LoRAKernelMeta, select_backend  # noqa: E402
-from runtime.model.lora_linear import LoRALinear  # noqa: E402
+from runtime.model.projection import LoRALinear  # noqa: E402
 
 BLOCK_LINEARS = {
     "wqkv": ("q_proj", "k_proj", "v_proj"),

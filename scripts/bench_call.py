@@ -22,7 +22,7 @@ import torch
 from _bench_setup import adapter_bytes, decode_step_parser, engine_workload
 from bench_engine import Setup, base_linears, interleaved_ms
 
-from runtime.model.lora_linear import LoRALinear
+from runtime.model.projection import LoRALinear
 
 
 def main() -> None:

@@ -46,12 +46,13 @@ from _bench_setup import (
     prefill_floor,
 )
 
-from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, cpu_kernels, select_backend
+from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
+from kernels import cpu as cpu_kernels
+from kernels.cpu import weights as packing
 from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
-from runtime.model import packed as packing
 from runtime.model.batch import ForwardBatch, SequenceChunk
 from runtime.model.llama import Llama
-from runtime.model.lora_linear import LoRALinear
+from runtime.model.projection import LoRALinear
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:

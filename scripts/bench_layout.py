@@ -29,7 +29,8 @@ import torch
 from _bench_setup import CONFIGS, RANK, adapter_bytes, decode_step_parser, engine_workload, prefill_floor
 from bench_engine import Setup, base_linears, interleaved_ms
 
-from runtime.model import packed as packing
+from kernels import WeightLayout
+from kernels.cpu import weights as packing
 
 LAYOUTS = ("blocked", "onednn")
 VARIANTS = (*LAYOUTS, "split")
@@ -69,7 +70,7 @@ def main() -> None:
         for layout in LAYOUTS:
             os.environ[packing.LAYOUT_ENV] = layout
             model = work.load_model(pack_weights=True)
-            kinds = {packing.is_blocked(m._packed) for m in base_linears(model)}
+            kinds = {m.layout is WeightLayout.BLOCKED for m in base_linears(model)}
             assert kinds == {layout == "blocked"}, (layout, kinds)
             setup = Setup(work, model, args.seqs, args.context, max(args.seqs, args.prefill))
             setups.append(setup)

@@ -39,7 +39,7 @@ from _bench_setup import RANK, engine_workload
 from bench_engine import Setup
 from torch.utils import cpp_extension
 
-from runtime.model.lora_linear import LoRALinear
+from runtime.model.projection import LoRALinear
 
 MODES = ("weights", "rows_after", "rows_same_region", "rows_prefetched", "rows_interleaved", "contiguous_after")
 

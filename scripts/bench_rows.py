@@ -35,7 +35,7 @@ import torch
 from _bench_setup import adapter_bytes, decode_step_parser, engine_workload
 from bench_engine import Setup
 
-from runtime.model.lora_linear import LoRALinear
+from runtime.model.projection import LoRALinear
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 """The projections one LoRALinear holds, in the pool's column order."""

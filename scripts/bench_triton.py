@@ -13,7 +13,7 @@ moving as many bytes (reading half, writing half), timed the same way in the sam
 
 ``--tune`` times candidate block sizes per (op, T, rank, features) and writes the fastest as a block-size table
 (``--table-out``; load it with ``KernelConfig(triton_block_size_table=...)`` or copy it over
-kernels/triton_block_sizes.json).
+kernels/triton/block_sizes.json).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def copy_ms(nbytes: int, device: str, inner: int, repeats: int) -> float:
 
 def candidates(op: str, rank: int) -> list:
     """Block sizes --tune tries for ``op`` at padded rank ``rank``."""
-    from kernels.triton_block_sizes import TritonBlocks
+    from kernels.triton.block_sizes import TritonBlocks
 
     ranks = [r for r in (16, 32, 64) if r <= max(16, rank)]
     if op == "bgmv_shrink":
@@ -154,7 +154,7 @@ def candidates(op: str, rank: int) -> list:
 def tune(case: Case, operands: Operands, device: str, inner: int, repeats: int, limit: int | None = None) -> list:
     """The fastest candidate (of the first ``limit``; None: all) of the case's shrink and expand ops, as table
     entries for (T, rank, features)."""
-    from kernels.triton_block_sizes import TritonBlockEntry, TritonBlockTable
+    from kernels.triton.block_sizes import TritonBlockEntry, TritonBlockTable
 
     backend, shipped = operands.backend, operands.backend.blocks
     kind = "bgmv" if operands.meta.num_tokens <= backend.bgmv_max_tokens else "sgmv"
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps({"device": device, "dtype": args.dtype, "rows": rows}, indent=1))
     print(f"wrote {out}")
     if args.tune:
-        from kernels.triton_block_sizes import TritonBlockTable
+        from kernels.triton.block_sizes import TritonBlockTable
 
         shipped = [e for e in backend.blocks.entries if e.rank is None and e.features is None]
         unique = {(e.op, e.max_tokens, e.rank, e.features): e for e in reversed(tuned)}  # the first tuned per key

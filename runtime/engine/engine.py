@@ -29,14 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from adapter_manager import (
-    AdapterError,
-    AdapterManager,
-    AdapterNotFoundError,
-    AdapterNotReadyError,
-    SlotLease,
-    SlotsExhaustedError,
-)
+from adapter_manager import AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
 from kernels import LoRAKernelMeta, select_backend
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
@@ -46,6 +39,7 @@ from .config import EngineConfig, StepStats
 from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, StepPlan, plan_step
+from .step_lease import acquire_step
 from .step_sampling import plan_sampling, record_sampling
 from .warm_up import echo_logits_rows, warm_up_batches
 
@@ -188,7 +182,9 @@ class Engine:
             error = SlotsExhaustedError((request.adapter_id,), needed, unpinned, 0, self.manager.num_units)
             self._finish(request, "error", error)
         chunks = list(plan.chunks)
-        lease = self._acquire(chunks, plan.admitted)
+        running = {r.adapter_id for r in self._running if r not in plan.admitted}
+        fail = lambda request, err: self._finish(request, "error", err)
+        lease = acquire_step(self.manager, chunks, plan.admitted, running, self._requeue, fail)
         try:
             if chunks:
                 self._forward(chunks, lease)
@@ -301,42 +297,6 @@ class Engine:
         except AdapterNotFoundError:
             return 1  # unregistered since submit: its acquire fails the request alone
 
-    def _acquire(self, chunks: list[ScheduledChunk], admitted: Sequence[Request]) -> SlotLease:
-        """Pin the step's adapters. A request whose adapter fails is failed alone and dropped from the step;
-        when slots run out (an operator pinned one meanwhile) the newest admitted requests go back to waiting, and
-        so do the admitted requests of an adapter the host tier evicted since it was found ready (placing it now
-        would mean preparing it inside the step)."""
-        requeueable = [r for r in admitted if r.adapter_id is not None]
-        running = {r.adapter_id for r in self._running if r not in admitted}
-        gated = self.manager.prefetcher.enabled
-        while True:
-            newcomers = {r.adapter_id for r in requeueable} - running if gated else ()
-            try:
-                return self.manager.acquire((c.request.adapter_id for c in chunks), prepared_only=newcomers)
-            except AdapterNotReadyError as err:
-                back = [r for r in requeueable if r.adapter_id == err.adapter]
-                if not back:
-                    raise
-                for request in reversed(back):
-                    requeueable.remove(request)
-                    chunks[:] = [c for c in chunks if c.request is not request]
-                    self._requeue(request)
-            except SlotsExhaustedError:
-                if not requeueable:  # only running requests left: wait for a load or an unpin to make room
-                    return self.manager.acquire((c.request.adapter_id for c in chunks), wait_s=_SLOT_WAIT_S)
-                request = requeueable.pop()
-                chunks[:] = [c for c in chunks if c.request is not request]
-                self._requeue(request)
-            except AdapterError as err:
-                failed = [c.request for c in chunks if c.request.adapter_id == err.adapter]
-                if not failed:
-                    raise
-                chunks[:] = [c for c in chunks if c.request.adapter_id != err.adapter]
-                for request in failed:
-                    if request in requeueable:
-                        requeueable.remove(request)
-                    self._finish(request, "error", err)
-
     def _forward(self, chunks: list[ScheduledChunk], lease: SlotLease) -> None:
         chunks.sort(key=lambda c: lease.slots.get(c.request.adapter_id, -1))  # one token run per slot
         sequences = []
@@ -419,7 +379,6 @@ class Engine:
 
 _IDLE_WAIT_S = 1.0  # longest a step with nothing ready waits for the prefetcher before it returns empty
 _IDLE_POLL_S = 0.05  # and how often it looks again without being woken (a job that found no room retries)
-_SLOT_WAIT_S = 10.0  # longest a step of running requests only waits for slot room (a prefetch copy finishing)
 
 
 def _xla_sync() -> None:

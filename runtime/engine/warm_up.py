@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kernels.active_table import bucket_for
+from kernels import bucket_for
 
 from ..model.batch import ForwardBatch
 

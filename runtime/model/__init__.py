@@ -5,7 +5,7 @@ from .checkpoint import CheckpointError, CheckpointSource, load_checkpoint, load
 from .config import LlamaConfig, RopeScaling
 from .kv_cache import KVCache
 from .llama import Llama
-from .lora_linear import LoRALinear
+from .projection import LoRALinear
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [

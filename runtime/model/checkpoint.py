@@ -15,9 +15,10 @@ from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels import packs_by_default
+
 from .config import LlamaConfig, eos_ids
 from .llama import Llama
-from .packed import pack_by_default
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -162,7 +163,7 @@ def load_model(
             f"{folder}: tensors missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
     model = model.eval().requires_grad_(False)
-    if pack_weights if pack_weights is not None else pack_by_default():
+    if pack_weights if pack_weights is not None else packs_by_default():
         model.pack_weights()
     return model
 

@@ -12,10 +12,11 @@ steps (prefill chunks, more tokens) run eagerly. Per replay:
 
   - the step's tokens, positions, cache rows and logits rows are copied into the bucket's static inputs (the rest
     padding);
-  - the step's adapters: the caller prepared the metadata as for an eager step; its BGMV token table (each token's
-    first pool row and rank, :func:`kernels.triton_backend.token_table`) is copied into the bucket's static table,
-    which the captured kernels read. BGMV's grid depends only on T, so one graph serves any number of distinct
-    adapters: the active bucket of the XLA path is not a graph axis here;
+  - the step's adapters: the caller prepared the metadata as for an eager step; the backend's inputs for it
+    (:class:`kernels.DecodeCapture`: the triton backend's BGMV token table, each token's first pool row and rank) are
+    copied into the bucket's static inputs, which the captured kernels read. The captured kernels' grid depends only
+    on T, so one graph serves any number of distinct adapters: the active bucket of the XLA path is not a graph axis
+    here;
   - the adapters' weights: a swap writes the pool rows in place (the same storage), and the graph reads the pool
     through the same pointers, so a graph stays valid across swaps.
 
@@ -24,14 +25,13 @@ A step with no adapter replays the same graph: every token has rank 0, so the Lo
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from kernels import LoRAForm, LoRAKernelMeta
+from kernels import DecodeCapture, LoRAKernelMeta
 
 from .batch import ForwardBatch
 
@@ -50,13 +50,9 @@ class _Model(Protocol):
 
 
 def can_capture(meta: LoRAKernelMeta) -> bool:
-    """Whether ``meta``'s decode steps can be captured: the triton backend on a cuda device (False, without importing
-    it, where triton is not installed)."""
-    if meta.device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
-    from kernels.triton_backend import TritonBackend
-
-    return isinstance(meta.backend, TritonBackend)
+    """Whether ``meta``'s decode steps can be captured: a backend that says what a graph keeps static
+    (:class:`kernels.DecodeCapture`: the triton backend) on a cuda device."""
+    return meta.device.type == "cuda" and isinstance(meta.backend, DecodeCapture)
 
 
 @dataclass(frozen=True)
@@ -96,8 +92,8 @@ class _Captured:
     """None with ``cuda_graph=False``."""
     batch: ForwardBatch
     """Static inputs: tokens, positions, cache_rows [T] and logits_index [N] on the device."""
-    tokens: torch.Tensor
-    """Shape: [2, T] int32 on the device, the static BGMV token table (``TritonStepTables.tokens``)."""
+    inputs: torch.Tensor
+    """The backend's static inputs of the step's adapters (:meth:`kernels.DecodeCapture.static_inputs`)."""
     logits: torch.Tensor | None
     """Shape: [N, vocab], the graph's output (overwritten by every replay); None without a graph."""
 
@@ -114,7 +110,7 @@ class DecodeGraphs:
     meta: LoRAKernelMeta
     config: DecodeGraphConfig | None = None
     """None: :meth:`DecodeGraphConfig.up_to` the most decode tokens a step can have (min of the cache's rows, the
-    metadata's max_tokens and the backend's bgmv_max_tokens)."""
+    metadata's max_tokens and the backend's capture_max_tokens)."""
     logits_rows: int = field(init=False)
     """N: the rows of every captured step's ``logits_index`` (the sequences the cache held before the spare row)."""
     spare_row: int = field(init=False)
@@ -122,30 +118,31 @@ class DecodeGraphs:
     _captured: dict[int, _Captured] = field(init=False, default_factory=dict, repr=False)
     _pool: object = field(init=False, default=None, repr=False)
     _capturing: bool = field(init=False, default=False, repr=False)
+    _backend: DecodeCapture = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        from kernels.triton_backend import TritonBackend
-
         backend = self.meta.backend
-        if not isinstance(backend, TritonBackend):
+        if not isinstance(backend, DecodeCapture):
             raise ValueError(
-                f"captured decode steps need the triton backend (its BGMV grid depends only on T); the metadata has "
-                f"{type(backend).__name__}"
+                f"captured decode steps need the triton backend (a backend that says what a graph keeps static: "
+                f"kernels.DecodeCapture); the metadata has {type(backend).__name__}"
             )
+        self._backend = backend
         cache = self.model.layers[0].attention.kv_cache
         if cache is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
         if self.config is None:
-            self.config = DecodeGraphConfig.up_to(min(cache.max_batch, self.meta.max_tokens, backend.bgmv_max_tokens))
+            limit = min(cache.max_batch, self.meta.max_tokens, backend.capture_max_tokens)
+            self.config = DecodeGraphConfig.up_to(limit)
         if self.config.cuda_graph and (self.model.device.type != "cuda" or self.meta.device.type != "cuda"):
             raise ValueError(
                 f"CUDA graphs need a cuda model and metadata, got {self.model.device} / {self.meta.device}"
             )
         largest = self.config.token_buckets[-1]
-        if largest > min(backend.bgmv_max_tokens, self.meta.max_tokens):
+        if largest > min(backend.capture_max_tokens, self.meta.max_tokens):
             raise ValueError(
-                f"token bucket {largest} exceeds bgmv_max_tokens={backend.bgmv_max_tokens} or the metadata's "
-                f"max_tokens={self.meta.max_tokens}: a captured step must take the BGMV kernels"
+                f"token bucket {largest} exceeds the backend's capture_max_tokens={backend.capture_max_tokens} or the "
+                f"metadata's max_tokens={self.meta.max_tokens}"
             )
         self.logits_rows = self.spare_row = cache.max_batch
         self.model.setup_caches(cache.max_batch + 1, cache.max_seq_len)
@@ -176,14 +173,12 @@ class DecodeGraphs:
         ``meta``: this object's metadata prepared for the step (None: no LoRA). Returns the logits of the step's
         ``logits_index`` rows (all its tokens when None): [rows, vocab], a new tensor.
         """
-        from kernels.triton_backend import token_table
-
         num_tokens = batch.num_tokens
         bucket = self._config.bucket_for(num_tokens)
         assert bucket is not None and self.covers(batch, meta), "replay() a step covers() accepts"
-        host = torch.zeros(2, bucket, dtype=torch.int32)
-        if meta is not None and meta.form is LoRAForm.FUSED:
-            host[:, :num_tokens] = token_table(meta)  # before a capture re-prepares the metadata
+        host = self._backend.static_inputs(bucket, torch.device("cpu"))  # no LoRA: padding throughout
+        if meta is not None:
+            host = self._backend.step_inputs(meta, bucket)  # before a capture re-prepares the metadata
         if bucket not in self._captured:
             self.capture(bucket)
         captured = self._captured[bucket]
@@ -201,7 +196,7 @@ class DecodeGraphs:
         else:
             static.logits_index[:rows].copy_(batch.logits_index)
         static.logits_index[rows:].zero_()
-        captured.tokens.copy_(host, non_blocking=True)
+        captured.inputs.copy_(host, non_blocking=True)
         if captured.graph is None:
             self._prepare_static(captured)
             return self._run_static(captured)[:rows]
@@ -221,7 +216,7 @@ class DecodeGraphs:
 
         spare = torch.full((bucket,), self.spare_row, dtype=torch.long, device=device)
         batch = ForwardBatch(zeros(bucket), zeros(bucket), spare, zeros(self.logits_rows), None, None)
-        captured = _Captured(None, batch, torch.zeros(2, bucket, dtype=torch.int32, device=device), None)
+        captured = _Captured(None, batch, self._backend.static_inputs(bucket, device), None)
         if self._config.cuda_graph:
             self._prepare_static(captured)
             stream = torch.cuda.Stream(device)
@@ -239,12 +234,10 @@ class DecodeGraphs:
         self._captured[bucket] = captured
 
     def _prepare_static(self, captured: _Captured) -> None:
-        """The metadata as the graph holds it (host work, outside any capture): a FUSED step, so the LoRA launches
-        are recorded, whose kernels read the bucket's static token table."""
-        from kernels.triton_backend import TritonStepTables
-
+        """The metadata as the graph holds it (host work, outside any capture): a step with an adapter, so the LoRA
+        launches are recorded, whose kernels read the bucket's static inputs."""
         self.meta.prepare(torch.zeros(captured.batch.num_tokens, dtype=torch.int32), {0: 1})
-        self.meta.step_tables = TritonStepTables(captured.tokens, None)
+        self._backend.bind_inputs(self.meta, captured.inputs)
 
     def _run_static(self, captured: _Captured) -> torch.Tensor:
         """The model on the bucket's static inputs (what a capture records), with graphs bypassed."""

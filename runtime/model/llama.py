@@ -17,14 +17,13 @@ from torch import nn
 
 from adapter_manager import PROJECTIONS, ModuleKey
 from adapter_manager.base_model import PROJECTION_PARENT
-from kernels import LoRAKernelMeta, cpu_decode
-from kernels.cpu_kernels import lora_linear
+from kernels import DecodeOps, LinearWeight, LoRAKernelMeta, WeightLayout, base_linear, decode_ops
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
 from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from .kv_cache import AttentionPlan, KVCache, plan_attention
-from .lora_linear import LoRALinear, Stacks, kernel_fits
+from .projection import LoRALinear, Stacks
 from .rope import apply_rope, rope_factors, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
@@ -40,10 +39,11 @@ class _Step(NamedTuple):
     plan: AttentionPlan | None
     """The batched attention plan (eager steps with spans); None: per-sequence calls, or the CPU decode op."""
     rope_table: torch.Tensor | None
-    """The model's [P, 2, D/2] table, set when :func:`kernels.cpu_decode.decode_attention` runs the step's attention
-    (a decode-only CPU step)."""
-    cpu_ops: bool
-    """Norms, residual adds and SwiGLU's activation through :mod:`kernels.cpu_decode` (CPU, supported dtype)."""
+    """The model's [P, 2, D/2] table, set when ``ops.decode_attention`` runs the step's attention (a decode-only
+    step)."""
+    ops: DecodeOps | None
+    """The kernels' fused decode glue (:func:`kernels.decode_ops`: norms, residual adds, SwiGLU's activation, and
+    attention on a decode-only step); None: the torch layers."""
 
 
 class RMSNorm(nn.Module):
@@ -89,16 +89,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]. Writes the step's keys/values into the cache.
 
-        ``step.rope_table`` set: RoPE, the cache write and attention in one :func:`kernels.cpu_decode.decode_attention`
-        call; otherwise ``step.rope`` (cos, sin [T, 1, D/2] each) and ``step.plan`` (the step's batched attention
+        ``step.rope_table`` set: RoPE, the cache write and attention in one ``step.ops.decode_attention`` call;
+        otherwise ``step.rope`` (cos, sin [T, 1, D/2] each) and ``step.plan`` (the step's batched attention
         plan; None with spans runs one call per sequence).
         """
         assert self.kv_cache is not None, "setup_caches() first"
         batch, meta = step.batch, step.meta
         if step.rope_table is not None:
+            assert step.ops is not None
             qkv = self.wqkv.output(x, meta, kernel=True)  # [T, (H + 2·KV)·D]
             cache = self.kv_cache
-            out = cpu_decode.decode_attention(
+            out = step.ops.decode_attention(
                 qkv,
                 step.rope_table,
                 cache.k,
@@ -142,9 +143,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""
-        if step.cpu_ops:
+        if step.ops is not None:
             gate_up = self.w13.output(x, step.meta, kernel=True)
-            return self.w2.output(cpu_decode.silu_mul(gate_up), step.meta, kernel=True)
+            return self.w2.output(step.ops.silu_mul(gate_up), step.meta, kernel=True)
         gate, up = self.w13(x, step.meta)  # [T, I] each
         return self.w2(F.silu(gate) * up, step.meta)[0]
 
@@ -160,11 +161,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        if step.cpu_ops:  # the same math, the residual adds fused with the norms or done in place
-            h = self.attention(
-                cpu_decode.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step
-            )
-            out = self.feed_forward(cpu_decode.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
+        ops = step.ops
+        if ops is not None:  # the same math, the residual adds fused with the norms or done in place
+            h = self.attention(ops.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step)
+            out = self.feed_forward(ops.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
             return out.add_(h)  # h: x + attention, written by add_rms_norm
         h = x + self.attention(self.attention_norm(x), step)
         return h + self.feed_forward(self.ffn_norm(h), step)
@@ -187,7 +187,8 @@ class Llama(nn.Module):
         self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
         self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
         self.cpu_ops = True
-        """Eager CPU steps run :mod:`kernels.cpu_decode`'s C++ ops where it is built (False: the torch forms only)."""
+        """Eager steps run the kernels' fused decode glue where the device has it (:func:`kernels.decode_ops`: the
+        CPU library's C++ ops; False: the torch layers only)."""
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
         self.decode_graphs: DecodeGraphs | None = None
@@ -221,7 +222,7 @@ class Llama(nn.Module):
             )
         self.rope_table = rope_table(config, max_seq_len, self.device)
         if self.cpu_ops:
-            cpu_decode.available(self.rope_table)  # builds the CPU ops now (first use on a machine), not in a step
+            decode_ops(self.rope_table)  # builds the CPU library now (first use on a machine), not in a step
 
     def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
         """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
@@ -238,7 +239,7 @@ class Llama(nn.Module):
         return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
 
     def pack_weights(self) -> bool:
-        """Pack every projection's (and an untied lm_head's) base weight (``runtime.model.packed.pack_weight``: fp32
+        """Pack every projection's (and an untied lm_head's) base weight (:func:`kernels.pack_weight`: on CPU fp32
         in our blocked layout, bf16 in oneDNN's), in place of the plain one, where it applies (CPU, fp32 / supported
         bf16); returns whether any was packed. A no-op on CUDA and XLA. Call after loading; :meth:`unpack_weights`
         undoes it."""
@@ -330,7 +331,7 @@ class Llama(nn.Module):
         no stacks attached) runs exactly the base model. A decode step :attr:`decode_graphs` covers replays its CUDA
         graph (same semantics, static attention over the whole cache row). Eager CPU steps with :attr:`cpu_ops` run
         the norms, residual adds and SwiGLU's activation, and on decode-only steps RoPE, the cache write and
-        attention, through :mod:`kernels.cpu_decode` (same semantics, fp32 accumulation).
+        attention, through :mod:`kernels.cpu.decode_ops` (same semantics, fp32 accumulation).
         """
         if self.rope_table is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
@@ -346,23 +347,20 @@ class Llama(nn.Module):
         if self.decode_graphs is not None and self.decode_graphs.covers(batch, lora_meta):
             return self.decode_graphs.replay(batch, lora_meta)
         h = self.tok_embeddings(batch.tokens)  # [T, H]
-        cpu_ops = self.cpu_ops and batch.spans is not None and cpu_decode.available(h)
-        if cpu_ops and all(span.count == 1 for span in batch.spans):  # decode only: attention in the C++ op
-            step = _Step(batch, lora_meta, None, None, self.rope_table, True)
+        ops = decode_ops(h) if self.cpu_ops and batch.spans is not None else None
+        if ops is not None and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
+            step = _Step(batch, lora_meta, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
             batched = batch.spans is not None and self.batched_attention
-            step = _Step(
-                batch, lora_meta, rope, plan_attention(batch.spans, self.device) if batched else None, None, cpu_ops
-            )
+            plan = plan_attention(batch.spans, self.device) if batched else None
+            step = _Step(batch, lora_meta, rope, plan, None, ops)
         for layer in self.layers:
             h = layer(h, step)
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
-        h = cpu_decode.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if step.cpu_ops else self.norm(h)
+        h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if ops is not None else self.norm(h)
         if self.output is None:
-            embeddings = self.tok_embeddings.weight
-            if step.cpu_ops and kernel_fits(h, embeddings):
-                return lora_linear(h, embeddings, (), (), (), None)  # [N, vocab]
-            return h @ embeddings.t()  # [N, vocab]
-        return self.output.output(h, kernel=step.cpu_ops)  # [N, vocab]
+            embeddings = LinearWeight(WeightLayout.PLAIN, self.tok_embeddings.weight, self.config.vocab_size)
+            return base_linear(h, embeddings, fast=ops is not None, reorder=False)  # [N, vocab]
+        return self.output.output(h, kernel=ops is not None)  # [N, vocab]

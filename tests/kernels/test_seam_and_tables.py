@@ -21,8 +21,8 @@ from kernels import (
     select_backend,
     shrink,
 )
-from kernels.block_sizes import BlockSizes, BlockSizeTable
-from kernels.cpu_fused import CpuFusedBackend
+from kernels.cpu.backend import CpuFusedBackend
+from kernels.pallas.block_sizes import BlockSizes, BlockSizeTable
 from kernels.reference import ReferenceBackend
 from kernels.torch_eager import TorchEagerBackend
 from kernels.xla_laned import XlaLanedBackend

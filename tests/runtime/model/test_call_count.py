@@ -11,10 +11,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from adapter_manager import AdapterRegistry, RegistryConfig, write_synthetic_adapter
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
 from runtime.model.batch import ForwardBatch, SequenceChunk
 from runtime.model.checkpoint import load_model
-from runtime.model.packed import is_blocked
 from tests.conftest import TINY_NAME
 
 SLOTS, RANK, SEQUENCES = 16, 8, 16
@@ -54,7 +53,7 @@ def decode_step_ops(model, slot_rows, backend: BackendKind, distinct: int) -> tu
             model(batch, meta)
     names = [event.name for event in prof.events()]
     kernels = ("adapter_manager::lora_apply", "adapter_manager::lora_onednn", "adapter_manager::lora_blocked")
-    head = 1 if model.output.packed and is_blocked(model.output._packed) else 0
+    head = 1 if model.output.layout is WeightLayout.BLOCKED else 0
     return len(names), sum(names.count(name) for name in kernels) - head
 
 

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from adapter_manager import ModuleKey
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, cpu_fused, select_backend
-from runtime.model import lora_linear
+from kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
+from kernels.cpu import backend as cpu_backend
+from runtime.model import projection
 from runtime.model.checkpoint import load_model
 from runtime.model.llama import Llama
-from runtime.model.lora_linear import LoRALinear
+from runtime.model.projection import LoRALinear
 from tests.runtime._oracle import (
     BF16_ATOL,
     BF16_RTOL,
@@ -149,8 +150,8 @@ def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypa
 
         return call
 
-    monkeypatch.setattr(lora_linear, "shrink_parts", counted("shrink_parts", lora_linear.shrink_parts))
-    monkeypatch.setattr(lora_linear, "shrink", counted("shrink", lora_linear.shrink))
+    monkeypatch.setattr(projection, "shrink_parts", counted("shrink_parts", projection.shrink_parts))
+    monkeypatch.setattr(projection, "shrink", counted("shrink", projection.shrink))
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     assert calls == {"shrink_parts": 2 * len(model.layers), "shrink": 2 * len(model.layers)}
@@ -169,8 +170,8 @@ def count_linear_calls(monkeypatch) -> Counter[str]:  # noqa: ANN001
     """Count, by name, the LoRA calls a linear makes: the model's own (apply_parts, shrink_parts, shrink, expand) and
     the one-call kernels the cpu backend's ``fused_linear`` chooses (lora_blocked, lora_onednn, lora_linear)."""
     calls: Counter[str] = Counter()
-    targets = [(lora_linear, n) for n in ("apply_parts", "shrink_parts", "shrink", "expand")]
-    targets += [(cpu_fused, n) for n in ("lora_blocked", "lora_onednn", "lora_linear")]
+    targets = [(projection, n) for n in ("apply_parts", "shrink_parts", "shrink", "expand")]
+    targets += [(cpu_backend, n) for n in ("lora_blocked", "lora_onednn", "lora_linear")]
     for module, name in targets:
         op = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name, **k: calls.update([_name]) or _op(*a, **k))
@@ -185,7 +186,7 @@ def test_a_fused_step_applies_each_linear_in_one_call(written, monkeypatch, dtyp
     apply_parts after the base matmul."""
     model, _, _, meta, rows = serving_setup(written, dtype, BackendKind.CPU)
     kinds = {
-        ("lora_blocked" if module._blocked else "lora_onednn") if module.packed else "apply_parts"
+        ("lora_blocked" if module.layout is WeightLayout.BLOCKED else "lora_onednn") if module.packed else "apply_parts"
         for module in model.modules()
         if isinstance(module, LoRALinear) and module.has_lora
     }
@@ -225,7 +226,7 @@ def test_a_prefill_of_long_prompts_takes_lora_blocked_and_equals_peft(written, m
     backend = select_backend("cpu", KernelConfig(fused_max_tokens=16))
     meta = LoRAKernelMeta.make(backend, pool.num_slots, MAX_RANK, 256, "cpu", granule=pool.granule)
     linears = [m for m in model.modules() if isinstance(m, LoRALinear) and m.has_lora]
-    assert linears and all(m._blocked for m in linears)
+    assert linears and all(m.layout is WeightLayout.BLOCKED for m in linears)
     calls = count_linear_calls(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     lengths, adapters = (30, 17, 24, 20), ["all_rslora", None, "qv", "mlp_subset"]

@@ -8,12 +8,12 @@ import pickle
 import pytest
 import torch
 
+from kernels.cpu import weights as packing
 from runtime.engine.sampling import SamplingParams
-from runtime.model import packed as packing
 from runtime.model.batch import SeqSpan
 from runtime.model.checkpoint import load_model
 from runtime.model.kv_cache import KVCache, plan_attention
-from runtime.model.lora_linear import LoRALinear
+from runtime.model.projection import LoRALinear
 from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS, FP32_TOL, ROWS, max_diff, oracle_logits
 from tests.runtime._steps import greedy, prefill_logits
 
@@ -137,19 +137,19 @@ def test_engine_serves_adapters_on_a_packed_model_matching_peft(
     ids=["fp32", "fp32-plain", "bf16"],
 )
 def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype, pack_weights) -> None:
-    """The C++ glue ops (kernels.cpu_decode: decode attention, add + RMSNorm, SiLU·mul; with plain fp32 weights also
-    every decode linear's base matmul and LoRA in one kernels.cpu_kernels.lora_linear call) against the torch forms
+    """The C++ glue ops (kernels.cpu.decode_ops: decode attention, add + RMSNorm, SiLU·mul; with plain fp32 weights also
+    every decode linear's base matmul and LoRA in one kernels.cpu.lora_linear call) against the torch forms
     on the same slotted model: a ragged prefill with mixed adapters, decode steps with rows out of order and one row
     idle, and a mixed step (a new prompt's prefill beside decodes). fp32: every step's logits and every cache equal;
     bf16: both forms' distance from the fp32 model, and ours is no larger than the torch forms' (rounding apart: one
     bf16 ulp of the entry's largest value, a KV cache value rounded the other way after the prefill's attention)."""
-    from kernels import KernelConfig, LoRAKernelMeta, cpu_kernels, select_backend
+    from kernels import KernelConfig, LoRAKernelMeta, cpu, select_backend
     from runtime.model.batch import SequenceChunk
     from tests.runtime._oracle import SLOTTED, slots_of
     from tests.runtime._steps import slotted_model, step
 
-    if not cpu_kernels.load():
-        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    if not cpu.load():
+        pytest.skip(f"no CPU kernels: {cpu.unavailable_reason()}")
     runs = [(dtype, True), (dtype, False)] + ([(torch.float32, False)] if dtype != torch.float32 else [])
     models = []
     for run_dtype, cpu_ops in runs:  # ours, the torch forms, and for bf16 the fp32 torch forms as the truth

@@ -1,0 +1,33 @@
+"""The cpu backend's room: the backend (the torch forms plus one C++ call per fused linear), its C++ library (built
+and loaded on first use), the linear ops on each weight layout, the base weights' packing and the decode glue ops."""
+
+from kernels.cpu import decode_ops, weights
+from kernels.cpu.backend import CpuFusedBackend
+from kernels.cpu.library import cache_dir, load, unavailable_reason
+from kernels.cpu.linear_ops import (
+    BLOCK,
+    LINEAR_MAX_TOKENS,
+    block_weight,
+    lora_apply,
+    lora_blocked,
+    lora_linear,
+    lora_onednn,
+    unblock_weight,
+)
+
+__all__ = [
+    "BLOCK",
+    "LINEAR_MAX_TOKENS",
+    "CpuFusedBackend",
+    "block_weight",
+    "cache_dir",
+    "decode_ops",
+    "load",
+    "lora_apply",
+    "lora_blocked",
+    "lora_linear",
+    "lora_onednn",
+    "unavailable_reason",
+    "unblock_weight",
+    "weights",
+]

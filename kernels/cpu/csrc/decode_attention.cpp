@@ -1,0 +1,280 @@
+// decode_attention: the CPU decode step's attention in one call: RoPE on q and k, the step's keys and values written
+// into the KV cache, and causal GQA attention of every token over its cache row (one pass over each row's keys).
+// With add_rms_norm.cpp and silu_mul.cpp it is the decode layer's glue between its weight matmuls: a handful of
+// calls instead of ~35 small torch ops (each a Python call, a dispatch and an allocation).
+//
+// Semantics are the torch forms' (kernels/layer_reference.py), computed in fp32 and rounded to the model dtype where
+// the torch forms round.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "decode_common.h"
+#include "vec16.h"
+
+namespace {
+
+using adapter_manager_cpu::exp_poly;
+using adapter_manager_cpu::kReduceOrder;
+using adapter_manager_cpu::load16;
+using adapter_manager_cpu::reduce16;
+using adapter_manager_cpu::round_to;
+using adapter_manager_cpu::v16;
+
+
+// Scores p[r·keys + j] = q_r · key_j · scale for 4 query heads (q: 4 rows of kDim) over keys [0, keys) of a row
+// (key j at kbase + j·stride): 4 keys × 4 heads per block, 16 dot products reduced together.
+template <int64_t kDim>
+void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, float scale, float* p) {
+  int64_t j = 0;
+  for (; j + 4 <= keys; j += 4) {
+    v16 t[16] = {};
+    for (int64_t c = 0; c < kDim; c += 16) {
+      const v16 q0 = load16(q + c), q1 = load16(q + kDim + c), q2 = load16(q + 2 * kDim + c),
+                q3 = load16(q + 3 * kDim + c);
+      for (int k = 0; k < 4; ++k) {
+        const v16 kv = load16(kbase + (j + k) * stride + c);
+        t[4 * k] += q0 * kv, t[4 * k + 1] += q1 * kv, t[4 * k + 2] += q2 * kv, t[4 * k + 3] += q3 * kv;
+      }
+    }
+    const v16 sums = reduce16(t);
+    for (int lane = 0; lane < 16; ++lane) {
+      const int n = kReduceOrder[lane];  // input n = 4·key + head
+      p[(n % 4) * keys + j + n / 4] = sums[lane] * scale;
+    }
+  }
+  for (; j < keys; ++j) {
+    const float* key = kbase + j * stride;
+    for (int64_t r = 0; r < 4; ++r) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
+      p[r * keys + j] = s * scale;
+    }
+  }
+}
+
+// out_r = sum_j p[r·keys + j] · value_j for 4 heads, 64 columns at a time held in 16 registers across the keys.
+template <int64_t kDim>
+void weighted4(const float* p, const float* vbase, int64_t stride, int64_t keys, float* out) {
+  for (int64_t c = 0; c < kDim; c += 64) {
+    v16 acc[4][4] = {};
+    for (int64_t j = 0; j < keys; ++j) {
+      const float* value = vbase + j * stride + c;
+      const v16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
+      for (int r = 0; r < 4; ++r) {
+        const float w = p[r * keys + j];
+        acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 4; ++i) std::memcpy(out + r * kDim + c + 16 * i, &acc[r][i], sizeof(v16));
+  }
+}
+
+
+// p[r·keys + j] = softmax over j of row r, for `rows` rows of `keys` scores
+inline void softmax_rows(float* p, int64_t rows, int64_t keys) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* pr = p + r * keys;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j) top = std::max(top, pr[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < keys; ++j) {
+      pr[j] = exp_poly(pr[j] - top);
+      sum += pr[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < keys; ++j) pr[j] *= inv;
+  }
+}
+
+template <typename scalar_t>
+inline void store_heads(const float* acc, scalar_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(acc[i]);
+}
+
+template <typename scalar_t>
+void rope_into(float* out, const scalar_t* x, const float* cos, const float* sin, int64_t half) {
+  // out = cat(x1·cos - x2·sin, x2·cos + x1·sin), each product and sum rounded as the torch form's ops are
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    out[i] = round_to<scalar_t>(round_to<scalar_t>(x1 * cos[i]) - round_to<scalar_t>(x2 * sin[i]));
+    out[i + half] = round_to<scalar_t>(round_to<scalar_t>(x2 * cos[i]) + round_to<scalar_t>(x1 * sin[i]));
+  }
+}
+
+// kDim: the head dim as a compile-time constant (64, 128: the per-key loops unroll fully), or 0 to read it at run time
+template <typename scalar_t, int64_t kDim>
+void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& kc, at::Tensor& vc, const int64_t* rows,
+                    const int64_t* pos, int64_t heads, int64_t kv_heads, at::Tensor& out) {
+  const int64_t tokens = qkv.size(0), dim = kDim ? kDim : kc.size(3), half = dim / 2, rep = heads / kv_heads;
+  const int64_t qs = qkv.stride(0), ts = table.stride(0), os = out.stride(0);
+  const int64_t cache_row = kc.stride(0), cache_pos = kc.stride(1);  // contiguous [B, P, KV, D]
+  const scalar_t* qp = qkv.data_ptr<scalar_t>();
+  const float* tp = table.data_ptr<float>();
+  scalar_t* kp = kc.data_ptr<scalar_t>();
+  scalar_t* vp = vc.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  // cos / sin per token, cast to the model dtype first (rope_factors)
+  std::vector<float> trig(static_cast<size_t>(tokens * dim));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < dim; ++i) trig[t * dim + i] = round_to<scalar_t>(tp[pos[t] * ts + i]);
+  // 1. every token's rotated key and its value into the cache (before any token reads its row)
+  std::vector<float> rotated(static_cast<size_t>(dim));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float *cos = trig.data() + t * dim, *sin = cos + half;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      rope_into<scalar_t>(rotated.data(), qp + t * qs + (heads + g) * dim, cos, sin, half);
+      scalar_t* kdst = kp + rows[t] * cache_row + pos[t] * cache_pos + g * dim;
+      for (int64_t i = 0; i < dim; ++i) kdst[i] = static_cast<scalar_t>(rotated[i]);
+      const scalar_t* vsrc = qp + t * qs + (heads + kv_heads + g) * dim;
+      std::copy(vsrc, vsrc + dim, vp + rows[t] * cache_row + pos[t] * cache_pos + g * dim);
+    }
+  }
+  // 2. one work item per (token, KV head): its `rep` query heads against keys 0..pos of the token's row
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  const int64_t items = tokens * kv_heads;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < tokens; ++t) longest = std::max(longest, pos[t] + 1);
+  const bool parallel = items > 1 && items * longest * dim > 16384;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> q(static_cast<size_t>(rep * dim)), p(static_cast<size_t>(rep * longest)),
+        acc(static_cast<size_t>(rep * dim));
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t t = w / kv_heads, g = w % kv_heads, keys = pos[t] + 1;
+      const float *cos = trig.data() + t * dim, *sin = cos + half;
+      for (int64_t r = 0; r < rep; ++r)
+        rope_into<scalar_t>(q.data() + r * dim, qp + t * qs + (g * rep + r) * dim, cos, sin, half);
+      const scalar_t* kbase = kp + rows[t] * cache_row + g * dim;
+      const scalar_t* vbase = vp + rows[t] * cache_row + g * dim;
+      constexpr bool kVector = std::is_same_v<scalar_t, float> && kDim > 0 && kDim % 64 == 0;
+      if constexpr (kVector) {
+        if (rep % 4 == 0) {
+          for (int64_t r = 0; r < rep; r += 4)
+            scores4<kDim>(q.data() + r * dim, kbase, cache_pos, keys, scale, p.data() + r * keys);
+          softmax_rows(p.data(), rep, keys);
+          for (int64_t r = 0; r < rep; r += 4)
+            weighted4<kDim>(p.data() + r * keys, vbase, cache_pos, keys, acc.data() + r * dim);
+          store_heads<scalar_t>(acc.data(), op + t * os + g * rep * dim, rep * dim);
+          continue;
+        }
+      }
+      for (int64_t j = 0; j < keys; ++j) {
+        const scalar_t* key = kbase + j * cache_pos;
+        int64_t r = 0;
+        for (; r + 4 <= rep; r += 4) {  // four query heads per pass over the key: four reductions side by side
+          const float *q0 = q.data() + r * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          for (int64_t i = 0; i < dim; ++i) {
+            const float kv = static_cast<float>(key[i]);
+            s0 += q0[i] * kv, s1 += q1[i] * kv, s2 += q2[i] * kv, s3 += q3[i] * kv;
+          }
+          p[r * keys + j] = s0 * scale, p[(r + 1) * keys + j] = s1 * scale;
+          p[(r + 2) * keys + j] = s2 * scale, p[(r + 3) * keys + j] = s3 * scale;
+        }
+        for (; r < rep; ++r) {
+          const float* qr = q.data() + r * dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < dim; ++i) s += qr[i] * static_cast<float>(key[i]);
+          p[r * keys + j] = s * scale;
+        }
+      }
+      softmax_rows(p.data(), rep, keys);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < keys; ++j) {
+        const scalar_t* value = vbase + j * cache_pos;
+        int64_t r = 0;
+        for (; r + 4 <= rep; r += 4) {  // four heads' accumulators per pass over the value
+          const float p0 = p[r * keys + j], p1 = p[(r + 1) * keys + j], p2 = p[(r + 2) * keys + j],
+                      p3 = p[(r + 3) * keys + j];
+          float *a0 = acc.data() + r * dim, *a1 = a0 + dim, *a2 = a1 + dim, *a3 = a2 + dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) {
+            const float vv = static_cast<float>(value[i]);
+            a0[i] += p0 * vv, a1[i] += p1 * vv, a2[i] += p2 * vv, a3[i] += p3 * vv;
+          }
+        }
+        for (; r < rep; ++r) {
+          const float pj = p[r * keys + j];
+          float* ar = acc.data() + r * dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) ar[i] += pj * static_cast<float>(value[i]);
+        }
+      }
+      store_heads<scalar_t>(acc.data(), op + t * os + g * rep * dim, rep * dim);
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& table, at::Tensor k_cache, at::Tensor v_cache,
+                            const at::Tensor& rows, const at::Tensor& positions, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads (", heads,
+              ") must be a positive multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == kv_heads,
+              "decode_attention: k_cache and v_cache must be contiguous [B, P, KV=", kv_heads, ", D], got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t dim = k_cache.size(3);
+  TORCH_CHECK(dim % 2 == 0, "decode_attention: head_dim must be even, got ", dim);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "decode_attention: qkv must be [T, (H + 2·KV)·D = ", (heads + 2 * kv_heads) * dim,
+              "] with unit inner stride, got ", qkv.sizes());
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "decode_attention: qkv and the caches must share one dtype");
+  TORCH_CHECK(table.dim() == 3 && table.size(1) == 2 && table.size(2) == dim / 2 && table.is_contiguous() &&
+                  table.scalar_type() == at::kFloat && table.device().is_cpu(),
+              "decode_attention: the rope table must be a contiguous fp32 [P, 2, D/2 = ", dim / 2, "], got ",
+              table.sizes());
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  positions.dim() == 1 && rows.size(0) == tokens && positions.size(0) == tokens &&
+                  rows.device().is_cpu() && positions.device().is_cpu(),
+              "decode_attention: rows and positions must be int64 [T = ", tokens, "] CPU tensors");
+  const auto r = rows.contiguous(), p = positions.contiguous();
+  const int64_t *rp = r.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < k_cache.size(0), "decode_attention: token ", t, " names cache row ", rp[t],
+                " of ", k_cache.size(0));
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < k_cache.size(1) && pp[t] < table.size(0), "decode_attention: token ", t,
+                " is at position ", pp[t], ", beyond the cache (", k_cache.size(1), ") or the rope table (",
+                table.size(0), ")");
+  }
+  auto out = at::empty({tokens, heads * dim}, qkv.options());
+  if (tokens == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
+    if (dim == 64) {
+      attention_impl<scalar_t, 64>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+    } else if (dim == 128) {
+      attention_impl<scalar_t, 128>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+    } else {
+      attention_impl<scalar_t, 0>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
+  m.def(
+      "decode_attention(Tensor qkv, Tensor rope_table, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
+      "Tensor positions, int heads, int kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,102 @@
+"""The CPU library's linear ops (:mod:`kernels.cpu.library` builds and loads them): a fused linear's LoRA
+(``lora_apply``), and a linear's base matmul with its LoRA in one call per weight layout (``lora_blocked`` on our
+blocked fp32 layout, ``lora_onednn`` on oneDNN's, ``lora_linear`` on a plain fp32 weight at decode).
+Call :func:`kernels.cpu.library.load` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_op = None  # torch.ops.adapter_manager.lora_apply.default, once resolved
+_linear_op = None  # torch.ops.adapter_manager.lora_linear.default, once resolved
+_onednn_op = None  # torch.ops.adapter_manager.lora_onednn.default, once resolved
+_blocked_op = None  # torch.ops.adapter_manager.lora_blocked.default, once resolved
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], runs: torch.Tensor) -> None:
+    """``y[:, part p's columns] += (x @ A_p[rows].T) @ Bt_p[rows]`` per run; see csrc/lora_apply.cpp. Load the
+    library first."""
+    global _op
+    if _op is None:
+        _op = torch.ops.adapter_manager.lora_apply.default  # resolved once: the namespace lookup costs per call
+    _op(y, x, a, bts, runs)
+
+
+LINEAR_MAX_TOKENS = 16
+"""The most tokens :func:`lora_linear` takes (kLinearTokens in the C++ source)."""
+
+_NO_RUNS = torch.zeros(0, 4, dtype=torch.int64)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor | None,
+) -> torch.Tensor:
+    """``y = x @ w.T`` with each group's LoRA added inside the same call (fp32, T <= :data:`LINEAR_MAX_TOKENS`): group
+    g's parts ``a_groups[g]`` [N, P_g, in] and their Bt (``bts``, every group's parts in order) own y's columns from
+    ``offsets[g]`` on; ``runs`` None or empty: the base matmul only. See its csrc/ source. Load the library first."""
+    global _linear_op
+    if _linear_op is None:
+        _linear_op = torch.ops.adapter_manager.lora_linear.default
+    return _linear_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
+
+
+def lora_onednn(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor,
+) -> torch.Tensor:
+    """``y = x @ W.T`` through oneDNN's linear on the packed W (:func:`kernels.cpu.weights.packed_linear`), then each
+    group's :func:`lora_apply` onto its columns (groups as :func:`lora_linear`'s), in one call: the same values as
+    those calls one by one. Any number of tokens, the dtypes oneDNN packs. load the library first."""
+    global _onednn_op
+    if _onednn_op is None:
+        _onednn_op = torch.ops.adapter_manager.lora_onednn.default
+    return _onednn_op(x, packed, a_groups, bts, offsets, runs)
+
+
+BLOCK = 32
+"""Columns per block of :func:`block_weight`'s layout (kBlock in ``csrc/lora_blocked.cpp``)."""
+
+
+def block_weight(w: torch.Tensor) -> torch.Tensor:
+    """W [N, in] in the blocked layout :func:`lora_blocked` streams: ``wb[b, k, c] = W[BLOCK·b + c, k]``, zero past N.
+    Shape: w [N, in]; returns a new contiguous [ceil(N / BLOCK), in, BLOCK]."""
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w.detach(), (0, 0, 0, -n % BLOCK))
+    return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unblock_weight(wb: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain [n, in] weight back from :func:`block_weight`'s layout."""
+    return wb.transpose(1, 2).reshape(-1, wb.shape[1])[:n].contiguous()
+
+
+def lora_blocked(
+    x: torch.Tensor,
+    wb: torch.Tensor,
+    n: int,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor | None,
+) -> torch.Tensor:
+    """Semantics: ``y = x @ W.T`` for W [n, in] held as :func:`block_weight`'s ``wb``, plus each group's
+    :func:`lora_apply` onto its columns (groups as :func:`lora_linear`'s; ``runs`` None or empty: the base matmul
+    only), in one call. Any number of tokens, fp32: runs of 16+ tokens in a step of more than 16 (prefill) take their
+    LoRA inside the GEMM, the others lora_apply's loops after it. See its csrc/ source. Load the library first.
+    Shape: x [T, in]; returns a new [T, n]."""
+    global _blocked_op
+    if _blocked_op is None:
+        _blocked_op = torch.ops.adapter_manager.lora_blocked.default
+    return _blocked_op(x, wb, n, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)

@@ -1,0 +1,59 @@
+"""The model's ops besides its LoRA terms: a linear's base matmul in the layout its weight is held in, and the decode
+step's glue (RoPE + KV write + attention, add + RMSNorm, SiLU·mul: :class:`DecodeOps`).
+
+The model names the op and says how its weight is held (:class:`LinearWeight`); the room of the tensors' device picks
+the implementation, as :func:`kernels.ops.fused_linear` lets the step's backend pick a linear's one-call form. On CPU
+that is the cpu room (:mod:`kernels.cpu`: our blocked fp32 layout, oneDNN's, the C++ decode ops where its library
+builds); elsewhere (CUDA, XLA) a plain weight and torch's matmul, and the model's own torch layers in place of the
+decode ops. :mod:`kernels.layer_reference` holds each op's torch form, which the tests compare every implementation
+with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels.cpu as cpu
+from kernels.protocol import DecodeOps, LinearWeight, WeightLayout
+
+
+def decode_ops(x: torch.Tensor) -> DecodeOps | None:
+    """The fused decode glue for tensors like ``x`` (CPU, fp32 / bf16 / fp16, the library built: building it on the
+    first call), or None where there is none: the model then runs its torch layers. Ask once per step."""
+    return cpu.decode_ops if x.device.type == "cpu" and cpu.decode_ops.available(x) else None
+
+
+def pack_weight(weight: torch.Tensor) -> LinearWeight | None:
+    """``weight`` [out, in] as a new copy (same values) in the layout its device's room reads fastest; None where the
+    plain layout stays (CUDA, XLA, a dtype no packed matmul takes). CPU: fp32 in our blocked layout where the library
+    builds (``ADAPTER_MANAGER_WEIGHT_LAYOUT=onednn``: oneDNN's), bf16 in oneDNN's."""
+    return cpu.weights.pack(weight) if weight.device.type == "cpu" else None
+
+
+def packs_by_default() -> bool:
+    """Whether loading a model packs its weights unless told (``ADAPTER_MANAGER_PACK_WEIGHTS=0``: not)."""
+    return cpu.weights.pack_by_default()
+
+
+def unpack_weight(weight: LinearWeight) -> torch.Tensor:
+    """The plain ``[out, in]`` weight back from any layout (a plain one as it is)."""
+    return weight.tensor if weight.layout is WeightLayout.PLAIN else cpu.weights.unpack(weight)
+
+
+def base_linear(x: torch.Tensor, weight: LinearWeight, fast: bool = False, reorder: bool = True) -> torch.Tensor:
+    """Semantics: ``x @ W.T`` whichever layout W is held in (torch form: :func:`kernels.layer_reference.base_linear` on
+    the plain weight). ``fast``: the model's fused decode ops are on, so a CPU decode step's plain fp32 weight may
+    take the library's decode linear. ``reorder``: a plain weight may be reordered for oneDNN's linear at this call
+    (a prefill's projection); False keeps torch's matmul (a tied lm_head, whose reorder would cost more than its few
+    rows' matmul). Shape: x [T, in]; returns a new [T, weight.out_features]."""
+    if weight.layout is WeightLayout.PLAIN and x.device.type != "cpu":
+        return x @ weight.tensor.t()
+    return cpu.weights.linear(x, weight, fast, reorder)
+
+
+def plain_matmul(x: torch.Tensor, weight: LinearWeight) -> bool:
+    """Whether :func:`base_linear` of ``x`` is torch's own ``x @ W.T`` for this weight (no packed or oneDNN
+    matmul): then a caller may write its LoRA terms first and add the base matmul on top with one ``addmm_``."""
+    if weight.layout is WeightLayout.PLAIN and x.device.type != "cpu":
+        return True
+    return cpu.weights.plain_matmul(x, weight)

@@ -1,0 +1,69 @@
+"""The torch forms of the model's ops besides its LoRA terms (:mod:`kernels.layer_ops`): the same signatures and
+semantics as each backend's implementation (:class:`kernels.protocol.DecodeOps`), which the tests compare with them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    rope_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Semantics: :meth:`kernels.protocol.DecodeOps.decode_attention`, as torch ops, one SDPA per token (the runtime
+    model's rope, cache update and ``attend_static`` semantics)."""
+    tokens, dim = qkv.shape[0], k_cache.shape[3]
+    half = dim // 2
+    q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
+    trig = rope_table[positions].to(qkv.dtype)  # [T, 2, D/2]
+    cos, sin = trig[:, None, 0], trig[:, None, 1]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    q = rope(q.reshape(tokens, num_heads, dim))
+    k_cache.index_put_((rows, positions), rope(k.reshape(tokens, num_kv_heads, dim)))
+    v_cache.index_put_((rows, positions), v.reshape(tokens, num_kv_heads, dim))
+    out = torch.empty(tokens, num_heads, dim, dtype=qkv.dtype)
+    for t in range(tokens):
+        end = int(positions[t]) + 1
+        keys = k_cache[rows[t], :end].transpose(0, 1)  # [KV, end, D]
+        values = v_cache[rows[t], :end].transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            q[t][:, None].float(), keys.float(), values.float(), scale=1 / math.sqrt(dim), enable_gqa=True
+        )  # [H, 1, D]
+        out[t] = attended[:, 0].to(qkv.dtype)
+    return out.reshape(tokens, num_heads * dim)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Semantics: :meth:`kernels.protocol.DecodeOps.add_rms_norm`, as torch ops (HF Llama's RMSNorm)."""
+    if delta is not None:
+        h += delta
+    h32 = h.float()
+    return weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: :meth:`kernels.protocol.DecodeOps.silu_mul`, as torch ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def base_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Semantics: :func:`kernels.layer_ops.base_linear` on the plain weight. Shape: x [T, in]; weight [out, in];
+    returns a new [T, out]."""
+    return x @ weight.t()
+

@@ -1,0 +1,88 @@
+"""The CPU decode ops (kernels/cpu/csrc/decode_cpu.cpp) equal their torch references: RoPE + KV write + GQA attention
+over adversarial rows and positions, the fused residual add + RMSNorm, and SwiGLU's activation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import layer_reference
+from kernels.cpu import decode_ops, load, unavailable_reason
+
+pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
+
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}
+
+CASES = {  # (rows, positions) of the step's tokens
+    "decode-ragged": ([3, 1, 0, 5, 2], [0, 7, 143, 199, 1]),
+    "one-token-at-0": ([4], [0]),
+    "rows-out-of-order": ([5, 4, 3, 2, 1, 0], [9, 8, 7, 6, 5, 4]),
+    "a-chunk-of-one-row": ([2, 2, 2, 0], [5, 6, 7, 3]),  # each token sees the chunk's earlier keys
+    "long-context": ([1, 0], [511, 300]),
+}
+
+
+def _operands(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 5, generator=gen).to(dtype)
+    qkv = wide[:, 3 : 3 + (heads + 2 * kv_heads) * dim]  # a view with a row stride wider than its columns
+    table = torch.randn(520, 2, dim // 2, generator=gen)
+    k = torch.randn(6, 520, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(6, 520, kv_heads, dim, generator=gen).to(dtype)
+    return qkv, table, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(16, 4, 64), (8, 2, 128), (4, 4, 128), (6, 2, 8), (8, 1, 64), (10, 2, 32)]
+)
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_attention_equals_the_reference(case, heads, kv_heads, dim, dtype):
+    rows, positions = (torch.tensor(v) for v in CASES[case])
+    qkv, table, k, v = _operands(len(rows), heads, kv_heads, dim, dtype)
+    k_ref, v_ref = k.clone(), v.clone()
+    out = decode_ops.decode_attention(qkv, table, k, v, rows, positions, heads, kv_heads)
+    ref = layer_reference.decode_attention(qkv, table, k_ref, v_ref, rows, positions, heads, kv_heads)
+    assert out.shape == (len(rows), heads * dim) and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(k, k_ref, **TOL[dtype])  # the rotated keys, written where the reference writes them
+    assert torch.equal(v, v_ref)  # values are copied as they are, nothing else touched
+
+
+def test_decode_attention_refuses_bad_operands_and_writes_nothing():
+    qkv, table, k, v = _operands(2, 4, 2, 8, torch.float32)
+    k0, v0 = k.clone(), v.clone()
+    rows, positions = torch.tensor([0, 1]), torch.tensor([3, 4])
+    with pytest.raises(RuntimeError, match="names cache row 6"):
+        decode_ops.decode_attention(qkv, table, k, v, torch.tensor([0, 6]), positions, 4, 2)
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        decode_ops.decode_attention(qkv, table, k, v, rows, torch.tensor([3, 520]), 4, 2)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        decode_ops.decode_attention(qkv, table, k, v, rows, positions, 3, 2)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        decode_ops.decode_attention(qkv[:, :-8], table, k, v, rows, positions, 4, 2)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["add", "norm-only"])
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_add_rms_norm_equals_the_reference(tokens, with_delta, dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    h = (torch.randn(tokens, 1030, generator=gen) * 3).to(dtype)[:, 6:]  # row stride wider than the row
+    delta = torch.randn(tokens, 1024, generator=gen).to(dtype) if with_delta else None
+    weight = torch.randn(1024, generator=gen).to(dtype)
+    h_ref = h.clone()
+    out = decode_ops.add_rms_norm(h, delta, weight, 1e-5)
+    ref = layer_reference.add_rms_norm(h_ref, delta, weight, 1e-5)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert torch.equal(h, h_ref)  # h += delta in place, exactly as the reference's add
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 7, 200])
+def test_silu_mul_equals_the_reference(tokens, dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * 700 + 4, generator=gen) * 6).to(dtype)[:, 4:]
+    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # exp's clamped ends and zero
+    torch.testing.assert_close(decode_ops.silu_mul(gate_up), layer_reference.silu_mul(gate_up), **TOL[dtype])
