@@ -43,6 +43,7 @@ class BaseModelSpec:
     num_heads: int  # attention (query) heads
     num_kv_heads: int  # key/value heads (GQA); equals num_heads without GQA
     head_dim: int  # width of one head
+    aliases: tuple[str, ...] = ()  # the served checkpoint's other identities (its folder, hub id, hub id@revision)
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -76,6 +77,12 @@ class BaseModelSpec:
     def bench(cls) -> BaseModelSpec:
         """The benchmark model: hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816."""
         return cls("adapter-manager/bench-llama", 1024, 2816, 8, 16, 4, 64)
+
+    @property
+    def identities(self) -> tuple[str, ...]:
+        """Every name an adapter's ``base_model_name_or_path`` may give the served model by: its name, then its
+        aliases (empty ones left out)."""
+        return tuple(dict.fromkeys(n for n in (self.name, *self.aliases) if n))
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection."""

@@ -241,7 +241,7 @@ class LoRAKernelMeta:
                 self.grouping = group_by_slot(self.token_slots, adapters, counts_by_slot, self.num_slots)
                 if self.grouping.padded:
                     self._build_table(compact_ids(np.asarray(slots, dtype=np.int32))[2], adapters)
-            if form is LoRAForm.FUSED or getattr(self.backend, "cpu_kernels", False):  # the C++ kernels' runs table
+            if form is LoRAForm.FUSED or getattr(self.backend, "runs_every_step", False):  # the C++ kernels' runs table
                 rows = {a.slot: a for a in adapters}
                 table = [(start, count, rows[slot].first, rows[slot].rank) for slot, start, count in runs]
                 self.runs = torch.tensor(table, dtype=torch.int64)

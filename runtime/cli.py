@@ -121,6 +121,12 @@ def _add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> N
     parser.add_argument("--max-batch", type=int, default=16, help=f"sequences in flight{each} (default 16)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
     parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=512,
+        help=f"tokens per engine step{each}: prefill chunks plus decode tokens (vLLM's --max-num-batched-tokens; 512)",
+    )
+    parser.add_argument(
         "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
     )
     tail = "" if replica else "; --adapter at start-up may name any directory"
@@ -239,6 +245,16 @@ def _hub(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()  # now, not once serving: a SIGTERM while the model loads is a stop too (exit 0)
+    print(f"loading {args.model or f'a random {args.random} model'}", flush=True)
+    try:
+        return _load_and_serve(args)
+    except KeyboardInterrupt:  # SIGINT / SIGTERM before the server was up (serve() handles its own)
+        print("stopped before serving", flush=True)
+        return OK
+
+
+def _load_and_serve(args: argparse.Namespace) -> int:
     from .model.checkpoint import CheckpointError, CheckpointSource
     from .options import ServeOptions, model_source
     from .server.app import serve
@@ -250,7 +266,9 @@ def _serve(args: argparse.Namespace) -> int:
         with scratch or contextlib.nullcontext(str(args.workdir)) as tmp:
             folder, name = model_source(args, Path(tmp), lambda ref: CheckpointSource(ref).resolve())
             configs = ServeOptions.from_args(args, name).configs()
-            serving = build_serving(folder, configs.manager, configs.engine, configs.server, dtype=configs.dtype)
+            serving = build_serving(
+                folder, configs.manager, configs.engine, configs.server, dtype=configs.dtype, model_ref=args.model
+            )
             _print_restored(serving.manager)
             for spec in args.adapter:
                 ref, _, adapter_id = spec.partition("=")
@@ -263,6 +281,19 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, CheckpointError, LookupError) as err:
         return _fail(USAGE_ERROR, err)
     return OK
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does: a stop, not a kill."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_restored(manager) -> None:

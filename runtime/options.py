@@ -14,13 +14,16 @@ import torch
 from adapter_manager import AdapterManagerConfig
 
 from .engine.engine import EngineConfig
+from .engine.scheduler import SchedulerConfig
 from .model.checkpoint import write_random_checkpoint
 from .model.config import LlamaConfig
 from .server.state import ServerConfig
 
 _GIB = 1 << 30
 # namespace attributes ServeOptions reads: those both commands declare, and those only `serve` has
-_SHARED = ("max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "admin_token")
+_SHARED = (
+    "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token"
+)
 _SERVE_ONLY = ("pool_bytes", "dtype", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -47,6 +50,7 @@ class ServeOptions:
     device: str = "cpu"  # cpu, cuda[:i] or xla[:i]
     max_batch: int = 16  # sequences in flight
     max_seq_len: int = 2048  # prompt + output tokens per sequence
+    token_budget: int = 512  # tokens per engine step: prefill chunks plus decode tokens
     admin_token: str | None = None  # bearer token for the admin routes
     local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
     pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
@@ -89,9 +93,9 @@ class ServeOptions:
             max_pending=self.max_pending,
             local_roots=self.local_roots,
         )
-        return ServingConfigs(
-            manager, EngineConfig(max_batch=self.max_batch, max_seq_len=self.max_seq_len), server, dtype
-        )
+        scheduler = SchedulerConfig(token_budget=self.token_budget)
+        engine = EngineConfig(max_batch=self.max_batch, max_seq_len=self.max_seq_len, scheduler=scheduler)
+        return ServingConfigs(manager, engine, server, dtype)
 
 
 def model_source(args: argparse.Namespace, random_root: Path, resolve: Callable[[str], Path]) -> tuple[Path, str]:

@@ -138,6 +138,12 @@ class Prefetcher:
         with self._lock:
             self._listeners.append(listener)
 
+    def off_done(self, listener: Callable[[str], None]) -> None:
+        """Stop calling a listener given to :meth:`on_done` (a no-op for one not listening)."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
     def take_errors(self) -> dict[str, BaseException]:
         """Every pending prefetch error, once (the next request for each retries)."""
         with self._lock:

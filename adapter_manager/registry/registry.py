@@ -372,9 +372,11 @@ class AdapterRegistry:
         return prepared, seconds
 
     def _check_base_model(self, adapter_id: str, base: str | None) -> tuple[str, ...]:
-        if not base or not self.spec.name or _same_model(base, self.spec.name):
+        served = self.spec.identities
+        if not base or not served or any(_same_model(base, name) for name in served):
             return ()
-        message = f"trained on base model {base!r}, serving {self.spec.name!r}"
+        compared = ", ".join(repr(name) for name in served)
+        message = f"trained on base model {base!r}, serving {self.spec.name or served[0]!r} (compared with {compared})"
         if self.config.base_model_mismatch == "refuse":
             raise BaseModelMismatchError(adapter_id, message)
         log.warning("adapter %r: %s", adapter_id, message)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
-from huggingface_hub import HfApi, constants, try_to_load_from_cache
+from huggingface_hub import HfApi, ResolvedRevision, constants, try_to_load_from_cache
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -34,7 +34,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
     RevisionResolutionError,
 )
-from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.file_download import (
+    REGEX_COMMIT_HASH,
+    _cache_commit_hash_for_specific_revision,
+    repo_folder_name,
+)
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from ..errors import (
@@ -210,12 +214,43 @@ class HubResolver:
     def _fetch(self, ref: AdapterRef) -> tuple[str, Path | None, Path | None]:
         """The commit sha `ref` resolves to and its config and weights in the HF cache (None: not in that revision;
         the weights are not asked for without a config). Both files come from that one commit."""
-        revision = self._api.resolve_revision(
-            ref.repo_id, revision=ref.revision, cache_dir=self.config.cache_dir, local_files_only=self.offline
-        )
+        revision = self._resolve(ref)
         config = self._file(ref.repo_id, CONFIG_NAME, revision)
         weights = self._file(ref.repo_id, WEIGHTS_NAME, revision) if config is not None else None
         return revision.resolved, config, weights
+
+    def _resolve(self, ref: AdapterRef) -> ResolvedRevision:
+        """``ref``'s commit, as ``HfApi.resolve_revision`` finds it (a sha as it is; the hub's answer, recorded in the
+        cache's refs; the cached one when the hub cannot be reached or offline), but asked with this resolver's
+        ``timeout_s``: huggingface_hub's own call has none, so a hub that never answers would hang the caller."""
+        def cached() -> ResolvedRevision:
+            return self._api.resolve_revision(
+                ref.repo_id, revision=ref.revision, cache_dir=self.config.cache_dir, local_files_only=True
+            )
+
+        if self.offline or (ref.revision is not None and REGEX_COMMIT_HASH.fullmatch(ref.revision)):
+            return cached() if self.offline else ResolvedRevision(ref.revision, ref.revision, ref.repo_id, "model")
+        try:
+            sha = self._api.repo_info(ref.repo_id, revision=ref.revision, timeout=self.config.timeout_s).sha
+        except (httpx2.TransportError, OfflineModeIsEnabled, HfHubHTTPError) as err:
+            status = getattr(getattr(err, "response", None), "status_code", 500)
+            if isinstance(err, httpx2.ProxyError) or status < 500:
+                raise  # the hub answered (not found, no access), or a misconfigured proxy: not a reason to use a cache
+            try:
+                return cached()
+            except RevisionResolutionError:
+                raise err from None
+        assert sha is not None, f"the hub's answer for {ref} has no sha"
+        storage = Path(self.config.cache_dir or constants.HF_HUB_CACHE).expanduser().resolve()
+        try:  # what resolve_revision records, so that an offline process finds this revision
+            _cache_commit_hash_for_specific_revision(
+                str(storage / repo_folder_name(repo_id=ref.repo_id, repo_type="model")),
+                ref.revision or constants.DEFAULT_REVISION,
+                sha,
+            )
+        except OSError as err:
+            log.warning("could not record %s's commit %s in the cache: %s", ref, sha, err)
+        return ResolvedRevision(sha, ref.revision, ref.repo_id, "model")
 
     def _file(self, repo_id: str, name: str, revision: str) -> Path | None:
         """One file of a resolved revision, downloaded unless cached; None if the hub says it is not there."""

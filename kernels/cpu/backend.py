@@ -39,7 +39,7 @@ class CpuFusedBackend(TorchEagerBackend):
 
     fused = True
     """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
-    cpu_kernels = True
+    runs_every_step = True
     """Every step with an adapter carries the C++ kernels' runs table (:attr:`kernels.meta.LoRAKernelMeta.runs`)."""
 
     def __init__(

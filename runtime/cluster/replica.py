@@ -277,7 +277,6 @@ class EngineReplica:
     def __del__(self) -> None:
         serving = getattr(self, "serving", None)
         if serving is not None:
-            serving.engine.stop()
             serving.close()
         pinner = getattr(self, "_pinner", None)
         if pinner is not None:

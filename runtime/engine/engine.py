@@ -271,6 +271,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
+    def close(self) -> None:
+        """Done with the manager: stop the loop and stop listening to its prefetcher (which would otherwise keep
+        calling, and keep alive, an engine nobody uses). The manager stays open for its owner to close."""
+        self.stop()
+        self.manager.prefetcher.off_done(self._adapter_moved)
+
     def stop(self) -> None:
         with self._work:
             self._stopping = True

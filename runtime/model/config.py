@@ -175,10 +175,12 @@ class LlamaConfig:
             "mlp_bias": False,
         }
 
-    def to_spec(self, name: str = "") -> BaseModelSpec:
-        """The shape adapters see (for the registry and the slot pool)."""
+    def to_spec(self, name: str = "", aliases: tuple[str, ...] = ()) -> BaseModelSpec:
+        """The shape adapters see (for the registry and the slot pool); ``name`` and ``aliases`` are what an
+        adapter's base model is checked against."""
         return BaseModelSpec(
             name=name,
+            aliases=aliases,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_layers=self.num_layers,

@@ -6,6 +6,7 @@ show it) and its exact UTF-8 bytes (OpenAI's ``bytes``: a byte token's one byte,
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any, Protocol
 
 from .checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE
 from .config import eos_ids
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 _BYTES = 256
@@ -84,7 +87,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` (fast tokenizer) read with the `tokenizers` library; BOS/EOS from tokenizer_config.json."""
+    """A ``tokenizer.json`` (fast tokenizer) read with the `tokenizers` library; BOS/EOS from tokenizer_config.json.
+
+    A text's special tokens are the tokenizer's own, as transformers and vLLM add them: ``add_bos_token`` /
+    ``add_eos_token`` where tokenizer_config.json sets them (Llama's tokenizers), else the ``tokenizer.json``
+    post-processor (Llama 3's adds ``<|begin_of_text|>``; SmolLM2's adds nothing)."""
 
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer as FastTokenizer
@@ -96,13 +103,24 @@ class HFTokenizer:
         special = _special_tokens(folder)
         self.bos_id = self._id(special.get("bos_token"))
         self.eos_id = self._id(special.get("eos_token"))
+        flags = dict(_fields(folder, ("tokenizer_config.json",), ("add_bos_token", "add_eos_token")))
+        self._add_bos: bool | None = flags.get("add_bos_token")
+        self._add_eos: bool = bool(flags.get("add_eos_token", False))
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """``text``'s ids with the special tokens the tokenizer adds to a text (``add_bos``; False: none, for a text
+        whose template carries its own)."""
+        if not add_bos:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self._add_bos is None:  # the tokenizer.json's own post-processor decides
+            return self._tokenizer.encode(text, add_special_tokens=True).ids
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+        bos = [self.bos_id] if self._add_bos and self.bos_id is not None else []
+        eos = [self.eos_id] if self._add_eos and self.eos_id is not None else []
+        return [*bos, *ids, *eos]
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -174,7 +192,15 @@ def load_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
     if (folder / TOKENIZER_FILE).is_file():
         return HFTokenizer(folder)
     ids = _fields(folder, (CONFIG_FILE, GENERATION_CONFIG_FILE), ("bos_token_id", "eos_token_id"))
-    return ByteTokenizer(vocab_size, frozenset(i for _, value in ids for i in eos_ids(value)))
+    tokenizer = ByteTokenizer(vocab_size, frozenset(i for _, value in ids for i in eos_ids(value)))
+    shared = sorted(i for i in tokenizer.special_ids if 0 <= i < _BYTES)
+    if shared:
+        log.warning(
+            "%s has no tokenizer.json: the byte-level fallback serves it, and the checkpoint's special ids %s are also "
+            "the bytes %s, which in a text encode to those specials and decode to nothing (no round trip)",
+            folder, shared, ", ".join(f"0x{i:02x}" for i in shared),
+        )
+    return tokenizer
 
 
 def _special_tokens(folder: Path) -> dict[str, str]:

@@ -37,10 +37,14 @@ class Completion:
 class TextDecoder:
     """Token ids -> text deltas. Decodes the whole output each time (outputs are short) so multi-byte characters
     split across tokens come out whole; holds back a possible stop-string prefix until it is decided. Stop strings
-    count only from the ``min_tokens``-th token on (as vLLM's min_tokens)."""
+    count only from the ``min_tokens``-th token on (as vLLM's min_tokens). ``hidden`` ids are no text, as the
+    tokenizer's special tokens are not: the engine's eos ids, which a config may set beyond the tokenizer's own."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, hidden: frozenset[int] = frozenset()
+    ) -> None:
         self._tokenizer = tokenizer
+        self._hidden = hidden
         self._stop = tuple(stop)
         self._min_tokens = min_tokens
         self._search_from = 0  # stop strings start at or after this character
@@ -53,7 +57,8 @@ class TextDecoder:
     def add(self, token: int) -> str:
         """The new text made final by `token` ('' if none yet)."""
         self.tokens += 1
-        self._ids.append(token)
+        if token not in self._hidden:
+            self._ids.append(token)
         text = self._tokenizer.decode(self._ids)
         if self.tokens < self._min_tokens:
             self._search_from = len(text)
@@ -132,7 +137,7 @@ class Generator:
             yield token, handle.token_logprobs(index)
 
     async def complete(self, handle: RequestHandle, stop: Sequence[str], min_tokens: int = 0) -> Completion:
-        decoder = TextDecoder(self.tokenizer, stop, min_tokens)
+        decoder = self.decoder(stop, min_tokens)
         text, logprobs = [], []
         async for token, token_logprobs in self.tokens(handle):
             text.append(decoder.add(token))
@@ -142,6 +147,10 @@ class Generator:
                 break
         text.append(decoder.flush())
         return Completion("".join(text), finish_reason(handle, decoder), decoder.tokens, logprobs)
+
+    def decoder(self, stop: Sequence[str] = (), min_tokens: int = 0) -> TextDecoder:
+        """A :class:`TextDecoder` for one choice: the engine's eos ids are no text, as the tokenizer's specials."""
+        return TextDecoder(self.tokenizer, stop, min_tokens, self.engine.eos_ids)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)

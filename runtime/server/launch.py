@@ -34,6 +34,7 @@ class Serving:
     manager: AdapterManager
 
     def close(self) -> None:
+        self.engine.close()
         self.manager.close()
 
 
@@ -43,16 +44,19 @@ def build_serving(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     dtype: torch.dtype = torch.float32,
+    model_ref: str | None = None,
 ) -> Serving:
     """Load the checkpoint in `folder` onto `manager_config.device` and build the app around it. The engine's
     max_seq_len is capped at the model's max_position_embeddings; on a traced device (XLA) the engine is warmed up
     before the app exists, so requests compile nothing. The chat template is the checkpoint's own if it has one.
-    Adapters are checked against the base model named `server_config.model_name`."""
+    Adapters are checked against the checkpoint's identity (:func:`checkpoint_aliases`: its folder, and the hub id
+    or path `model_ref` it was served from) as well as the served name `server_config.model_name`."""
     folder = Path(folder)
     model = load_model(folder, dtype=dtype, device=manager_config.device)
     max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
     engine_config = replace(engine_config, max_seq_len=max_seq_len)
-    manager = AdapterManager(model.config.to_spec(server_config.model_name), manager_config)
+    spec = model.config.to_spec(server_config.model_name, checkpoint_aliases(folder, model_ref))
+    manager = AdapterManager(spec, manager_config)
     engine = Engine(model, manager, engine_config)
     started = time.perf_counter()
     if graphs := engine.warm_up():  # traced devices: every step graph now, none on the first requests
@@ -60,3 +64,18 @@ def build_serving(
     tokenizer = load_tokenizer(folder, model.config.vocab_size)
     server_config = replace(server_config, chat_template=ChatTemplate.from_folder(folder))
     return Serving(create_app(engine, manager, tokenizer, server_config), engine, manager)
+
+
+def checkpoint_aliases(folder: str | Path, model_ref: str | None = None) -> tuple[str, ...]:
+    """What an adapter trained on this checkpoint may name as its base model: the resolved folder, and the ref it
+    was served from (a local path, expanded; a hub id ``org/name@revision`` and ``org/name``).
+
+    Example: ``checkpoint_aliases("/ckpt/snap/abc", "org/llama@v2")`` -> ``("/ckpt/snap/abc", "org/llama@v2",
+    "org/llama")``."""
+    names = [str(Path(folder).resolve())]
+    if model_ref:
+        local = Path(model_ref.removeprefix("file://")).expanduser()
+        if local.is_dir():
+            names.append(str(local.resolve()))
+        names += [model_ref, model_ref.partition("@")[0]]
+    return tuple(dict.fromkeys(names))

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from ..engine.request import RequestHandle
 from ..engine.sampling import SamplingParams, SamplingParamsError
 from .chat_template import ChatTemplateError
-from .generation import TextDecoder, finish_reason
+from .generation import finish_reason
 from .http_errors import APIError, error_body, to_api_error
 from .openai_logprobs import CompletionLogprobsFormat, TokenEntry, chat_logprobs
 from .openai_schema import (
@@ -283,7 +283,7 @@ async def _stream(
         async with stack:
             try:
                 for index, handle in enumerate(handles):
-                    decoder = TextDecoder(state.tokenizer, stops, body.min_tokens)
+                    decoder = state.generator.decoder(stops, body.min_tokens)
                     tokens = first_tokens if index == 0 else generator.tokens(handle)
                     head = first if index == 0 else await anext(tokens, None)
                     if opening is not None:

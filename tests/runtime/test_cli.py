@@ -135,6 +135,7 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
         preexec_fn=_ignore_sigint,
     )
     try:
+        assert proc.stdout.readline() == "loading a random tiny model\n"
         lines = [proc.stdout.readline(), proc.stdout.readline()]
         assert lines[0].startswith("registered pre/loaded"), lines
         assert " at http://127.0.0.1:" in lines[1], proc.stderr.read() if proc.poll() is not None else lines
@@ -184,3 +185,37 @@ def test_demo_small_run_prints_its_table(tmp_path):
     assert "registered 6 adapters by hub id" in out and "40 ok, 0 failed" in out
     for row in ("throughput", "slot tier", "host tier", "stall", "hub_to_disk", "host_to_slot"):
         assert row in out, row
+
+
+def test_serve_sizes_the_engine_from_the_command_line():
+    """--token-budget (vLLM's --max-num-batched-tokens), --max-batch and --max-seq-len reach the engine's config, for
+    `serve` and for every replica of `cluster serve`."""
+    from runtime.cli import _parser
+    from runtime.options import ServeOptions
+
+    sizes = ["--token-budget", "64", "--max-batch", "3", "--max-seq-len", "96"]
+    for command, replica in ((["serve", "--random", "tiny"], False), (["cluster", "serve", "--random", "tiny"], True)):
+        args = _parser().parse_args([*command, *sizes])
+        engine = ServeOptions.from_args(args, "tiny", replica=replica).configs().engine
+        assert (engine.scheduler.token_budget, engine.max_batch, engine.max_seq_len) == (64, 3, 96), command
+    default = ServeOptions.from_args(_parser().parse_args(["serve", "--random", "tiny"]), "tiny").configs().engine
+    assert default.scheduler.token_budget == 512
+
+
+def test_sigterm_while_the_model_loads_stops_serve_with_exit_0(tmp_path):
+    """SIGTERM is a stop from the moment `serve` starts, not only once it listens: sent as soon as it says it is
+    loading, the process exits 0 (not -15) and leaves no scratch folder behind in its --workdir."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "serve", "--random", "tiny", "--port", "0", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        assert proc.stdout.readline() == "loading a random tiny model\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert _wait(proc, 60) == 0, proc.stderr.read()
+

@@ -25,70 +25,30 @@ Tests inject faults (status codes, delays, truncated bodies) with `LocalHub.add_
 
 from __future__ import annotations
 
-import fnmatch
+import contextlib
 import ipaddress
 import json
 import logging
 import os
 import re
 import signal
+import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from adapter_manager.sources.local_hub.faults import HubFault, HubRequest, HubState
 from adapter_manager.sources.local_hub.layout import HubLayout, HubLookupError, HubRevision, model_info, tree
 
 logger = logging.getLogger(__name__)
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _CHUNK = 1 << 16
-
-
-@dataclass(frozen=True)
-class HubFault:
-    """An injected failure for requests whose URL path matches `pattern` (fnmatch, query string excluded)."""
-
-    pattern: str  # fnmatch pattern on the raw URL path, e.g. "*/resolve/*/adapter_model.safetensors"
-    method: str | None = None  # "GET" or "HEAD" (the only methods served); None matches both
-    status: int | None = None  # answer with this status (and an error body) instead of the real response
-    delay_s: float = 0.0  # wait this long before answering (a client with a shorter timeout times out)
-    truncate_at: int | None = None  # GET only: full Content-Length, but close at this file (or JSON body) offset
-    times: int | None = None  # how many matching requests it applies to; None = forever
-    error_code: str | None = None  # X-Error-Code sent with `status`, e.g. "RepoNotFound"; None sends none
-
-    def __post_init__(self) -> None:
-        if self.status is not None and not 100 <= self.status <= 599:
-            raise ValueError(f"HubFault.status must be an HTTP status (100..599), got {self.status}")
-        if self.delay_s < 0:
-            raise ValueError(f"HubFault.delay_s must be >= 0, got {self.delay_s}")
-        if self.truncate_at is not None and self.truncate_at < 0:
-            raise ValueError(f"HubFault.truncate_at must be >= 0, got {self.truncate_at}")
-        if self.times is not None and self.times < 1:
-            raise ValueError(f"HubFault.times must be >= 1 or None (forever), got {self.times}")
-        if self.status is None and self.delay_s == 0 and self.truncate_at is None:
-            raise ValueError(f"HubFault for {self.pattern!r} does nothing: set status, delay_s or truncate_at")
-
-    def matches(self, method: str, path: str) -> bool:
-        """True if this fault applies to a `method` request for URL path `path`."""
-        if self.method is not None and self.method.upper() != method:
-            return False
-        if self.status is None and self.delay_s == 0 and method != "GET":
-            return False  # a pure truncation only applies to requests with a body
-        return fnmatch.fnmatchcase(path, self.pattern)
-
-
-@dataclass(frozen=True)
-class HubRequest:
-    """One request the hub answered."""
-
-    method: str  # "GET", "HEAD", ...
-    path: str  # raw URL path, query string excluded
-    status: int  # status answered; 0 if stop() interrupted a delay before any answer
 
 
 @dataclass
@@ -107,44 +67,46 @@ class _Reply:
         return self.length if self.file is not None else len(self.body)
 
 
-@dataclass
-class _HubState:
-    """What the request handlers share: the layout, the faults, the request log."""
-
-    layout: HubLayout  # repo/revision lookup
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards faults and requests
-    faults: list[tuple[HubFault, list[int | None]]] = field(default_factory=list)  # (fault, [remaining uses])
-    requests: list[HubRequest] = field(default_factory=list)  # log, in answer order
-    stopping: threading.Event = field(default_factory=threading.Event)  # set by stop(); ends delays early
-
-    def take_fault(self, method: str, path: str) -> HubFault | None:
-        with self.lock:
-            for fault, remaining in self.faults:
-                if remaining[0] != 0 and fault.matches(method, path):
-                    if remaining[0] is not None:
-                        remaining[0] -= 1
-                    return fault
-        return None
-
-    def record(self, request: HubRequest) -> None:
-        with self.lock:
-            self.requests.append(request)
-
-
 class _HubServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], state: _HubState) -> None:
+    def __init__(self, address: tuple[str, int], state: HubState) -> None:
         super().__init__(address, _HubHandler)
         self.state = state
+        self._open: set[socket.socket] = set()  # connections being served (kept alive between requests)
+        self._open_lock = threading.Lock()
+        self.accepted = 0  # connections accepted so far
+
+    def process_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
+        with self._open_lock:
+            self._open.add(request)
+            self.accepted += 1
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:  # noqa: ANN001 - socketserver's signature
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """End every kept-alive connection (their handler threads then return)."""
+        with self._open_lock:
+            connections = list(self._open)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: object, client_address: object) -> None:
         logger.debug("local hub: error while answering %s", client_address, exc_info=True)
 
 
 class _HubHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 with keep-alive, as the Hub speaks it: a client reuses its connection for the next request (a
+    registration's sha lookup, then each file's HEAD and GET); only a truncated answer closes it."""
+
     server_version = "adapter-manager-local-hub"
-    protocol_version = "HTTP/1.0"
+    protocol_version = "HTTP/1.1"
+    timeout = 60  # an idle kept-alive connection is closed after this many seconds
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -161,6 +123,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         fault = state.take_fault(method, path)
         if fault is not None and fault.delay_s > 0 and state.stopping.wait(fault.delay_s):
             state.record(HubRequest(method=method, path=path, status=0))
+            self.close_connection = True
             return
         if fault is not None and fault.status is not None:
             reply = _error(fault.status, fault.error_code, f"injected fault {fault.status} for {path}")
@@ -221,7 +184,9 @@ class _HubHandler(BaseHTTPRequestHandler):
         for name, value in reply.headers.items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(reply.content_length))
-        self.send_header("Connection", "close")
+        if truncate_at is not None and not head_only:  # fewer bytes than announced: only a close tells the client
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
         if head_only:
             return
@@ -294,7 +259,7 @@ class LocalHub:
         _check_loopback(host)
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
-        self._state = _HubState(layout=HubLayout(root))
+        self._state = HubState(layout=HubLayout(root))
         self._server = _HubServer((host, port), self._state)
         self._thread: threading.Thread | None = None
 
@@ -314,6 +279,12 @@ class LocalHub:
         """A copy of the request log, in answer order."""
         with self._state.lock:
             return list(self._state.requests)
+
+    @property
+    def connections(self) -> int:
+        """TCP connections accepted so far (a client keeping its connection alive opens one for many requests)."""
+        with self._server._open_lock:
+            return self._server.accepted
 
     @property
     def faults(self) -> list[HubFault]:
@@ -353,6 +324,7 @@ class LocalHub:
             self._server.shutdown()
             self._thread.join()
         self._server.server_close()
+        self._server.close_connections()
 
     def __enter__(self) -> LocalHub:
         return self.start()

@@ -209,3 +209,19 @@ def test_repos_of_adapters_unregistered_before_a_restart_are_still_evicted(hub_r
         assert _cache_repos(tmp_path / "cache") == {"org/b"}  # the restart still knew it owned org/a
         assert second.metrics().evictions["disk"] == 1 and second.metrics().disk["used_bytes"] <= one
         second.release(second.acquire(["org/b"]))
+
+
+def test_repos_downloaded_before_the_disk_tier_existed_are_adopted_and_evicted(hub_root, tmp_path, tiny_spec):
+    """Registrations made without a disk bound (no tier owned their repos) are the manager's downloads: a restart
+    with a bound adopts them from the state store, and an adapter unregistered then leaves the cache."""
+    with LocalHub(hub_root) as hub:
+        with manager_for(tiny_spec, tmp_path, hub.endpoint) as first:  # no disk_cache_bytes: nothing owned
+            first.register("org/a")
+            first.register("org/b")
+        one = max(r.size_on_disk for r in scan_cache_dir(tmp_path / "cache").repos)
+        with manager_for(tiny_spec, tmp_path, hub.endpoint, disk_cache_bytes=1 << 30) as second:
+            assert StateStore(tmp_path / "state").owned_repos(tmp_path / "cache") == {"org/a", "org/b"}
+            second.unregister("org/a")
+        with manager_for(tiny_spec, tmp_path, hub.endpoint, disk_cache_bytes=one) as third:
+            assert _cache_repos(tmp_path / "cache") == {"org/b"}
+            assert third.metrics().evictions["disk"] == 1

@@ -358,3 +358,23 @@ def test_serve_cli_entry_stops_cleanly_on_a_signal_even_when_launched_ignoring_s
         finally:
             proc.kill()
     assert code == 0, proc.stderr.read().decode()
+
+
+def test_connections_are_kept_alive_as_the_hub_keeps_them(hub: LocalHub, tmp_path: Path) -> None:
+    """HTTP/1.1 with keep-alive: one connection answers a registration's requests in turn (huggingface_hub's pooled
+    client reuses it), where HTTP/1.0 with Connection: close cost a new connection per request."""
+    conn = http.client.HTTPConnection(hub.endpoint.removeprefix("http://"), timeout=5)
+    try:
+        for method, path in (("GET", f"/api/models/{REPO}"), ("HEAD", f"/{REPO}/resolve/main/{CONFIG}")):
+            conn.request(method, path)
+            response = conn.getresponse()
+            response.read()
+            assert (response.status, response.version, response.getheader("Connection")) == (200, 11, None), path
+    finally:
+        conn.close()
+    assert hub.connections == 1
+    before, asked = hub.connections, len(hub.requests)
+    for name in (CONFIG, WEIGHTS):
+        _download(hub, tmp_path / "cache", name)
+    assert len(hub.requests) - asked >= 4  # a HEAD and a GET per file
+    assert hub.connections - before == 1

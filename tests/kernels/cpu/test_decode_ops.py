@@ -1,5 +1,6 @@
-"""The CPU decode ops (kernels/cpu/csrc/decode_cpu.cpp) equal their torch references: RoPE + KV write + GQA attention
-over adversarial rows and positions, the fused residual add + RMSNorm, and SwiGLU's activation."""
+"""The CPU decode ops (kernels/cpu/csrc: decode_attention, add_rms_norm, silu_mul) equal their torch forms
+(kernels.layer_reference): RoPE + KV write + GQA attention over adversarial rows and positions, the fused residual
+add + RMSNorm, and SwiGLU's activation."""
 
 from __future__ import annotations
 

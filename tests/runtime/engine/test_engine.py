@@ -9,6 +9,7 @@ import time
 import pytest
 
 from adapter_manager import AdapterNotFoundError
+from runtime.engine import Engine, EngineConfig
 from runtime.engine.request import RequestFailedError
 from runtime.engine.sampling import SamplingParams
 from tests.runtime._oracle import ADAPTERS, ENGINE_REQUESTS, ROWS
@@ -152,4 +153,25 @@ def test_handle_reports_first_token_time_and_tokens_so_far(make_engine):
         assert submitted < handle.first_token_at <= first_seen  # set once, by the first token
     finally:
         engine.stop()
+        manager.close()
+
+
+def test_a_closed_engine_stops_listening_to_the_prefetcher(make_engine):
+    """An engine registers a listener with the manager's prefetcher; close() takes it back, so an engine nobody uses
+    is neither called nor kept alive by a manager that outlives it."""
+    import gc
+    import weakref
+
+    engine, manager = make_engine()
+    try:
+        model = engine.model
+        engine.close()
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        assert gone() is None  # nothing of the manager's still refers to it
+        second = Engine(model, manager, EngineConfig(max_batch=2, max_seq_len=64))
+        second.close()
+        second.close()  # closing twice is harmless
+    finally:
         manager.close()

@@ -31,12 +31,50 @@ def test_tokenizer_json_is_used_when_present(tmp_path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<s>", "</s>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     loaded = load_tokenizer(tmp_path, vocab_size=5)
     assert isinstance(loaded, HFTokenizer)
     assert (loaded.bos_id, loaded.eos_id) == (0, 1)
-    assert loaded.encode("hello world nope") == [0, 2, 3, 4]
+    assert loaded.encode("hello world nope") == [0, 2, 3, 4]  # add_bos_token: the config asks for BOS
     assert loaded.decode([0, 2, 3, 1]) == "hello world"
+
+
+@pytest.mark.parametrize("template", [None, "<s> $A"], ids=["no-bos (SmolLM2)", "bos (Llama 3)"])
+def test_a_texts_specials_are_the_tokenizers_own_as_in_transformers(tmp_path: Path, template: str | None) -> None:
+    """A bos_token named in the config is not a reason to add it: the tokenizer.json post-processor decides, as
+    transformers' tokenizer (and so vLLM) does. Chat templates carry their own specials (add_bos=False)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    if template is not None:
+        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours = load_tokenizer(tmp_path, vocab_size=5)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("hello world", "world", "nope hello"):
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        assert ours.encode(text, add_bos=False) == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert ours.encode("hello")[0] == (0 if template else 2)
+
+
+def test_add_bos_and_eos_token_flags_of_the_config_decide_where_set(tmp_path: Path) -> None:
+    """tokenizer_config.json's add_bos_token / add_eos_token (Llama's tokenizers) win over the post-processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hi": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    flags = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "add_eos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(flags))
+    assert load_tokenizer(tmp_path, vocab_size=4).encode("hi hi") == [2, 2, 1]
 
 
 def test_byte_fallback_gives_exact_token_bytes_and_never_writes_the_models_specials(tmp_path: Path) -> None:
@@ -110,3 +148,20 @@ def test_other_tokenizer_json_models_give_their_texts_bytes(tmp_path: Path) -> N
     loaded = _saved(tok, tmp_path, "<s>", "</s>")
     assert loaded.token_bytes(2) == "héllo".encode() and loaded.token_text(2) == "héllo"
     assert loaded.token_text(1) == "</s>" and loaded.token_bytes(1) == b"</s>"
+
+
+def test_the_byte_fallback_says_at_load_which_bytes_cannot_round_trip(tmp_path: Path, caplog) -> None:
+    """A checkpoint whose BOS / EOS ids (1, 2) are byte ids: the bytes 0x01 / 0x02 encode to its specials and vanish
+    on decode; load says so once, naming them, and every other byte still round-trips."""
+    import logging
+
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    with caplog.at_level(logging.WARNING, logger="runtime.model.tokenizer"):
+        tok = load_tokenizer(tmp_path, vocab_size=300)
+    assert "0x01, 0x02" in caplog.text and "no round trip" in caplog.text
+    assert tok.decode(tok.encode("a\x01b\x03", add_bos=False)) == "ab\x03"
+    caplog.clear()
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
+    with caplog.at_level(logging.WARNING, logger="runtime.model.tokenizer"):
+        load_tokenizer(tmp_path, vocab_size=300)
+    assert caplog.text == ""

@@ -1,0 +1,96 @@
+"""The real-model lane's fixtures: SmolLM2-135M-Instruct and an adapter trained on it (``_prepare``, cached per
+machine), served by the real server, an official `openai` client, and the transformers / PEFT oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from adapter_manager import AdapterManagerConfig
+from runtime.engine.engine import EngineConfig
+from runtime.server.state import ServerConfig
+from tests.runtime.real_model._prepare import prepared
+from tests.runtime.server.conftest import serving_on
+
+pytestmark = pytest.mark.real_model
+
+NAME = "smol"  # the served name: an alias, not the checkpoint's folder
+ADAPTER = "secret"
+
+
+@pytest.fixture(scope="session")
+def real_model() -> tuple:
+    pytest.importorskip("peft")
+    pytest.importorskip("gguf", reason="the dev extra's gguf reads the model's GGUF file")
+    return prepared()
+
+
+@dataclass
+class Oracle:
+    """transformers (and PEFT for the adapter), fp32, greedy: the tokens and log-probabilities to match."""
+
+    tokenizer: object
+    base: object
+    adapted: object
+
+    def model(self, adapter: str | None):
+        return self.base if adapter is None else self.adapted
+
+    def chat_ids(self, content: str) -> list[int]:
+        messages = [{"role": "user", "content": content}]
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return list(encoded["input_ids"])
+
+    @torch.no_grad()
+    def greedy(self, ids: Sequence[int], adapter: str | None, max_new: int, stop: bool = True) -> list[int]:
+        """Greedy tokens after ``ids``, ending at the eos (kept) unless ``stop`` is False."""
+        model, out = self.model(adapter), list(ids)
+        for _ in range(max_new):
+            token = int(model(input_ids=torch.tensor([out])).logits[0, -1].argmax())
+            out.append(token)
+            if stop and token == self.tokenizer.eos_token_id:
+                break
+        return out[len(ids) :]
+
+    @torch.no_grad()
+    def logprobs(self, ids: Sequence[int], adapter: str | None) -> torch.Tensor:
+        """log p(ids[t] | ids[:t]) for t >= 1. Shape: [len(ids) - 1]."""
+        logits = self.model(adapter)(input_ids=torch.tensor([list(ids)])).logits[0].double()
+        return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    def text(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def oracle(real_model) -> Oracle:
+    import peft
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model_dir, adapter_dir = real_model
+    base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(model_dir), adapter_dir).eval()
+    return Oracle(AutoTokenizer.from_pretrained(model_dir), base, adapted)
+
+
+@pytest.fixture(scope="module")
+def served(real_model):
+    """The real server on the checkpoint, under the alias NAME, with the trained adapter registered as ADAPTER."""
+    model_dir, adapter_dir = real_model
+    with serving_on(
+        model_dir,
+        AdapterManagerConfig(max_slots=2, max_rank=8, base_model_mismatch="refuse"),
+        EngineConfig(max_batch=4, max_seq_len=512),
+        ServerConfig(model_name=NAME, port=0, max_pending=16),
+        adapters={ADAPTER: adapter_dir},
+    ) as started:
+        yield started
+
+
+@pytest.fixture
+def client(served):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="unused", max_retries=0, timeout=120)
