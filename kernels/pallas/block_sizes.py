@@ -1,4 +1,15 @@
-"""Pallas block sizes per problem shape, read from a JSON data file (``kernels/pallas/block_sizes.json``)."""
+"""Pallas block sizes per problem shape, read from a JSON data file (``kernels/pallas/block_sizes.json``), each entry
+checked against the scoped VMEM of the TPU generations we name (:data:`SCOPED_VMEM`) when the table loads.
+
+VMEM of one kernel call (:meth:`BlockSizeEntry.vmem_bytes`): every input and output block double-buffered by the
+Pallas pipeline, plus the fp32 accumulator scratch, each block padded to the (8, 128) tile of 32-bit values (a
+(bt, 1) slot column takes a full 128 lanes), at fp32 (the widest dtype served) and at the entry's largest blocks:
+
+    shrink:  2·[slots (bt, 1) + x (bt, F) + A (L, F)] + 2·h (bt, L) + acc (bt, L)
+    expand:  2·[slots (bt, 1) + h (bt, L) + Bt (L, F) + y (bt, F)] + 2·out (bt, F) + acc (bt, F)
+
+(bt = block_tokens, F = block_features, or the entry's features when smaller, L = lane_width.)
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,15 @@ from pathlib import Path
 from kernels.tables import by_tokens, load_entries
 
 SHIPPED_TABLE = "block_sizes.json"
+_MIB = 1 << 20
+SCOPED_VMEM = {"v5e": 16 * _MIB, "v6e": 32 * _MIB}
+"""Default scoped VMEM per kernel (the Mosaic compiler's limit unless a kernel raises it), as JAX documents it for
+each generation; an entry must fit the smallest."""
+
+
+def _tile_bytes(rows: int, cols: int, element: int = 4) -> int:
+    """Bytes of a [rows, cols] block in VMEM: padded to whole (8, 128) tiles of 32-bit words."""
+    return -(-rows // 8) * 8 * (-(-cols // 128) * 128) * element
 
 
 @dataclass(frozen=True)
@@ -43,6 +63,25 @@ class BlockSizeEntry:
         if self.op not in ("shrink", "expand"):
             raise ValueError(f"block-size entry op must be 'shrink' or 'expand', got {self.op!r}")
 
+    def vmem_bytes(self) -> int:
+        """VMEM one call with these blocks takes at most (the module's formula: fp32, every block at its largest)."""
+        b = self.blocks
+        bt, lanes = b.block_tokens, b.lane_width
+        features = b.block_features if self.features is None else min(b.block_features, self.features)
+        slots = _tile_bytes(bt, 1)
+        if self.op == "shrink":
+            inputs = slots + _tile_bytes(bt, features) + _tile_bytes(lanes, features)
+            return 2 * inputs + 2 * _tile_bytes(bt, lanes) + _tile_bytes(bt, lanes)
+        inputs = slots + _tile_bytes(bt, lanes) + _tile_bytes(lanes, features) + _tile_bytes(bt, features)
+        return 2 * inputs + 2 * _tile_bytes(bt, features) + _tile_bytes(bt, features)
+
+    def describe(self) -> str:
+        b = self.blocks
+        return (
+            f"{self.op} (features {self.features}, max_tokens {self.max_tokens}: block_tokens {b.block_tokens}, "
+            f"block_features {b.block_features}, lane_width {b.lane_width})"
+        )
+
 
 def _entry(row: dict) -> BlockSizeEntry:
     blocks = BlockSizes(row["block_tokens"], row["block_features"], row["lane_width"])
@@ -61,6 +100,13 @@ class BlockSizeTable:
         for op in ("shrink", "expand"):
             if not any(e.op == op and e.features is None for e in self.entries):
                 raise ValueError(f"block-size table {self.source!r} needs a {op!r} entry with features null")
+        generation, budget = min(SCOPED_VMEM.items(), key=lambda item: item[1])
+        for entry in self.entries:
+            if entry.vmem_bytes() > budget:
+                raise ValueError(
+                    f"block-size table {self.source!r}: entry {entry.describe()} needs {entry.vmem_bytes() / _MIB:.2f} "
+                    f"MiB of VMEM, over {generation}'s scoped {budget / _MIB:.0f} MiB"
+                )
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> BlockSizeTable:

@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import kernels
 from kernels import (
     BackendKind,
     DispatchEntry,
@@ -148,6 +150,21 @@ def test_block_size_table_loads_and_looks_up():
     assert isinstance(table.lookup("expand", 10**7, 12345), BlockSizes)
     with pytest.raises(ValueError, match="block_features"):
         BlockSizes(16, 100, 128)
+
+
+def test_every_block_size_entry_fits_the_scoped_vmem_and_one_over_budget_fails_the_load(tmp_path):
+    """Each entry's VMEM (blocks double-buffered, accumulator) against v5e's and v6e's scoped VMEM: the shipped table
+    fits; a table with an entry over the smallest budget is refused at load, naming the entry and its MiB."""
+    from kernels.pallas.block_sizes import SCOPED_VMEM
+
+    table = BlockSizeTable.load()
+    assert max(e.vmem_bytes() for e in table.entries) <= min(SCOPED_VMEM.values())
+    big = {"op": "expand", "max_tokens": 4096, "features": 8192, "block_tokens": 512, "block_features": 4096}
+    rows = [*json.loads((Path(kernels.__file__).parent / "pallas" / "block_sizes.json").read_text())["entries"]]
+    path = tmp_path / "blocks.json"
+    path.write_text(json.dumps({"entries": [*rows, {**big, "lane_width": 256}]}))
+    with pytest.raises(ValueError, match=r"expand \(features 8192, max_tokens 4096.*MiB of VMEM, over v5e's scoped 16"):
+        BlockSizeTable.load(path)
 
 
 def test_form_follows_the_active_slots_not_the_pool():

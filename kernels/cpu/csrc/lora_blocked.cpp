@@ -8,30 +8,19 @@
 // read pass's rate, W prefetched non-temporally a few rows ahead (oneDNN's packed linear takes ~1.25x as long for the
 // decode step's matmuls here, measured side by side: scripts/bench_layout.py). x is packed once per call as [K][TT]
 // tiles of TT tokens (16 × 16 register transposes), so the broadcasts read one line per k. Prefill's many tokens take
-// the same loop in tiles of 12 (24 accumulators): every tile of x passes over a block while it sits in L2 (passes of
-// 128–512 k with y accumulating, 1.21–1.39x, or panels of 8–48 tiles over each thread's blocks, 1.10–1.17x, were
-// slower at 1024 tokens). Past 8 MB of packed x (kPanelBytes: 2048 tokens of the down projection's 2816 features are
-// 23 MB, more than L3 holds beside the rest) the tiles pass in panels of that size, each over all of a thread's
-// blocks: x then comes from L3, not memory, at every block (the down projection at 2048 tokens 42–47 -> 28–31 ms;
-// W is read once more per panel).
+// the same loop in tiles of 12 (24 accumulators): every tile of x passes over a block while it sits in L2 (the other
+// loop orders measured at 1024 tokens were slower: docs/cpu.md). Past 8 MB of packed x (kPanelBytes: 2048 tokens of
+// the down projection's 2816 features are 23 MB, more than L3 holds beside the rest) the tiles pass in panels of that
+// size, each over all of a thread's blocks: x then comes from L3, not memory, at every block (the down projection at
+// 2048 tokens 42–47 -> 28–31 ms; W is read once more per panel).
 //
 // The LoRA of decode's few tokens (and of any run of fewer than kFuseMin tokens) follows the matmul: lora_apply's
-// loops (lora_cpu.cpp), as lora_onednn's does. Tried and measured slower on the bench model's decode step
-// (scripts/bench_layout.py, LoRA cost over the blocked base step, this way: one adapter +5.3 %, eight +15.1 %):
-// - the expand inside the block loop, h laned per token against each block's Bt rows: +9.0 % and +27.6 % (each block
-//   reads 2 lines of every active Bt row: 128 scattered streams at eight adapters);
-// - the matmul's loops prefetching the LoRA's rows (A, then Bt; one line every few k, up to 768 KB a thread), so
-//   that lora_apply finds them in cache: +11.6 % and +27.4 %.
-// Issue 21's tenth session, the same step, in-process A/B (scripts/bench_rows.py is the diagnosis): one adapter's
-// runs in the GEMM as prefill's (shrink first, expand in the block loop, the next block's Bt lines prefetched during
-// each block): +5.2–8.0 % against +6.0–7.2 %; the LoRA after the GEMM in its own parallel region, each thread a fixed
-// share, with a register-blocked expand (8 tokens × 32 columns; 1.6x faster than lora_apply's loops with the rows in
-// L2): within the step's noise; that share's rows prefetched during the thread's last blocks: slower. A work queue
-// after the GEMM without a barrier is wrong: an expand adds onto columns the other thread's GEMM may not have written.
-// Issue 21's eleventh session, the same step, paired medians of 300 interleaved repeats (a throwaway variant switch):
-// every group's LoRA in one region as shrink_pairs + expand_tile on 64 columns, the next tile's Bt prefetched: one
-// adapter -0.09 ms (+1.09 ms over base before), eight +0.29 ms; only reading the rows there (no compute, no y):
-// one adapter +0.68 ms, 2.3x its byte floor (scripts/bench_reads.py: alone, 1.7-2.4x in the pool's layout).
+// loops (lora_apply.cpp), as lora_onednn's does. No variant that moved it into or beside the block loop (the expand
+// laned per block, the rows prefetched during the matmul, the LoRA in the GEMM's parallel region, fused shrink and
+// expand tiles) measured better for both one and eight adapters on the bench model's decode step (docs/cpu.md): one
+// adapter's rows come cold from memory in short runs whatever the loop, and reading them alone costs 1.7-2.4x their
+// byte floor in the pool's layout. A work queue after the GEMM without a barrier would be wrong: an expand adds onto
+// columns the other thread's GEMM may not have written yet.
 // A prefill's runs of kFuseMin or more tokens take their LoRA inside the GEMM instead (FusedLoRA below): the shrink
 // is the GEMM's own kernel with the run's A rows as columns, the expand rank more steps of each block's k loop, so
 // neither re-reads y nor runs at less than the GEMM's FLOP rate (after lora_apply's loops, a prefill's LoRA cost 2-4x

@@ -1,5 +1,6 @@
-// What the CPU LoRA kernels share (lora_cpu.cpp: lora_apply; linear_cpu.cpp: lora_linear): a step's runs of
-// tokens, and the shrink / expand inner loops over the pool's rows.
+// What the CPU LoRA kernels share (lora_apply.cpp: lora_apply, whose loops lora_onednn.cpp and lora_blocked.cpp call
+// after their matmul; lora_linear.cpp: lora_linear): a step's runs of tokens, and the shrink / expand inner loops over
+// the pool's rows.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -197,7 +198,7 @@ inline std::vector<Run> parse_runs(const char* op, const at::Tensor& runs, int64
   return list;
 }
 
-// lora_cpu.cpp: the checks of lora_apply's operands (y's columns from col0 on), and its loops over the runs.
+// lora_apply.cpp: the checks of lora_apply's operands (y's columns from col0 on), and its loops over the runs.
 void check_apply(const at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts);
 void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts,
                 const std::vector<Run>& list);
