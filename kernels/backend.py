@@ -66,6 +66,40 @@ def triton_interpreting() -> bool:
     return interpret_mode()
 
 
+def first_contact(backend: KernelBackend, device: torch.device | str, config: KernelConfig) -> KernelBackend:
+    """``backend`` if its kernels compile and run right on ``device`` (one small fused step, checked against the
+    fp32 loop reference), else the torch forms for the process, with one warning that says why: a Triton kernel the
+    device's compiler refuses must not take the server down, nor serve wrong numbers."""
+    from kernels.meta import LoRAKernelMeta
+    from kernels.ops import apply_parts
+    from kernels.reference import ReferenceBackend
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        rows, rank, features = 9, 8, 64  # one slot of rank 8 and the zero row
+        x, a, bt = (torch.randn(n, features, generator=gen) for n in (2, rows, rows))
+        slots, ranks = torch.zeros(2, dtype=torch.int32), {0: rank}
+        outputs = []
+        for candidate in (backend, ReferenceBackend()):
+            meta = LoRAKernelMeta.make(candidate, 1, rank, 2, device, granule=rank)
+            meta.prepare(slots, ranks)
+            y = torch.zeros(2, features, device=device)
+            apply_parts(y, x.to(device), a.to(device).unsqueeze(1), [bt.to(device)], meta)
+            outputs.append(y.cpu())
+        diff = (outputs[0] - outputs[1]).abs().max().item()
+        if not diff <= 1e-3 * (1 + outputs[1].abs().max().item()):  # also a NaN
+            raise RuntimeError(f"a fused step differs from the fp32 loop reference by {diff:.3g}")
+    except Exception as err:  # noqa: BLE001 - a compile or launch failure on this device: keep the torch forms
+        warnings.warn(
+            f"{device}: the torch LoRA forms, not the {type(backend).__name__} kernels, which failed here: "
+            f"{type(err).__name__}: {err}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return _build(BackendKind.TORCH, config)
+    return backend
+
+
 def select_backend(device: torch.device | str, config: KernelConfig | None = None) -> KernelBackend:
     """Pick the backend once, outside the hot path: cpu -> cpu (the torch forms plus the C++ kernel; torch, with a
     warning, where the kernel cannot be built), cuda -> triton (torch, with one warning naming why, where triton cannot
@@ -91,7 +125,8 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
             reason = triton_unavailable_reason()
             if reason is not None:
                 warnings.warn(f"cuda: the torch LoRA forms, not the Triton kernels: {reason}", stacklevel=2)
-            kind = BackendKind.TORCH if reason else BackendKind.TRITON
+                return _build(BackendKind.TORCH, config)
+            return first_contact(_build(BackendKind.TRITON, config), device, config)
         elif device_type in _EAGER_DEVICES:
             kind = BackendKind.TORCH
         elif device_type == "xla":

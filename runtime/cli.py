@@ -246,8 +246,8 @@ def _hub(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     _stop_on_sigterm()  # now, not once serving: a SIGTERM while the model loads is a stop too (exit 0)
-    print(f"loading {args.model or f'a random {args.random} model'}", flush=True)
     try:
+        print(f"loading {args.model or f'a random {args.random} model'}", flush=True)
         return _load_and_serve(args)
     except KeyboardInterrupt:  # SIGINT / SIGTERM before the server was up (serve() handles its own)
         print("stopped before serving", flush=True)
@@ -275,7 +275,12 @@ def _load_and_serve(args: argparse.Namespace) -> int:
                 result = serving.manager.register(ref, adapter_id or None)
                 print(f"registered {result.record.adapter_id} ({result.record.sha[:12]}, rank {result.record.rank})")
             try:
-                serve(serving.app, on_ready=lambda url: print(f"serving {name} at {url} (OpenAI API: {url}/v1)"))
+                mode = serving.engine.decode_mode
+
+                def ready(url: str) -> None:
+                    print(f"serving {name} at {url} (OpenAI API: {url}/v1; decode steps: {mode})", flush=True)
+
+                serve(serving.app, on_ready=ready)
             finally:
                 serving.close()
     except (ValueError, OSError, CheckpointError, LookupError) as err:

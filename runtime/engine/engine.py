@@ -33,7 +33,7 @@ from adapter_manager import AdapterManager, AdapterNotFoundError, SlotLease, Slo
 from kernels import LoRAKernelMeta, select_backend
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
-from ..model.cuda_graphs import can_capture
+from ..model.cuda_graphs import can_capture, use_decode_graphs
 from ..model.llama import Llama
 from .config import EngineConfig, StepStats
 from .request import Request, RequestHandle, checked_prompt
@@ -80,11 +80,11 @@ class Engine:
             granule=pool.granule,
             active_buckets=active_buckets,
         )
-        # cuda + triton backend: decode steps replay CUDA graphs (after setup_caches: it adds a spare KV row)
+        # cuda + triton backend: decode steps replay CUDA graphs (after setup_caches: it adds a spare KV row), checked
+        # against the eager step at once; any failure keeps them eager for the process, with one warning
+        model.decode_graphs = None
         if self.config.cuda_graphs and can_capture(self._meta):
-            model.enable_decode_graphs(self._meta)
-        else:
-            model.decode_graphs = None
+            use_decode_graphs(model, self._meta)
         if self._sync is not None:
             with self._device_lock:
                 self._sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
@@ -121,6 +121,11 @@ class Engine:
             self._work.notify()
         self._prefetch()  # its adapter starts up the tiers now, not when a step first schedules it
         return RequestHandle(request)
+
+    @property
+    def decode_mode(self) -> str:
+        """How decode steps run: ``"cuda_graphs"`` (replayed) or ``"eager"``."""
+        return "eager" if self.model.decode_graphs is None else "cuda_graphs"
 
     @property
     def token_buckets(self) -> tuple[int, ...]:

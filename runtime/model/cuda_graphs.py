@@ -25,6 +25,8 @@ A step with no adapter replays the same graph: every token has rank 0, so the Lo
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +35,22 @@ from torch import nn
 
 from kernels import DecodeCapture, LoRAKernelMeta
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, SequenceChunk
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphError(RuntimeError):
+    """Captured decode steps cannot be trusted on this device: a capture that raised, or a replay that differs from
+    the eager step."""
+
+
+class _Graphed(Protocol):
+    """What :func:`use_decode_graphs` needs of the model."""
+
+    decode_graphs: DecodeGraphs | None
+
+    def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs: ...
 
 
 class _Model(Protocol):
@@ -253,3 +270,41 @@ class DecodeGraphs:
         for bucket in reversed(self._config.token_buckets):
             if bucket not in self._captured:
                 self.capture(bucket)
+
+    def check(self, rtol: float = 1e-3) -> None:
+        """First contact with the device: capture every bucket, then replay one decode step (a token at position 0
+        of cache row 0, no adapter) and compare it with the same step run eagerly. Call it before any sequence is
+        cached (it writes that row's first position). Raises :class:`DecodeGraphError` saying why when a capture
+        raises or the replay's logits differ by more than ``rtol · (1 + max |logit|)``."""
+        try:
+            self.warm_up()
+            batch = ForwardBatch.from_chunks([SequenceChunk(0, 0, (1,), -1)], self.model.device)
+            replayed = self.replay(batch, None).float()
+            self._capturing = True  # the same step, eagerly
+            try:
+                with torch.no_grad():
+                    eager = self.model(batch, None).float()
+            finally:
+                self._capturing = False
+        except Exception as err:  # noqa: BLE001 - whatever the device refuses, the answer is: run eagerly
+            raise DecodeGraphError(f"capturing the decode steps failed: {type(err).__name__}: {err}") from err
+        diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
+        if not diff <= rtol * (1 + scale):  # also a NaN
+            raise DecodeGraphError(
+                f"a replayed decode step differs from the eager one by {diff:.3g} (max |logit| {scale:.3g}, "
+                f"allowed {rtol * (1 + scale):.3g})"
+            )
+
+
+def use_decode_graphs(model: _Graphed, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> bool:
+    """Replay ``model``'s decode steps from CUDA graphs where they hold up: enable them, :meth:`DecodeGraphs.check`
+    them at once, and on any failure run eagerly for the process, with one warning that says why. Returns whether
+    graphs are on."""
+    try:
+        model.enable_decode_graphs(meta, config).check()
+    except Exception as err:  # noqa: BLE001 - enable refused, capture raised or a replay differed: eager it is
+        model.decode_graphs = None
+        warnings.warn(f"CUDA graphs off, decode steps run eagerly: {err}", RuntimeWarning, stacklevel=2)
+        return False
+    log.info("decode steps replay CUDA graphs (buckets %s)", model.decode_graphs.captured)
+    return True

@@ -113,6 +113,21 @@ def test_every_block_size_entry(index):
     )
 
 
+ON_TPU = jax.devices()[0].platform == "tpu"
+
+
+@pytest.mark.skipif(not ON_TPU, reason="needs a TPU: the kernels compiled by Mosaic (scripts/tpu_figures runs this)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mix", ["none", "single", "distinct", "zipf", "empty_slots"])
+def test_compiled_on_a_tpu_the_kernels_equal_the_loop(mix, dtype):
+    """The same checks with interpret off: on a TPU the kernels Mosaic compiled, at the shipped table's entries for the
+    bench model's projections (a decode step and a prefill chunk)."""
+    table = BlockSizeTable.load()
+    for tokens in (8, 512):
+        blocks = (table.lookup("shrink", tokens, 1024), table.lookup("expand", tokens, 2816))
+        check(tokens, 8, 16, 1024, 2816, mix, dtype=dtype, blocks=blocks, interpret=PallasInterpret.OFF)
+
+
 def _slots(values):
     return torch.tensor(values, dtype=torch.int32)
 

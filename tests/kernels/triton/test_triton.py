@@ -240,3 +240,35 @@ def test_the_seam_picks_triton_on_cuda_and_never_on_cpu(monkeypatch):
     assert not isinstance(fallback, TritonBackend)
     with pytest.raises(ValueError, match="backend 'triton': triton cannot be imported"):
         select_backend("cuda", KernelConfig(backend=BackendKind.TRITON))
+
+
+def test_first_contact_keeps_working_kernels_and_falls_back_from_broken_ones(triton_interpret, monkeypatch):
+    """On CUDA the seam tries the Triton kernels on one small fused step first: kernels that run right are kept;
+    a kernel the device refuses (here: a launch that raises, as a failed compile does) or one that computes wrong
+    numbers leaves the torch forms, with one warning naming why."""
+    import warnings
+
+    from kernels.backend import first_contact
+    from kernels.torch_eager import TorchEagerBackend
+    from kernels.triton.backend import TritonBackend
+
+    config = KernelConfig(backend=BackendKind.TRITON)
+    triton = select_backend("cpu", config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert first_contact(triton, "cpu", config) is triton
+
+    def refused(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise RuntimeError("PassManager::run failed (sm_90a)")
+
+    monkeypatch.setattr(TritonBackend, "shrink_all", refused)
+    with pytest.warns(RuntimeWarning, match="torch LoRA forms, not the TritonBackend kernels.*PassManager"):
+        fallback = first_contact(triton, "cpu", config)
+    assert type(fallback) is TorchEagerBackend
+    monkeypatch.undo()
+    expand_all = TritonBackend.expand_all
+    monkeypatch.setattr(
+        TritonBackend, "expand_all", lambda self, y, h, bts, meta: expand_all(self, y, h * 2, bts, meta)
+    )
+    with pytest.warns(RuntimeWarning, match="differs from the fp32 loop reference"):
+        assert type(first_contact(triton, "cpu", config)) is TorchEagerBackend

@@ -41,3 +41,28 @@ def test_engine_on_the_triton_backend_matches_peft(written, expected):
             assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
     finally:
         manager.close()
+
+
+def test_where_decode_graphs_cannot_be_captured_the_engine_decodes_eagerly_and_says_why(written, expected, monkeypatch):
+    """The engine's first contact with graph capture fails (here: a CPU model, as a GPU that refuses to capture
+    would): one warning naming why, decode_mode "eager", and the same answers."""
+    import runtime.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "can_capture", lambda meta: True)  # as on a cuda device with triton
+    model = load_model(written[None][0], dtype=torch.float32)
+    manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
+    try:
+        requests = REQUESTS[:2]
+        for name in {name for _, name in requests if name is not None}:
+            manager.register(str(written[name][0]), adapter_id=name)
+        kernels = KernelConfig(backend=BackendKind.TRITON)
+        config = EngineConfig(max_batch=4, max_seq_len=64, eos_ids=(), kernels=kernels)
+        with pytest.warns(RuntimeWarning, match="CUDA graphs off, decode steps run eagerly: .*cuda"):
+            engine = Engine(model, manager, config)
+        assert engine.decode_mode == "eager" and model.decode_graphs is None
+        handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in requests]
+        engine.run_until_idle(max_steps=200)
+        for handle, (prompt, name) in zip(handles, requests, strict=True):
+            assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
+    finally:
+        manager.close()

@@ -3,12 +3,14 @@ the eager step. Capture and graph replay run in tests/runtime/model/test_cuda.py
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from runtime.model.config import LlamaConfig
-from runtime.model.cuda_graphs import DecodeGraphConfig, can_capture
+from runtime.model.cuda_graphs import DecodeGraphConfig, DecodeGraphs, can_capture, use_decode_graphs
 from runtime.model.llama import Llama
 from tests.conftest import TINY
 from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS
@@ -54,3 +56,44 @@ def test_a_replay_without_a_graph_equals_the_eager_step_across_a_swap(written):
     diffs = decode_replays_vs_eager(model, registry, pool, meta, rows, graphs)
     assert max(diffs) <= FP32_TOL, diffs
     assert graphs.captured == (8,) and graphs.spare_row == len(ROWS)
+
+
+def _graphed(written):
+    model, _, pool, _ = slotted_model(written, torch.float32)
+    backend = select_backend("cpu", KernelConfig(backend=BackendKind.TRITON, bgmv_max_tokens=8))
+    return model, LoRAKernelMeta.make(backend, pool.num_slots, MAX_RANK, 64, "cpu", granule=pool.granule)
+
+
+NO_GRAPH = DecodeGraphConfig(token_buckets=(2, 4), cuda_graph=False)  # every step of a replay but the capture
+
+
+@pytest.mark.usefixtures("triton_interpret")
+def test_first_contact_keeps_graphs_whose_replay_equals_the_eager_step(written):
+    model, meta = _graphed(written)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on the good path
+        assert use_decode_graphs(model, meta, NO_GRAPH)
+    assert model.decode_graphs is not None and model.decode_graphs.captured == (2, 4)
+
+
+@pytest.mark.usefixtures("triton_interpret")
+def test_a_capture_that_raises_leaves_eager_decode_with_one_warning(written, monkeypatch):
+    model, meta = _graphed(written)
+
+    def broken(self, bucket):  # noqa: ANN001, ANN202
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "capture", broken)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs off.*capturing the decode steps failed.*not permitted"):
+        assert not use_decode_graphs(model, meta, NO_GRAPH)
+    assert model.decode_graphs is None
+
+
+@pytest.mark.usefixtures("triton_interpret")
+def test_a_replay_that_differs_leaves_eager_decode_with_one_warning(written, monkeypatch):
+    model, meta = _graphed(written)
+    run_static = DecodeGraphs._run_static
+    monkeypatch.setattr(DecodeGraphs, "_run_static", lambda self, captured: run_static(self, captured) + 0.5)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs off.*replayed decode step differs from the eager one by 0.5 "):
+        assert not use_decode_graphs(model, meta, NO_GRAPH)
+    assert model.decode_graphs is None
