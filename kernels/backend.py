@@ -69,7 +69,10 @@ def triton_interpreting() -> bool:
 def first_contact(backend: KernelBackend, device: torch.device | str, config: KernelConfig) -> KernelBackend:
     """``backend`` if its kernels compile and run right on ``device`` (one small fused step, checked against the
     fp32 loop reference), else the torch forms for the process, with one warning that says why: a Triton kernel the
-    device's compiler refuses must not take the server down, nor serve wrong numbers."""
+    device's compiler refuses must not take the server down, nor serve wrong numbers. A cuda device this process
+    cannot reach (no GPU: a selection only) is not tried."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return backend
     from kernels.meta import LoRAKernelMeta
     from kernels.ops import apply_parts
     from kernels.reference import ReferenceBackend
