@@ -107,6 +107,8 @@ class _HubHandler(BaseHTTPRequestHandler):
     server_version = "adapter-manager-local-hub"
     protocol_version = "HTTP/1.1"
     timeout = 60  # an idle kept-alive connection is closed after this many seconds
+    disable_nagle_algorithm = True  # headers and body are separate writes: with Nagle, a kept-alive connection
+    # waits out the client's delayed ACK (~40 ms) before every body
 
     def do_GET(self) -> None:
         self._handle("GET")
