@@ -19,30 +19,16 @@ import argparse
 import contextlib
 import json
 import logging
-import os
-import re
 import sys
 import tempfile
 from pathlib import Path
 
 from adapter_manager.sources.local_hub import serve as serve_hub
 
+from .cli_args import add_serving_options, parse_bytes
 from .client import DEFAULT_URL, TOKEN_ENV, URL_ENV, ServerClient, ServerError
 
 OK, SERVER_ERROR, USAGE_ERROR = 0, 1, 2
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MB', '1e6' -> bytes."""
-    match = _SIZE.fullmatch(text.strip())
-    unit = (match.group(2) or "").upper().removesuffix("B") if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MB, 1048576)")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adapter-manager", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,49 +83,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> None:
-    """The options `serve` and `cluster serve` share (with `replica`, sizes are each replica's); ServeOptions reads
-    them."""
-    each = " per replica" if replica else ""
-    source = parser.add_mutually_exclusive_group(required=True)
-    models = "(every replica loads it)" if replica else "or hub id org/name[@revision]"
-    source.add_argument("model", nargs="?", help=f"checkpoint directory {models}")
-    source.add_argument("--random", choices=("tiny", "bench"), help="write and serve a random-weight Llama instead")
-    parser.add_argument("--model-name", default=None, help="the base model's name in API calls (default: the model)")
-    parser.add_argument(
-        "--max-slots",
-        type=int,
-        default=8,
-        help=f"size the adapter pool{each} for this many max-rank adapters (default 8)",
-    )
-    parser.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted, R (default 64)")
-    parser.add_argument(
-        "--host-cache-bytes", type=parse_bytes, default="2GiB", help=f"host tier bound{each}, e.g. 2GiB (default)"
-    )
-    devices = "cpu or cuda" if replica else "cpu, cuda[:i] or xla[:i]"
-    parser.add_argument("--device", default="cpu", help=f"{devices} (default cpu)")
-    parser.add_argument("--max-batch", type=int, default=16, help=f"sequences in flight{each} (default 16)")
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
-    parser.add_argument(
-        "--token-budget",
-        type=int,
-        default=512,
-        help=f"tokens per engine step{each}: prefill chunks plus decode tokens (vLLM's --max-num-batched-tokens; 512)",
-    )
-    parser.add_argument(
-        "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
-    )
-    tail = "" if replica else "; --adapter at start-up may name any directory"
-    parser.add_argument(
-        "--local-root",
-        action="append",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help=f"let the admin API register local directories under DIR (repeatable; default: hub ids only{tail})",
-    )
-
-
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
@@ -148,7 +91,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/models, the adapter admin API (/v1/adapters), vLLM's /v1/load_lora_adapter, "
         "/metrics and /health. Stop with Ctrl-C or SIGTERM (exit 0).",
     )
-    _add_serving_options(serve, replica=False)
+    add_serving_options(serve, replica=False)
     serve.add_argument(
         "--pool-bytes", type=parse_bytes, default=None, help="size the adapter pool in bytes instead, e.g. 1GiB"
     )
@@ -188,7 +131,7 @@ def _add_cluster(commands: argparse._SubParsersAction) -> None:
         description="Start a local Ray on 127.0.0.1 (or join --address) and serve the same OpenAI API and adapter "
         "admin API through Serve's ingress; the `model` field is Serve's multiplexed model id. Stop with Ctrl-C.",
     )
-    _add_serving_options(serve, replica=True)
+    add_serving_options(serve, replica=True)
     serve.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
     serve.add_argument("--address", default=None, help="an existing Ray cluster (e.g. auto); default: a local Ray")
     serve.add_argument("--num-cpus", type=float, default=None, help="local Ray's CPUs (default: the machine's)")

@@ -9,13 +9,12 @@ the disk tier's bytes sampled every millisecond from the cache folder itself (pa
 its bound; also the engine's stall. Before issue 23 this setting did 219 downloads and 1001 preparations for 40
 requests, and the disk went 14 % over its bound.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_budget.py [--requests 40] [--out out/bench_budget.json]
+    .venv/bin/python -m scripts.bench_budget [--requests 40] [--out out/bench_budget.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import threading
@@ -24,13 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from _bench_setup import build_engine, write_adapters, write_checkpoint
 from huggingface_hub.utils import disable_progress_bars
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
 from runtime.engine.sampling import SamplingParams
 from runtime.model.checkpoint import load_model
 from runtime.model.config import LlamaConfig
+from scripts.harness import build_engine, write_adapters, write_checkpoint, write_json
 
 RANKS = (8, 16, 32, 64, 8, 16, 32, 64)
 
@@ -148,9 +147,7 @@ def main() -> None:
     print(f"disk bytes      max sampled {max(samples)} / bound {capacity} ({max(samples) / capacity:.3f}x) over "
           f"{len(samples)} samples; max after an answer {max(after_answers)}")  # fmt: skip
     print(f"stall           {result['stall_total_s'] * 1e3:.1f} ms total, p99 {result['stall_p99_s'] * 1e3:.2f} ms")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"saved {args.out}")
+    write_json(args.out, result)
 
 
 def _per(n: int, d: int) -> str:

@@ -12,13 +12,12 @@ Slot swaps = host -> slot loads summed over replicas, per 1000 requests, beside 
 the trace (each loaded once somewhere: reachable only if everything fits), and Belady's offline optimum for one pool
 of replicas x slots adapters on the same trace (no routing of that many slots over any number of replicas can load
 fewer). Throughput = requests / wall time. Prints a table, writes out/bench_cluster.json.
-Usage: .venv/bin/python scripts/bench_cluster.py [--requests 1000] [--adapters 200] [--replicas 2] [--slots 8]
+Usage: .venv/bin/python -m scripts.bench_cluster [--requests 1000] [--adapters 200] [--replicas 2] [--slots 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import tempfile
 import time
@@ -28,13 +27,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _bench_setup import write_adapters, write_checkpoint
 
 from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub
 from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
 from runtime.engine.engine import EngineConfig
 from runtime.model.config import LlamaConfig
 from runtime.server.state import ServerConfig
+from scripts.harness import write_adapters, write_checkpoint, write_json
 
 MODES = {  # name -> (multiplexed, custom_router)
     "adapter": (True, True),
@@ -211,7 +210,6 @@ def main() -> None:
             f"{r['mode']:10} {r['swaps_per_1000']:10.1f} {r['swaps_per_1000'] / optimum:8.2f} "
             f"{hit:8.1%} {r['throughput_rps']:7.2f} {r['failed']:6d}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "distinct_adapters": distinct,
@@ -220,8 +218,7 @@ def main() -> None:
         "one_lru_pool_swaps_per_1000": one_lru,
         "results": results,
     }
-    args.out.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, payload)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ Each variant runs ``--repeats`` times, interleaved in a seeded random order; med
 decoding requests' time in all (first step to last token) and the largest single step, each as a ratio of the
 ``host`` run's (targets: <= 1.02x in all, no step above 1.25x the host run's largest), and the engine's stall.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_cold.py [--repeats 5] [--out out/bench_cold.json]
+    .venv/bin/python -m scripts.bench_cold [--repeats 5] [--out out/bench_cold.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -23,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_setup import build_engine, write_adapters, write_checkpoint
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.model.checkpoint import load_model
 from runtime.model.config import LlamaConfig
+from scripts.harness import build_engine, write_adapters, write_checkpoint, write_json
 
 WARM, COLD = 8, 8
 WARM_RANK, COLD_RANK = 16, 64
@@ -124,9 +123,7 @@ def main() -> None:
             f"{m['max_step_s'] * 1e3:12.1f} {m['max_step_s'] / reference['max_step_s']:11.3f} {m['stall_s'] * 1e3:9.1f}"
         )
     print("targets (cold): <= 1.02x in all, max step <= 1.25x the host run's; stall 0")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "medians": medians}, indent=2))
-    print(f"saved {args.out}")
+    write_json(args.out, {"rows": rows, "medians": medians})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ FLOPs ÷ base FLOPs. Targets (reported, never asserted): decode ≤ 60 ms and �
 ≥ 70 % of GEMM throughput; LoRA ≤ 1.25× its floor (8 adapters, 1 adapter), no adapter ≤ 1 %; engine overhead
 ≤ 10 % of the step. Writes out/bench_engine.json.
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_engine.py [--seqs 8] [--context 144] [--prefill 1024] [--repeats 15]
+  .venv/bin/python -m scripts.bench_engine [--seqs 8] [--context 144] [--prefill 1024] [--repeats 15]
       [--no-plain] [--threads N]
 """
 
@@ -29,190 +29,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _bench_setup import (
+
+from kernels import BackendKind, KernelConfig, LoRAForm
+from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
+from scripts.harness import (
     CONFIGS,
     RANK,
-    EngineWorkload,
+    References,
+    StepSetup,
     adapter_bytes,
+    cpu_features,
     engine_step_ms,
     engine_workload,
+    interleaved_ms,
+    median_ms,
+    op_calls,
     prefill_floor,
+    profile_step,
+    write_json,
 )
-
-from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, select_backend
-from kernels import cpu as cpu_kernels
-from kernels.cpu import weights as packing
-from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.llama import Llama
-from runtime.model.projection import LoRALinear
-
-
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def cpu_features() -> dict[str, object]:
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return {
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
-        "amx": "amx_tile" in flags,
-        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    }
-
-
-def base_linears(model: Llama) -> list[LoRALinear]:
-    return [m for m in model.modules() if isinstance(m, LoRALinear)]
-
-
-class References:
-    """The references, as closures run in the same round-robin as the model's steps (so contention hits both)."""
-
-    def __init__(self, plain: Llama, seqs: int) -> None:
-        weights = [m.weight.detach() for m in base_linears(plain)]
-        packs = [packing.onednn_pack(w) for w in weights] if packing.can_pack(weights[0]) else []
-        fp32 = weights[0].dtype == torch.float32 and cpu_kernels.load()
-        blocks = [cpu_kernels.block_weight(w) for w in weights] if fp32 else []
-        inputs = {w.shape[1]: torch.randn(seqs, w.shape[1], dtype=w.dtype) for w in weights}
-        self.decode: dict[str, Callable[[], object]] = {
-            "ref/x_wt": lambda: [inputs[w.shape[1]] @ w.t() for w in weights],
-            "ref/w_xt": lambda: [w @ inputs[w.shape[1]].t() for w in weights],
-        }
-        if packs:
-            self.decode["ref/onednn"] = lambda: [
-                packing.onednn_linear(inputs[w.shape[1]], p) for w, p in zip(weights, packs, strict=True)
-            ]
-        if blocks:
-            self.decode["ref/blocked"] = lambda: [
-                packing.packed_linear(inputs[w.shape[1]], b, w.shape[0]) for w, b in zip(weights, blocks, strict=True)
-            ]
-        self.nbytes = sum(w.numel() * w.element_size() for w in weights)
-        flat = torch.cat([w.reshape(-1) for w in weights])  # one contiguous copy of the weights' bytes
-        self.decode["ref/read"] = lambda: flat.sum()
-        largest = max(range(len(weights) - 1), key=lambda i: weights[i].numel())  # a layer's projection
-        big = weights[largest]
-        self.gemm_flops = 2 * 1024 * big.numel()
-        x = torch.randn(1024, big.shape[1], dtype=big.dtype)
-        self.prefill: dict[str, Callable[[], object]] = {"ref/gemm_x_wt": lambda: x @ big.t()}
-        if packs:
-            self.prefill["ref/gemm_onednn"] = lambda: packing.onednn_linear(x, packs[largest])
-        if blocks:
-            self.prefill["ref/gemm_blocked"] = lambda: packing.packed_linear(x, blocks[largest], big.shape[0])
-
-    def summary(self, decode: dict[str, float], prefill: dict[str, float]) -> dict[str, float]:
-        chains = {k.removeprefix("ref/"): v for k, v in decode.items() if k.startswith("ref/") and k != "ref/read"}
-        gemm = {k.removeprefix("ref/"): v for k, v in prefill.items() if k.startswith("ref/")}
-        out = {f"matmul_chain_{name}_ms": ms for name, ms in chains.items()}
-        out["matmul_ref_ms"] = min(chains.values())
-        out["read_pass_ms"] = decode["ref/read"]
-        out["read_gb_s"] = self.nbytes / decode["ref/read"] / 1e6
-        out.update({f"{name}_ms": ms for name, ms in gemm.items()})
-        out["gemm_gflop_s"] = self.gemm_flops / min(gemm.values()) / 1e6
-        out["base_weight_bytes"] = self.nbytes
-        return out
-
-
-class Setup:
-    """One model (packed or plain), its KV cache of ``seqs`` rows prefilled to ``context``, and the LoRA meta."""
-
-    def __init__(self, work: EngineWorkload, model: Llama, seqs: int, context: int, max_tokens: int) -> None:
-        self.work, self.model, self.manager = work, model, work.manager
-        self.seqs, self.context, self.max_tokens = seqs, context, max_tokens
-        model.setup_caches(seqs, context + max_tokens + 2)
-        model.attach_lora(self.manager.stacks)  # "base" runs with no metadata: exactly the base model's path
-        self.metas: dict[KernelConfig, LoRAKernelMeta] = {}
-        self.leases = [self.manager.acquire(self.adapters(cfg)) for cfg in ("lora_1", "lora_8")]  # pinned for the run
-        gen = torch.Generator().manual_seed(0)
-        self.prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=gen) for _ in range(seqs)]
-        chunks = [SequenceChunk(row, 0, tuple(p.tolist())) for row, p in enumerate(self.prompts)]
-        self.forward(chunks, None, None)
-
-    def meta_for(self, kernel: KernelConfig) -> LoRAKernelMeta:
-        """LoRA metadata of the backend ``kernel`` selects (default: the cpu backend, FUSED at decode)."""
-        if kernel not in self.metas:
-            pool = self.manager.pool
-            backend = select_backend(self.model.device, kernel)
-            self.metas[kernel] = LoRAKernelMeta.make(
-                backend, pool.num_slots, pool.max_rank, self.max_tokens, self.model.device, granule=pool.granule
-            )
-        return self.metas[kernel]
-
-    def adapters(self, config: str) -> list[str | None]:
-        return self.work.mix(config, self.seqs)
-
-    def forward(self, chunks: list[SequenceChunk], meta: LoRAKernelMeta | None, slot_rows) -> torch.Tensor:  # noqa: ANN001
-        batch = ForwardBatch.from_chunks(chunks, device=self.model.device)
-        if meta is not None:
-            assert batch.slot_indices is not None
-            meta.prepare(batch.slot_indices, slot_rows)
-        with torch.inference_mode():
-            return self.model(batch, meta)
-
-    def step_fn(
-        self, config: str, prefill: int | None, kernel: KernelConfig | None = None
-    ) -> Callable[[], torch.Tensor]:
-        """A closure running one decode step (prefill=None) or one prefill of ``prefill`` tokens for ``config``."""
-        adapters = self.adapters(config)
-        slots, slot_rows = [-1] * self.seqs, {}
-        if config != "base":
-            lease = self.leases[0] if config == "lora_1" else self.leases[1]
-            slots = [-1 if a is None else lease.slots[a] for a in adapters]
-            slot_rows = lease.slot_rows
-        meta = None if config == "base" else self.meta_for(kernel or KernelConfig())
-        if prefill is None:
-            chunks = [SequenceChunk(row, self.context, (1,), slot) for row, slot in enumerate(slots)]
-        else:
-            per = prefill // self.seqs
-            chunks = [
-                SequenceChunk(row, 0, tuple(self.prompts[row][:per].tolist()) or (1,), slot)
-                for row, slot in enumerate(slots)
-            ]
-        chunks.sort(key=lambda c: c.slot)  # as the engine orders a step
-        return lambda: self.forward(chunks, meta, slot_rows)
-
-    def close(self) -> None:
-        for lease in self.leases:
-            self.manager.release(lease)
-
-
-def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms of each closure, every round in a fresh (seeded) random order, so contention, drift and the closure
-    run just before (a read pass over the weights flushes the caches the next step would find warm) hit all alike:
-    a rotation keeps each closure's predecessor fixed and biased the first config (base) by 4-10 %."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    keys, order = list(fns), random.Random(0)
-    for _ in range(repeats):
-        for key in order.sample(keys, len(keys)):
-            start = time.perf_counter()
-            fns[key]()
-            times[key].append(time.perf_counter() - start)
-    return {key: 1e3 * statistics.median(ts) for key, ts in times.items()}
-
 
 FORMS = {
     "torch": KernelConfig(backend=BackendKind.TORCH),  # the torch forms' own choice: the default before the cpu backend
@@ -222,35 +60,6 @@ FORMS = {
     "fused": KernelConfig(torch_form=LoRAForm.FUSED),
 }
 """The LoRA forms the decode step is compared across (auto: the default backend, FUSED at decode)."""
-
-
-def op_calls(fn: Callable[[], object]) -> int:
-    """Operator calls (profiler events) of one call of ``fn``, after one unprofiled call."""
-    fn()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return len(prof.events())
-
-
-def profile_step(fn: Callable[[], object]) -> dict[str, float]:
-    """One profiled call: self time per category (ms) and the time outside any op."""
-    fn()
-    start = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    wall = 1e3 * (time.perf_counter() - start)
-    cats = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
-    for event in prof.key_averages():
-        name, ms = event.key, event.self_cpu_time_total / 1e3
-        if "scaled_dot_product" in name or "flash_attention" in name:
-            cats["attention"] += ms
-        elif any(k in name for k in ("mm", "linear_pointwise", "matmul", "linear", "lora_apply")):
-            cats["matmul"] += ms
-        else:
-            cats["other_ops"] += ms
-    cats["outside_ops"] = max(wall - sum(cats.values()), 0.0)
-    cats["profiled_wall"] = wall
-    return {k: round(v, 2) for k, v in cats.items()}
 
 
 def main() -> None:
@@ -279,7 +88,7 @@ def main() -> None:
         if args.no_plain:
             del plain
         max_tokens = max(args.prefill, args.seqs)
-        setups = {name: Setup(work, m, args.seqs, args.context, max_tokens) for name, m in models.items()}
+        setups = {name: StepSetup(work, m, args.seqs, args.context, max_tokens) for name, m in models.items()}
         decode_fns = {f"{n}/{c}": setup.step_fn(c, None) for n, setup in setups.items() for c in CONFIGS}
         packed_setup = setups["packed"]
         for name, kernel in FORMS.items():
@@ -427,9 +236,7 @@ def main() -> None:
         + " (target <= 10 %)"
     )
     print(f"sample_step() over {args.seqs} rows (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in sampling.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=float))
-    print(f"wrote {args.out}")
+    write_json(args.out, results, default=float)
 
 
 if __name__ == "__main__":

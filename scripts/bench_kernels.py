@@ -1,8 +1,8 @@
 """Shrink+expand microbenchmark on row pools: LoRA time as a percentage of the base matmul, and pool-size independence.
 
-    python scripts/bench_kernels.py [--quick] [--shapes bench,llama8b] [--write-table] [--out out/bench_kernels.json]
-    PJRT_DEVICE=CPU .venv-xla/bin/python scripts/bench_kernels.py --quick   # adds the torch_xla CPU device
-    python scripts/bench_kernels.py --device cuda [--quick] [--tune]         # the Triton kernels (bench_triton.py)
+    .venv/bin/python -m scripts.bench_kernels [--quick] [--shapes bench,llama8b] [--write-table] [--out PATH]
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m scripts.bench_kernels --quick   # adds the torch_xla CPU device
+    .venv/bin/python -m scripts.bench_kernels --device cuda [--quick] [--tune]   # the Triton kernels (bench_triton)
 
 Base and LoRA are timed side by side in one run (median of interleaved repeats). ``lora %`` is the in-layer cost: the
 layer as runtime.LoRALinear runs it (shrink, expand writing the LoRA term, then one ``addmm_`` adding the base matmul)
@@ -14,28 +14,24 @@ and of 256 slots; ``ratio`` = time with 256 / time with 8 (target ≤ 1.25: no c
 CPU always; the torch_xla CPU device when torch_xla is importable. ``A`` is the traced compact table's width.
 ``--write-table`` also times the grouped and the laned forms per (k, R) and rewrites kernels/torch_dispatch.json.
 
-The block figure (fused shrink of q/k/v and gate/up vs one shrink per part, beside its floor) is
-scripts/bench_block.py.
+The block figure (fused shrink of q/k/v and gate/up vs one shrink per part, beside its floor) is the probe
+``python -m scripts.probes.block``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
-import statistics
+import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import (  # noqa: E402
+from kernels import (
     DispatchEntry,
     KernelConfig,
     LoRAForm,
@@ -45,6 +41,7 @@ from kernels import (  # noqa: E402
     select_backend,
     shrink,
 )
+from scripts.harness import medians_ms, write_json
 
 SHAPES = {"bench": [(1024, 2816), (2816, 1024)], "llama8b": [(4096, 14336), (14336, 4096)]}
 TARGET = {"tokens": 512, "slots": 8, "rank": 16, "in": 1024, "out": 2816}
@@ -73,24 +70,6 @@ def slot_indices(mix: str, num_tokens: int, active: list[int], gen: torch.Genera
         raise ValueError(f"unknown mix {mix!r}")
     ids = torch.tensor(active)
     return torch.where(picks >= 0, ids[picks.clamp(min=0)], -1).to(torch.int32)
-
-
-def samples_ms(fns: list[Callable[[], object]], repeats: int) -> list[list[float]]:
-    """Interleaved repeats of each fn (after one untimed call: warm-up, compiles); per fn its times in ms."""
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            times[i].append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-def median_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Medians in ms of :func:`samples_ms`."""
-    return [statistics.median(t) for t in samples_ms(fns, repeats)]
 
 
 @dataclass
@@ -158,7 +137,7 @@ def timed(fn: Callable[[], torch.Tensor], traced: bool) -> Callable[[], None]:
 
 def measure(backend, tokens: int, slots: int, rank: int, in_f: int, out_f: int, mix: str, repeats: int) -> dict:
     layer = Layer.make(backend, "cpu", tokens, slots, list(range(slots)), rank, in_f, out_f, mix)
-    base_ms, layer_ms, alone_ms, meta_ms = median_ms(
+    base_ms, layer_ms, alone_ms, meta_ms = medians_ms(
         [layer.base, layer.layer, layer.lora, lambda: layer.meta.prepare(layer.indices, layer.slot_rows)], repeats
     )
     lora_ms = max(layer_ms - base_ms, 0.0)
@@ -209,7 +188,7 @@ def pool_figure(quick: bool) -> list[dict]:
             ]
             repeats = (15 if quick else 40) if tokens > 16 else (40 if quick else 100)
             fns = [timed(f, backend.traced) for f in [lay.layer for lay in layers] + [lay.lora for lay in layers[:2]]]
-            times = median_ms(fns, repeats)
+            times = medians_ms(fns, repeats)
             small_ms, big_ms = times[0], times[1]
             small_lora, big_lora = times[-2], times[-1]
             row = {
@@ -291,11 +270,10 @@ def main() -> None:
         help="cuda: the triton backend's kernels beside their byte floor (scripts/bench_triton.py takes the rest)",
     )
     args, rest = parser.parse_known_args()
-    if args.device == "cuda":
-        from bench_triton import main as bench_cuda  # beside this script
-
+    if args.device == "cuda":  # the triton backend's benchmark, in its own process: no benchmark imports another
         out = [] if args.out == default_out else ["--out", args.out]
-        return bench_cuda([*rest, "--shapes", args.shapes, *(["--quick"] if args.quick else []), *out])
+        triton = [*rest, "--shapes", args.shapes, *(["--quick"] if args.quick else []), *out]
+        raise SystemExit(subprocess.call([sys.executable, "-m", "scripts.bench_triton", *triton]))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.write_table:
@@ -350,11 +328,8 @@ def main() -> None:
     pool = pool_figure(args.quick)
     if not HAS_XLA:
         print("torch_xla not importable: xla-cpu rows skipped (run with .venv-xla and PJRT_DEVICE=CPU)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": rows, "targets": targets}
-    out.write_text(json.dumps({**result, "pool_figure": pool}, indent=1))
-    print(f"wrote {out}")
+    write_json(args.out, {**result, "pool_figure": pool}, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,23 +14,32 @@ prefill of N tokens over the sequences (floor: LoRA FLOPs ÷ base FLOPs): there 
 run's LoRA inside its GEMM, where "split" and oneDNN's layout take the torch forms.
 Writes out/bench_layout.json.
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_layout.py [--rounds 3] [--repeats 30] [--seqs 8] [--context 144]
+  .venv/bin/python -m scripts.bench_layout [--rounds 3] [--repeats 30] [--seqs 8] [--context 144]
       [--prefill 0]
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections.abc import Callable
 
 import torch
-from _bench_setup import CONFIGS, RANK, adapter_bytes, decode_step_parser, engine_workload, prefill_floor
-from bench_engine import Setup, base_linears, interleaved_ms
 
 from kernels import WeightLayout
 from kernels.cpu import weights as packing
+from scripts.harness import (
+    CONFIGS,
+    RANK,
+    StepSetup,
+    adapter_bytes,
+    base_linears,
+    decode_step_parser,
+    engine_workload,
+    interleaved_ms,
+    prefill_floor,
+    write_json,
+)
 
 LAYOUTS = ("blocked", "onednn")
 VARIANTS = (*LAYOUTS, "split")
@@ -72,7 +81,7 @@ def main() -> None:
             model = work.load_model(pack_weights=True)
             kinds = {m.layout is WeightLayout.BLOCKED for m in base_linears(model)}
             assert kinds == {layout == "blocked"}, (layout, kinds)
-            setup = Setup(work, model, args.seqs, args.context, max(args.seqs, args.prefill))
+            setup = StepSetup(work, model, args.seqs, args.context, max(args.seqs, args.prefill))
             setups.append(setup)
             for cfg in CONFIGS:
                 fns[f"{layout}/{cfg}"] = one_call(model, True, setup.step_fn(cfg, prefill))
@@ -127,10 +136,8 @@ def main() -> None:
         ratio = statistics.median(r["ms"][f"blocked/{cfg}"] / r["ms"][f"onednn/{cfg}"] for r in rounds)
         summary[f"blocked_over_onednn/{cfg}"] = ratio
         print(f"  step blocked / onednn {cfg:9s} {ratio:.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "floors": floors, "rounds": rounds}
-    args.out.write_text(json.dumps({**record, "summary": summary}, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, {**record, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ it), timed round-robin against the base step (no LoRA) and the same step on the 
 ≤ 1.25× the floor. Also counts the step's operator calls (profiler events) for 1, 4 and 16 distinct adapters.
 Writes out/bench_mixed.json.
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_mixed.py [--context 144] [--repeats 15]
+  .venv/bin/python -m scripts.bench_mixed [--context 144] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _bench_setup import decode_floor, write_adapters, write_checkpoint
-from bench_engine import interleaved_ms, op_calls
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from runtime.model.batch import ForwardBatch, SequenceChunk
 from runtime.model.checkpoint import load_model
 from runtime.model.config import LlamaConfig
+from scripts.harness import decode_floor, interleaved_ms, op_calls, write_adapters, write_checkpoint, write_json
 
 RANKS = (8, 16, 32, 64) * 4
 SEQS = len(RANKS)
@@ -99,9 +98,7 @@ def main() -> None:
         f"{100 * floor:.1f} % (target <= 1.25x); torch forms in the same run {100 * cost['mixed16_torch']:+.1f} %"
     )
     print(f"  operator calls per step: cpu backend {calls}; torch forms {calls_torch}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

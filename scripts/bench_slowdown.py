@@ -8,13 +8,13 @@ request on one adapter), lora_8 (8 adapters, requests spread evenly, 8 slots); t
 Targets: >= -1 %, >= -3 %, >= -5 %. lora_none runs exactly base's code path, so its deviation shows the noise.
 Prints a table and writes out/bench_slowdown.json.
 
-  .venv/bin/python scripts/bench_slowdown.py [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
+  .venv/bin/python -m scripts.bench_slowdown [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
       [--dtype float32|bfloat16] [--device cpu|cuda] [--token-budget N]
 
 --heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
 lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
 in prefill (the base's projections and causal attention per prompt token, its lm_head once per sequence:
-_bench_setup.prefill_floor) and of the weight bytes read per step in decode (distinct active adapters:
+scripts/harness/floors.py: prefill_floor) and of the weight bytes read per step in decode (distinct active adapters:
 decode_floor), weighted by the time the base run spends in each phase (prefill time measured by a run with one
 output token). The three configurations run on three engines (one model copy each, one manager) stepped in turn, one
 step each in a fresh random order, each timed by the sum of its own steps, so the machine's drift hits all three
@@ -25,17 +25,25 @@ Writes out/bench_slowdown_heatmap.json and, with matplotlib (the `bench` extra),
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _bench_setup import CONFIGS, RANK, EngineWorkload, build_engine, decode_floor, engine_workload, prefill_floor
 
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
+from scripts.harness import (
+    CONFIGS,
+    RANK,
+    EngineWorkload,
+    build_engine,
+    decode_floor,
+    engine_workload,
+    prefill_floor,
+    write_json,
+)
 
 TARGETS = {"lora_none": -1.0, "lora_1": -3.0, "lora_8": -5.0}
 
@@ -147,9 +155,7 @@ def heatmap(args: argparse.Namespace) -> None:
     result["token_budget"] = args.token_budget  # None: the engine's default
     result["cells"] = cells
     out = args.out if args.out != Path("out/bench_slowdown.json") else Path("out/bench_slowdown_heatmap.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(out, result)
     _plot(cells, inputs, outputs, out.with_suffix(".png"))
 
 
@@ -251,9 +257,7 @@ def main() -> None:
                 + f" | max spread over repeats {max(row['spread_pct'].values()):.1f} %",
                 flush=True,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ host buffer of the same byte count into one of --slots preallocated device buffe
 With --trace: 1000 adapters with Zipf(1) popularity on 8 slots, no model: each step acquires the slots of the next
 --batch queued requests, "runs" for --step-ms, releases them; each host -> slot load takes --load-ms (simulated).
 Hit rate and stall (p50/p99/max), without and with the prefetcher fed the waiting queue.
-Usage: .venv/bin/python scripts/bench_swap.py [--repeats 15] [--ranks 8 16 64] [--device cpu] [--trace]
+Usage: .venv/bin/python -m scripts.bench_swap [--repeats 15] [--ranks 8 16 64] [--device cpu] [--trace]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import ModuleWeights, PreparedAdapter
 from adapter_manager.tiers.row_layout import RowLayout
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
+from scripts.harness import write_json
 
 
 def _sync(device: torch.device) -> None:
@@ -155,9 +155,7 @@ def main() -> None:
         ratio = rows[1]["stall_p99_s"] / max(rows[0]["stall_p99_s"], 1e-12)
         print(f"exposed p99 with / without prefetch: {ratio:.3f}")
         out = args.out.with_name("bench_swap_trace.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"args": vars(args) | {"out": str(out)}, "results": rows, "p99_ratio": ratio}))
-        print(f"wrote {out}")
+        write_json(out, {"args": vars(args) | {"out": str(out)}, "results": rows, "p99_ratio": ratio}, indent=None)
         return
     spec, device = BaseModelSpec.bench(), torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,10 +168,8 @@ def main() -> None:
             f"{row['rank']:4} {row['bytes']:11,} {row['slot_load_s'] * 1e3:8.2f}ms {row['single_copy_s'] * 1e3:8.2f}ms "
             f"{row['ratio']:5.2f}x {row['load_gb_s']:9.2f} {row['copy_gb_s']:9.2f}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"device": str(device), "slots": args.slots, "repeats": args.repeats, "results": rows}
-    args.out.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, payload)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The triton backend's kernels on a GPU, each beside its byte floor (``bench_kernels.py --device cuda`` runs this).
+"""The triton backend's kernels on a GPU, each beside its byte floor (``bench_kernels --device cuda`` runs this).
 
-    python scripts/bench_kernels.py --device cuda [--quick] [--shapes bench,llama8b] [--dtype bf16] [--tune]
-    python scripts/bench_triton.py --interpret   # the same code on CPU tensors in Triton's interpreter, tiny shapes:
-                                                 # checks the script; its times are not figures
+    .venv/bin/python -m scripts.bench_kernels --device cuda [--quick] [--shapes bench,llama8b] [--dtype bf16] [--tune]
+    .venv/bin/python -m scripts.bench_triton --interpret   # the same code on CPU tensors in Triton's interpreter,
+                                                           # tiny shapes: checks the script; its times are not figures
 
 For each fused-linear group of a shape (q/k/v, o, gate/up, down), token count T, rank R and k distinct adapters (the
 batch sorted by adapter, as the engine orders it): the shrink kernel, the expand kernel and the whole apply_parts,
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.harness import write_json
 
 SHAPES = {  # (hidden, q out, kv out, intermediate)
     "bench": (1024, 1024, 256, 2816),
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not torch.cuda.is_available():
         sys.exit(
             "bench_kernels --device cuda needs a CUDA GPU: torch.cuda.is_available() is False here (torch "
-            f"{torch.__version__}). The kernels' CPU check is `python scripts/bench_triton.py --interpret`."
+            f"{torch.__version__}). The kernels' CPU check is `python -m scripts.bench_triton --interpret`."
         )
     else:
         device = "cuda"
@@ -231,10 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                 tuned += tune(case, operands, device, args.inner, args.repeats, 2 if args.interpret else None)
     met = [r for r in rows if r["ms"] <= TARGET * r["floor_ms"]]
     print(f"{len(met)} of {len(rows)} kernel times within {TARGET}x their byte floor")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": device, "dtype": args.dtype, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_json(args.out, {"device": device, "dtype": args.dtype, "rows": rows}, indent=1)
     if args.tune:
         from kernels.triton.block_sizes import TritonBlockTable
 

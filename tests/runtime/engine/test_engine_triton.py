@@ -21,26 +21,29 @@ REQUESTS = ENGINE_REQUESTS[:4]
 """qv, the base model, all_rslora, patterns: three adapters for two slots."""
 
 
-def test_engine_on_the_triton_backend_matches_peft(written, expected):
+def _answers_equal_peft(written, expected, requests, on_engine=lambda engine: None) -> None:
+    """The engine on the triton backend serves ``requests``; each greedy answer equals HF + PEFT generate.
+    ``on_engine`` looks at the engine before it serves (building it happens inside the caller's context)."""
     model = load_model(written[None][0], dtype=torch.float32)
     manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
     try:
-        for name in {name for _, name in REQUESTS if name is not None}:
+        for name in {name for _, name in requests if name is not None}:
             manager.register(str(written[name][0]), adapter_id=name)
-        config = EngineConfig(
-            max_batch=4,
-            max_seq_len=64,
-            scheduler=SchedulerConfig(token_budget=12),
-            eos_ids=(),
-            kernels=KernelConfig(backend=BackendKind.TRITON),
-        )
+        kernels = KernelConfig(backend=BackendKind.TRITON)
+        scheduler = SchedulerConfig(token_budget=12)
+        config = EngineConfig(max_batch=4, max_seq_len=64, scheduler=scheduler, eos_ids=(), kernels=kernels)
         engine = Engine(model, manager, config)
-        handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in REQUESTS]
+        on_engine(engine)
+        handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in requests]
         engine.run_until_idle(max_steps=200)
-        for handle, (prompt, name) in zip(handles, REQUESTS, strict=True):
+        for handle, (prompt, name) in zip(handles, requests, strict=True):
             assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
     finally:
         manager.close()
+
+
+def test_engine_on_the_triton_backend_matches_peft(written, expected):
+    _answers_equal_peft(written, expected, REQUESTS)
 
 
 def test_where_decode_graphs_cannot_be_captured_the_engine_decodes_eagerly_and_says_why(written, expected, monkeypatch):
@@ -49,20 +52,9 @@ def test_where_decode_graphs_cannot_be_captured_the_engine_decodes_eagerly_and_s
     import runtime.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "can_capture", lambda meta: True)  # as on a cuda device with triton
-    model = load_model(written[None][0], dtype=torch.float32)
-    manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
-    try:
-        requests = REQUESTS[:2]
-        for name in {name for _, name in requests if name is not None}:
-            manager.register(str(written[name][0]), adapter_id=name)
-        kernels = KernelConfig(backend=BackendKind.TRITON)
-        config = EngineConfig(max_batch=4, max_seq_len=64, eos_ids=(), kernels=kernels)
-        with pytest.warns(RuntimeWarning, match="CUDA graphs off, decode steps run eagerly: .*cuda"):
-            engine = Engine(model, manager, config)
-        assert engine.decode_mode == "eager" and model.decode_graphs is None
-        handles = [engine.submit(p, a, SamplingParams(max_tokens=ENGINE_NEW_TOKENS)) for p, a in requests]
-        engine.run_until_idle(max_steps=200)
-        for handle, (prompt, name) in zip(handles, requests, strict=True):
-            assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
-    finally:
-        manager.close()
+
+    def eager(engine: Engine) -> None:
+        assert engine.decode_mode == "eager" and engine.model.decode_graphs is None
+
+    with pytest.warns(RuntimeWarning, match="CUDA graphs off, decode steps run eagerly: .*cuda"):
+        _answers_equal_peft(written, expected, REQUESTS[:2], eager)

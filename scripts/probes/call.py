@@ -10,19 +10,25 @@ ways and a read pass over 512 MB (so no step finds the last one's rows in cache)
 repeat; each round prints medians, LoRA cost = step / base − 1 beside its floor (the active adapters' bytes ÷ the
 base's, shared/DESIGN.md, Floors). Writes out/bench_call.json.
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_call.py [--rounds 3] [--repeats 40] [--seqs 8] [--context 144]
+  .venv/bin/python -m scripts.probes.call [--rounds 3] [--repeats 40] [--seqs 8] [--context 144]
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import torch
-from _bench_setup import adapter_bytes, decode_step_parser, engine_workload
-from bench_engine import Setup, base_linears, interleaved_ms
 
 from runtime.model.projection import LoRALinear
+from scripts.harness import (
+    StepSetup,
+    adapter_bytes,
+    base_linears,
+    decode_step_parser,
+    engine_workload,
+    interleaved_ms,
+    write_json,
+)
 
 
 def main() -> None:
@@ -31,7 +37,7 @@ def main() -> None:
     torch.manual_seed(0)
     rounds = []
     with engine_workload(pack_weights=True) as work:
-        setup = Setup(work, work.model, args.seqs, args.context, args.seqs)
+        setup = StepSetup(work, work.model, args.seqs, args.context, args.seqs)
         layers = [m for m in work.model.modules() if isinstance(m, LoRALinear) and m.has_lora]
         base_bytes = sum(
             linear.weight_dtype.itemsize * linear.in_features * sum(linear.out_features)
@@ -69,10 +75,8 @@ def main() -> None:
             cost = statistics.median(r["cost"][f"{mode}/{cfg}"] for r in rounds)
             summary[f"{mode}/{cfg}"] = cost
             print(f"  {cfg:7s} {mode:9s} {100 * cost:+6.2f} %   floor {100 * floor:5.2f} %   {cost / floor:5.2f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "floors": floors, "rounds": rounds}
-    args.out.write_text(json.dumps({**record, "median_cost": summary}, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, {**record, "median_cost": summary})
 
 
 if __name__ == "__main__":

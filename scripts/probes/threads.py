@@ -10,13 +10,12 @@ activation, repeated — in three set-ups measured interleaved in one run (media
   workers    2 idle workers of `adapter_manager.background_executor` that ran the same copies on one intra-op thread.
 Floor: "none". Target: "workers" / "none" <= 1.0 (noise aside). Prints a table and writes out/bench_threads.json.
 
-  .venv/bin/python scripts/bench_threads.py [--repeats 15] [--iterations 20]
+  .venv/bin/python -m scripts.probes.threads [--repeats 15] [--iterations 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ import torch
 
 from adapter_manager import BaseModelSpec, background_executor
 from adapter_manager.base_model import PROJECTIONS
+from scripts.harness import write_json
 
 
 def engine_work(weights: list[torch.Tensor], x: torch.Tensor, iterations: int) -> float:
@@ -80,9 +80,7 @@ def main() -> None:
     for name in times:
         print(f"{name:8} {med[name]:8.2f} ms per layer   {med[name] / med['none']:5.2f}x none")
     print("target: workers / none <= 1.0 (noise aside)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"ms_per_iteration": med, "repeats": args.repeats}, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, {"ms_per_iteration": med, "repeats": args.repeats})
 
 
 if __name__ == "__main__":

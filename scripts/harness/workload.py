@@ -1,10 +1,7 @@
-"""What the benchmarks set up alike: the random checkpoint, synthetic PEFT adapters, the engine over a manager, and
-the engine workload itself (the bench model serving 8 rank-16 adapters from one manager) with its adapter mixes,
-and the real engine's decode step timed against the forward inside it (``engine_step_ms``).
+"""The engine workload: the bench model serving 8 rank-16 adapters from one manager, its adapter mixes, the engine
+over it, and the real engine's decode step timed against the forward inside it (``engine_step_ms``)::
 
-Scripts beside this file import it by name (``python scripts/bench_x.py`` puts scripts/ on ``sys.path``)::
-
-    from _bench_setup import engine_workload
+    from scripts.harness import engine_workload
 
     with engine_workload(dtype=torch.float32, device="cpu") as work:  # checkpoint, a0 .. a7, model, manager
         engine = work.engine(max_batch=8, max_seq_len=1024)
@@ -17,21 +14,22 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from adapter_manager import PROJECTIONS, AdapterManager, AdapterManagerConfig, BaseModelSpec, write_synthetic_adapter
+from adapter_manager import AdapterManager, AdapterManagerConfig
 from kernels import KernelConfig
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model, write_random_checkpoint
+from runtime.model.checkpoint import load_model
 from runtime.model.config import LlamaConfig
 from runtime.model.llama import Llama
+from scripts.harness.checkpoint import write_adapters, write_checkpoint
 
 RANK = 16
 """Rank of the engine workload's adapters."""
@@ -39,39 +37,6 @@ ADAPTERS = 8
 """Adapters of the engine workload: a0 .. a7, one slot each."""
 CONFIGS = ("base", "lora_none", "lora_1", "lora_8")
 """The engine workload's configurations (see :meth:`EngineWorkload.mix`)."""
-
-
-def write_checkpoint(
-    folder: Path, config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, reuse: bool = False
-) -> Path:
-    """The random checkpoint of ``config`` in ``folder``; ``reuse``: keep one already there (config.json present)."""
-    if not (reuse and (folder / "config.json").exists()):
-        write_random_checkpoint(config, folder, seed=seed, dtype=dtype)
-    return folder
-
-
-def write_adapters(
-    root: Path,
-    spec: BaseModelSpec,
-    ids: Sequence[str],
-    ranks: Sequence[int],
-    *,
-    lora_alpha: float | None = None,
-    reuse: bool = False,
-) -> list[Path]:
-    """One synthetic adapter per id in ``root / id``: rank ``ranks[i]``, seed i, all seven projections.
-
-    ``lora_alpha`` None: twice the adapter's rank. ``reuse``: keep a folder that holds adapter_config.json (written
-    last, so such a folder is complete). Returns the folders, in the order of ``ids``.
-    """
-    folders = []
-    for i, (adapter_id, rank) in enumerate(zip(ids, ranks, strict=True)):
-        folder = root / adapter_id
-        if not (reuse and (folder / "adapter_config.json").exists()):
-            alpha = 2 * rank if lora_alpha is None else lora_alpha
-            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i)
-        folders.append(folder)
-    return folders
 
 
 def build_engine(
@@ -99,38 +64,6 @@ def decode_step_parser(doc: str, out: str, repeats: int) -> argparse.ArgumentPar
     parser.add_argument("--context", type=int, default=144)
     parser.add_argument("--out", type=Path, default=Path(out))
     return parser
-
-
-def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
-    """(in, out) of one layer's seven projections, in PROJECTIONS order: what the LoRA floors count."""
-    spec = config.to_spec("bench")
-    return [spec.projection_shape(p) for p in PROJECTIONS]
-
-
-def prefill_floor(config: LlamaConfig, rank: int, prompt: int) -> float:
-    """LoRA FLOPs / base FLOPs of prefilling one ``prompt``-token sequence (every adapter the same rank: the fraction
-    does not depend on how many are distinct). The base does, per token, the seven projections of every layer and
-    causal attention's QKᵀ and PV (on average ``heads · head_dim · (prompt + 1)`` multiply-adds a layer), and the
-    lm_head once for the sequence (the engine computes logits for the sampled row only)."""
-    shapes = projection_shapes(config)
-    linears = config.num_layers * sum(i * o for i, o in shapes)
-    attention = config.num_layers * config.num_heads * config.head_dim * (prompt + 1)
-    lm_head = config.hidden_size * config.vocab_size
-    lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
-    return prompt * lora / (prompt * (linears + attention) + lm_head)
-
-
-def adapter_bytes(config: LlamaConfig, adapters: int, element: int, rank: int = RANK) -> int:
-    """The LoRA weight bytes of ``adapters`` rank-``rank`` adapters on every projection, ``element`` bytes a value."""
-    per_layer = sum(i + o for i, o in projection_shapes(config))
-    return adapters * rank * per_layer * config.num_layers * element
-
-
-def decode_floor(config: LlamaConfig, rank: int, adapters: int) -> float:
-    """``adapters`` distinct rank-``rank`` adapters' LoRA weight bytes / the base weight bytes a decode step reads
-    (every projection and the lm_head; the KV cache's bytes are not counted: DESIGN.md's Floors)."""
-    base = config.num_layers * sum(i * o for i, o in projection_shapes(config)) + config.hidden_size * config.vocab_size
-    return adapter_bytes(config, adapters, 1, rank) / base
 
 
 @dataclass

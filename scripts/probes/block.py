@@ -7,29 +7,23 @@ vs per-part, beside the floor = max(LoRA FLOPs / base FLOPs, LoRA weight bytes o
 bytes); target fused <= 1.5 x floor. wo and w2 run the same code in both columns: their gap is the noise. Prints a
 table and writes out/bench_block.json.
 
-    .venv/bin/python scripts/bench_block.py [--quick]
+    .venv/bin/python -m scripts.probes.block [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_kernels import samples_ms  # noqa: E402  (the interleaved timer, beside this script)
-
-from adapter_manager import ModuleKey  # noqa: E402
-from adapter_manager.base_model import BaseModelSpec  # noqa: E402
-from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig  # noqa: E402
-from kernels import LoRAKernelMeta, select_backend  # noqa: E402
-from runtime.model.projection import LoRALinear  # noqa: E402
+from adapter_manager import ModuleKey
+from adapter_manager.base_model import BaseModelSpec
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
+from kernels import LoRAKernelMeta, select_backend
+from runtime.model.projection import LoRALinear
+from scripts.harness import samples_ms, write_json
 
 BLOCK_LINEARS = {
     "wqkv": ("q_proj", "k_proj", "v_proj"),
@@ -142,10 +136,7 @@ def main() -> None:
     parser.add_argument("--out", default="out/bench_block.json")
     args = parser.parse_args()
     rows = block_figure(args.quick)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_json(args.out, {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

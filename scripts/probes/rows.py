@@ -17,12 +17,11 @@ process, every closure in a fresh random order each repeat (``--rounds`` rounds 
 
 Writes out/bench_rows.json.
 
-  PYTHONPATH=. .venv/bin/python scripts/bench_rows.py [--rounds 3] [--repeats 40] [--seqs 8] [--context 144]
+  .venv/bin/python -m scripts.probes.rows [--rounds 3] [--repeats 40] [--seqs 8] [--context 144]
 """
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -32,10 +31,9 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from _bench_setup import adapter_bytes, decode_step_parser, engine_workload
-from bench_engine import Setup
 
 from runtime.model.projection import LoRALinear
+from scripts.harness import StepSetup, adapter_bytes, decode_step_parser, engine_workload, write_json
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 """The projections one LoRALinear holds, in the pool's column order."""
@@ -128,8 +126,8 @@ def main() -> None:
     with engine_workload() as work:
         pool_model = work.load_model(pack_weights=True)
         copy_model = work.load_model(pack_weights=True)
-        pool = Setup(work, pool_model, args.seqs, args.context, args.seqs)
-        copy = Setup(work, copy_model, args.seqs, args.context, args.seqs)
+        pool = StepSetup(work, pool_model, args.seqs, args.context, args.seqs)
+        copy = StepSetup(work, copy_model, args.seqs, args.context, args.seqs)
         copy_model.detach_lora()
         copy_model.attach_lora(module_major(dict(work.manager.stacks)))  # after the leases loaded the rows
         linears = {m: n for n, m in pool_model.named_modules() if isinstance(m, LoRALinear) and m.has_lora}
@@ -202,9 +200,7 @@ def main() -> None:
         f"one adapter's bytes ({adapter_bytes(work.config, 1, 4) / 1e6:.1f} MB) read cold {residency['cold']:.0f} µs, "
         f"hot {residency['hot']:.0f} µs, after one base step {residency['after_step']:.0f} µs"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rounds": rounds, "per_call": summary, "residency_us": residency}, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, {"rounds": rounds, "per_call": summary, "residency_us": residency})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""The bench checkpoint and synthetic PEFT adapters on disk: what every benchmark serves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from adapter_manager import BaseModelSpec, write_synthetic_adapter
+from runtime.model.checkpoint import write_random_checkpoint
+from runtime.model.config import LlamaConfig
+
+
+def write_checkpoint(
+    folder: Path, config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, reuse: bool = False
+) -> Path:
+    """The random checkpoint of ``config`` in ``folder``; ``reuse``: keep one already there (config.json present)."""
+    if not (reuse and (folder / "config.json").exists()):
+        write_random_checkpoint(config, folder, seed=seed, dtype=dtype)
+    return folder
+
+
+def write_adapters(
+    root: Path,
+    spec: BaseModelSpec,
+    ids: Sequence[str],
+    ranks: Sequence[int],
+    *,
+    lora_alpha: float | None = None,
+    reuse: bool = False,
+) -> list[Path]:
+    """One synthetic adapter per id in ``root / id``: rank ``ranks[i]``, seed i, all seven projections.
+
+    ``lora_alpha`` None: twice the adapter's rank. ``reuse``: keep a folder that holds adapter_config.json (written
+    last, so such a folder is complete). Returns the folders, in the order of ``ids``.
+    """
+    folders = []
+    for i, (adapter_id, rank) in enumerate(zip(ids, ranks, strict=True)):
+        folder = root / adapter_id
+        if not (reuse and (folder / "adapter_config.json").exists()):
+            alpha = 2 * rank if lora_alpha is None else lora_alpha
+            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i)
+        folders.append(folder)
+    return folders

@@ -1,0 +1,43 @@
+"""The floors every LoRA cost is judged against (shared/DESIGN.md, Floors): one definition of each.
+
+Prefill is compute-bound: LoRA FLOPs ÷ base FLOPs. Decode is memory-bound at small batches: the weight bytes of the
+step's distinct active adapters ÷ the base weight bytes (the KV cache's bytes not counted).
+"""
+
+from __future__ import annotations
+
+from adapter_manager import PROJECTIONS
+from runtime.model.config import LlamaConfig
+from scripts.harness.workload import RANK
+
+
+def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
+    """(in, out) of one layer's seven projections, in PROJECTIONS order: what the LoRA floors count."""
+    spec = config.to_spec("bench")
+    return [spec.projection_shape(p) for p in PROJECTIONS]
+
+
+def prefill_floor(config: LlamaConfig, rank: int, prompt: int) -> float:
+    """LoRA FLOPs / base FLOPs of prefilling one ``prompt``-token sequence (every adapter the same rank: the fraction
+    does not depend on how many are distinct). The base does, per token, the seven projections of every layer and
+    causal attention's QKᵀ and PV (on average ``heads · head_dim · (prompt + 1)`` multiply-adds a layer), and the
+    lm_head once for the sequence (the engine computes logits for the sampled row only)."""
+    shapes = projection_shapes(config)
+    linears = config.num_layers * sum(i * o for i, o in shapes)
+    attention = config.num_layers * config.num_heads * config.head_dim * (prompt + 1)
+    lm_head = config.hidden_size * config.vocab_size
+    lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
+    return prompt * lora / (prompt * (linears + attention) + lm_head)
+
+
+def adapter_bytes(config: LlamaConfig, adapters: int, element: int, rank: int = RANK) -> int:
+    """The LoRA weight bytes of ``adapters`` rank-``rank`` adapters on every projection, ``element`` bytes a value."""
+    per_layer = sum(i + o for i, o in projection_shapes(config))
+    return adapters * rank * per_layer * config.num_layers * element
+
+
+def decode_floor(config: LlamaConfig, rank: int, adapters: int) -> float:
+    """``adapters`` distinct rank-``rank`` adapters' LoRA weight bytes / the base weight bytes a decode step reads
+    (every projection and the lm_head; the KV cache's bytes are not counted: DESIGN.md's Floors)."""
+    base = config.num_layers * sum(i * o for i, o in projection_shapes(config)) + config.hidden_size * config.vocab_size
+    return adapter_bytes(config, adapters, 1, rank) / base
