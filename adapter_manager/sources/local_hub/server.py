@@ -88,6 +88,10 @@ class _HubServer(ThreadingHTTPServer):
             self._open.discard(request)
         super().shutdown_request(request)
 
+    def accepted_count(self) -> int:
+        with self._open_lock:
+            return self.accepted
+
     def close_connections(self) -> None:
         """End every kept-alive connection (their handler threads then return)."""
         with self._open_lock:
@@ -285,8 +289,7 @@ class LocalHub:
     @property
     def connections(self) -> int:
         """TCP connections accepted so far (a client keeping its connection alive opens one for many requests)."""
-        with self._server._open_lock:
-            return self._server.accepted
+        return self._server.accepted_count()
 
     @property
     def faults(self) -> list[HubFault]:
