@@ -15,7 +15,7 @@ tiers and the prefetcher act on, and the per-adapter request counts of the metri
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -115,6 +115,7 @@ class AdapterManager:
         self.prefetcher = Prefetcher(
             self.registry.stage, self.allocator, self.config.prefetch_config(), popular, frequency
         )
+        self._retired_listeners: list[Callable[[str], None]] = []
         self.restored = self._restore()
 
     @property
@@ -145,6 +146,7 @@ class AdapterManager:
         result = self.registry.register(ref, adapter_id, refresh)
         if result.action == "updated":
             self.allocator.forget(result.record.adapter_id)
+            self._retired(result.record.adapter_id)
         return result
 
     def unregister(self, adapter_id: str) -> AdapterRecord | None:
@@ -156,7 +158,22 @@ class AdapterManager:
         self.swap_metrics.forget(adapter_id)
         if self.popularity is not None:
             self.popularity.discard(adapter_id)
+        self._retired(adapter_id)
         return record
+
+    def on_retired(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(adapter_id)` (on the caller's thread) whenever an adapter's revision stops being served:
+        unregistered, or updated to a new sha. What was derived from it (an engine's cached prefix blocks) must go."""
+        self._retired_listeners.append(listener)
+
+    def off_retired(self, listener: Callable[[str], None]) -> None:
+        """Stop calling a listener given to :meth:`on_retired` (a no-op for one not listening)."""
+        if listener in self._retired_listeners:
+            self._retired_listeners.remove(listener)
+
+    def _retired(self, adapter_id: str) -> None:
+        for listener in list(self._retired_listeners):
+            listener(adapter_id)
 
     def _popular(self, n: int) -> list[str]:
         """Up to `n` registered adapters, most requested recently first (the sketch's tracked top)."""

@@ -14,14 +14,15 @@ def decode_attention(
     rope_table: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
     """Semantics: :meth:`kernels.protocol.DecodeOps.decode_attention`, as torch ops, one SDPA per token (the runtime
-    model's rope, cache update and ``attend_static`` semantics)."""
-    tokens, dim = qkv.shape[0], k_cache.shape[3]
+    model's rope, paged cache update and ``attend_static`` semantics)."""
+    tokens, block_size, dim = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
     half = dim // 2
     q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
     trig = rope_table[positions].to(qkv.dtype)  # [T, 2, D/2]
@@ -32,13 +33,15 @@ def decode_attention(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     q = rope(q.reshape(tokens, num_heads, dim))
-    k_cache.index_put_((rows, positions), rope(k.reshape(tokens, num_kv_heads, dim)))
-    v_cache.index_put_((rows, positions), v.reshape(tokens, num_kv_heads, dim))
+    slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
+    k_cache.view(-1, num_kv_heads, dim).index_put_((slots,), rope(k.reshape(tokens, num_kv_heads, dim)))
+    v_cache.view(-1, num_kv_heads, dim).index_put_((slots,), v.reshape(tokens, num_kv_heads, dim))
     out = torch.empty(tokens, num_heads, dim, dtype=qkv.dtype)
     for t in range(tokens):
         end = int(positions[t]) + 1
-        keys = k_cache[rows[t], :end].transpose(0, 1)  # [KV, end, D]
-        values = v_cache[rows[t], :end].transpose(0, 1)
+        blocks = block_tables[rows[t], : (end - 1) // block_size + 1]
+        keys = k_cache[blocks].flatten(0, 1)[:end].transpose(0, 1)  # [KV, end, D]
+        values = v_cache[blocks].flatten(0, 1)[:end].transpose(0, 1)
         attended = F.scaled_dot_product_attention(
             q[t][:, None].float(), keys.float(), values.float(), scale=1 / math.sqrt(dim), enable_gqa=True
         )  # [H, 1, D]

@@ -92,23 +92,26 @@ class DecodeOps(Protocol):
         rope_table: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
         rows: torch.Tensor,
         positions: torch.Tensor,
         num_heads: int,
         num_kv_heads: int,
     ) -> torch.Tensor:
-        """RoPE, KV cache write and causal GQA attention of a step's tokens, in one call.
+        """RoPE, paged KV cache write and causal GQA attention of a step's tokens, in one call.
 
-        Semantics (D = head dim, q/k/v the column blocks of qkv, cos/sin = rope_table[positions] in qkv's dtype)::
+        Semantics (D = head dim, BS = block size, q/k/v the column blocks of qkv, cos/sin = rope_table[positions] in
+        qkv's dtype; ``at(t, p)`` = block ``block_tables[rows[t], p // BS]``, offset ``p % BS``)::
 
             q, k = rope(q, cos, sin), rope(k, cos, sin)             # HF's rotate_half pairing, i with i + D/2
-            K[rows[t], positions[t]] = k[t];  V[rows[t], positions[t]] = v[t]    for every t (all written first)
-            out[t, h] = softmax(q[t, h] · K[rows[t], :positions[t] + 1, h // (H / KV)].T / √D) · V[rows[t], ...]
+            K[at(t, positions[t])] = k[t];  V[at(t, positions[t])] = v[t]    for every t (all written first)
+            out[t, h] = softmax(q[t, h] · K[at(t, j)][h // (H / KV)].T / √D  for j ≤ positions[t]) · V[same]
 
         Shape: qkv [T, (H + 2·KV)·D] (unit inner stride; the fused q|k|v output); rope_table [P, 2, D/2] fp32 (cos,
-        sin); k_cache, v_cache [B, P, KV, D] contiguous, written in place; rows, positions [T] int64. Returns a new
-        [T, H·D]. Every token reads its whole row up to its own position: one sequence's decode token, or a chunk of
-        them in order (each token then sees the chunk's earlier keys).
+        sin); k_cache, v_cache [NB, BS, KV, D] contiguous, written in place; block_tables [R, MB] int64; rows (each
+        token's table row), positions [T] int64. Returns a new [T, H·D]. Every token reads its row up to its own
+        position: one sequence's decode token, or a chunk of them in order (each token then sees the chunk's earlier
+        keys); rows may share blocks (a cached prefix).
         """
         ...
 

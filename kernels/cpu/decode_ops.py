@@ -28,26 +28,19 @@ def decode_attention(
     rope_table: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    """RoPE, KV cache write and causal GQA attention of a step's tokens, in one call.
+    """RoPE, paged KV cache write and causal GQA attention of a step's tokens, in one call.
 
-    Semantics (D = head dim, q/k/v the column blocks of qkv, cos/sin = rope_table[positions] cast to qkv's dtype)::
-
-        q, k = rope(q, cos, sin), rope(k, cos, sin)                  # HF's rotate_half pairing, i with i + D/2
-        K[rows[t], positions[t]] = k[t];  V[rows[t], positions[t]] = v[t]     for every t (all written first)
-        out[t, h] = softmax(q[t, h] · K[rows[t], :positions[t] + 1, h // (H / KV)].T / √D) · V[rows[t], ..., same]
-
-    Shape: qkv [T, (H + 2·KV)·D] (unit inner stride; the fused q|k|v output); rope_table [P, 2, D/2] fp32 (cos, sin);
-    k_cache, v_cache [B, P, KV, D] contiguous, written in place; rows, positions [T] int64. Returns a new [T, H·D].
-    Every token reads its whole row up to its own position: one sequence's decode token, or a chunk of them in
-    order (each token then sees the chunk's earlier keys).
+    Semantics: :meth:`kernels.protocol.DecodeOps.decode_attention`. Every key is read through the token's block
+    table row, block by block (a block's positions are contiguous); every block a token reads is checked first.
     """
     return torch.ops.adapter_manager.decode_attention.default(
-        qkv, rope_table, k_cache, v_cache, rows, positions, num_heads, num_kv_heads
+        qkv, rope_table, k_cache, v_cache, block_tables, rows, positions, num_heads, num_kv_heads
     )
 
 

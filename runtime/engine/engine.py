@@ -20,6 +20,7 @@ compile nothing. Eager devices (cpu, cuda) never pad.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -30,16 +31,21 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from adapter_manager import AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
-from kernels import LoRAKernelMeta, select_backend
+from kernels import select_backend
 
-from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
+from ..model.batch import ForwardBatch
 from ..model.cuda_graphs import can_capture, use_decode_graphs
 from ..model.llama import Llama
 from .config import EngineConfig, StepStats
+from .kv_blocks import BlockPool
+from .kv_space import KVSpace
+from .kv_stats import KVMetrics, kv_metrics
 from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, StepPlan, plan_step
+from .step_batch import block_bytes, device_free_bytes, place_chunks, step_batch, step_meta, xla_sync
 from .step_lease import acquire_step
+from .step_loop import StepLoop
 from .step_sampling import plan_sampling, record_sampling
 from .warm_up import echo_logits_rows, warm_up_batches
 
@@ -58,29 +64,24 @@ class Engine:
         self.eos_ids: frozenset[int] = frozenset(eos)  # end every request not submitted with ignore_eos
         backend = select_backend(model.device, self.config.kernels)
         max_batch = self.config.max_batch
-        # Traced: static shapes. Tokens pad up to a bucket, into a spare cache row (row max_batch) that no sequence
-        # owns; the device lock keeps slot loads (prefetch threads) out of a step's trace and sync.
+        # Traced: static shapes. Tokens pad up to a bucket, through a spare table row (row max_batch) naming only the
+        # spare block, which no sequence owns; the device lock keeps slot loads (prefetch threads) out of a step's
+        # trace and sync.
         self._buckets = self.config.buckets() if backend.traced else ()
         self._padding_row = max_batch if backend.traced else None
         self._device_lock = manager.pool.device_lock if backend.traced else contextlib.nullcontext()
-        self._sync: Callable[[], None] | None = _xla_sync if backend.traced else None
-        model.setup_caches(max_batch + 1 if backend.traced else max_batch, self.config.max_seq_len)
+        self._sync: Callable[[], None] | None = xla_sync if backend.traced else None
+        block_size = self.config.kv_block_size
+        per_block = block_bytes(model.config, model.dtype, block_size)
+        num_blocks = self.config.kv_blocks(per_block, device_free_bytes(model.device))
+        model.setup_caches(max_batch, self.config.max_seq_len, num_blocks, block_size)
+        pool = BlockPool(num_blocks, caching=self.config.prefix_caching)
+        self._kv = KVSpace(pool, block_size, max_batch, self._sha_of)
+        self._kv_bytes = num_blocks * per_block
         model.attach_lora(manager.stacks)
         max_tokens = self._buckets[-1] if backend.traced else self.config.scheduler.token_budget
-        pool = manager.pool
-        # distinct adapters in one step: at most one per sequence, and at most what the pool holds
-        most_active = min(max_batch, pool.num_slots)
-        active_buckets = tuple(b for b in (1, 2, 4, 8, 16, 64, 256, 1024) if b < most_active) + (most_active,)
-        self._meta = LoRAKernelMeta.make(
-            backend,
-            pool.num_slots,
-            pool.max_rank,
-            max_tokens,
-            model.device,
-            granule=pool.granule,
-            active_buckets=active_buckets,
-        )
-        # cuda + triton backend: decode steps replay CUDA graphs (after setup_caches: it adds a spare KV row), checked
+        self._meta = step_meta(backend, manager.pool, max_batch, max_tokens, model.device)
+        # cuda + triton backend: decode steps replay CUDA graphs (padding through the spare block), checked
         # against the eager step at once; any failure keeps them eager for the process, with one warning
         model.decode_graphs = None
         if self.config.cuda_graphs and can_capture(self._meta):
@@ -89,16 +90,15 @@ class Engine:
             with self._device_lock:
                 self._sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
         self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
-        self._free_rows = list(range(self.config.max_batch))
+        self._running: list[Request] = []  # in admission order: the newest is preempted first
         self._ids = itertools.count()
         self._step = 0
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._loop = StepLoop(self.step, self._work, lambda: bool(self._waiting or self._running))
         self._finished_in_step = 0
         manager.prefetcher.on_done(self._adapter_moved)
+        manager.on_retired(self._adapter_retired)
 
     def submit(
         self, prompt: Sequence[int], adapter_id: str | None = None, params: SamplingParams | None = None
@@ -145,7 +145,8 @@ class Engine:
             return 0
         runs = 0
         shapes = (self._buckets, self._meta.active_buckets, self.config.max_batch, self._padding_row)
-        for batch, active in warm_up_batches(*shapes, self.model.device):
+        tables = self._kv.tables([], self.config.max_batch + 1, self._table_width)
+        for batch, active in warm_up_batches(*shapes, tables, self.model.device):
             self._run_model(batch, dict.fromkeys(range(active), 1))
             runs += 1
         return runs
@@ -165,7 +166,7 @@ class Engine:
         deadline = time.monotonic() + _IDLE_WAIT_S
         while not (plan.chunks or plan.unplaceable) and self._waiting_for_adapters():
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stopping:
+            if remaining <= 0 or self._loop.stopping:
                 break
             with self._work:
                 self._work.wait(min(remaining, _IDLE_POLL_S))
@@ -177,9 +178,12 @@ class Engine:
             if plan.admitted or plan.unplaceable:  # one pass over the queue, not one list scan per request
                 taken = {id(r) for r in (*plan.admitted, *plan.unplaceable)}
                 self._waiting = deque(r for r in self._waiting if id(r) not in taken)
+            for request in plan.preempted:
+                self._preempt(request)
             for request in plan.admitted:
-                request.cache_row = self._free_rows.pop()
+                self._kv.admit(request)
                 self._running.append(request)
+            plan = dataclasses.replace(plan, chunks=place_chunks(plan.chunks, self._kv, self._preempt))
             self._step += 1
         unpinned = self.manager.num_units - sum(pinned.values())
         for request in plan.unplaceable:  # operator pins leave no room for its adapter: waiting cannot help
@@ -220,9 +224,8 @@ class Engine:
                 self._step,
                 self._running,
                 list(self._waiting),
-                len(self._free_rows),
+                self._kv,
                 self.manager.num_units,
-                lambda adapter_id: self.manager.allocator.slot_of(adapter_id) is not None,
                 self._units_of,
                 pinned,
                 is_ready,
@@ -269,38 +272,17 @@ class Engine:
 
     def start(self) -> None:
         """Run steps in a daemon thread whenever there is work."""
-        if self._thread is not None:
-            raise RuntimeError("engine already started")
-        with self._work:
-            self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+        self._loop.start()
 
     def close(self) -> None:
         """Done with the manager: stop the loop and stop listening to its prefetcher (which would otherwise keep
         calling, and keep alive, an engine nobody uses). The manager stays open for its owner to close."""
         self.stop()
         self.manager.prefetcher.off_done(self._adapter_moved)
+        self.manager.off_retired(self._adapter_retired)
 
     def stop(self) -> None:
-        with self._work:
-            self._stopping = True
-            self._work.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _loop(self) -> None:
-        while True:
-            with self._work:
-                while not self._stopping and not (self._waiting or self._running):
-                    self._work.wait()
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - the loop must survive; the step already failed its requests
-                log.exception("engine step failed")
+        self._loop.stop()
 
     def _units_of(self, adapter_id: str) -> int:
         try:
@@ -310,31 +292,29 @@ class Engine:
 
     def _forward(self, chunks: list[ScheduledChunk], lease: SlotLease) -> None:
         chunks.sort(key=lambda c: lease.slots.get(c.request.adapter_id, -1))  # one token run per slot
-        sequences = []
-        for chunk in chunks:
-            request = chunk.request
-            if request.in_prefill:
-                tokens = request.prompt[request.prefilled : request.prefilled + chunk.count]
-                start = request.prefilled
-            else:
-                tokens, start = (request.output[-1],), request.position
-            slot = lease.slots[request.adapter_id] if request.adapter_id is not None else -1
-            sequences.append(SequenceChunk(request.cache_row, start, tuple(tokens), slot))
-        padding = None
-        if self._buckets:
-            tokens = sum(len(s.tokens) for s in sequences)
-            bucket = next(b for b in self._buckets if b >= tokens)
-            padding = StaticPadding(bucket, self.config.max_batch, self._padding_row)
         traced = self._sync is not None
         # traced: the batch's host -> device transfers must not interleave with a slot load in a prefetch thread
         with self._device_lock:
-            batch = ForwardBatch.from_chunks(sequences, device=self.model.device, padding=padding)
+            with self._lock:
+                shape = (self.config.max_batch + 1, self._table_width) if traced else (None, None)
+                tables = self._kv.tables([c.request for c in chunks], *shape)
+            padding = (self._buckets, self.config.max_batch, self._padding_row) if traced else None
+            batch = step_batch(chunks, lease.slots, tables, self.model.device, padding)
             pad_logits = echo_logits_rows(batch.num_tokens, self.config.max_batch) if traced else None
             device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
             batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
             logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
-        for request, reason in record_sampling(chunks, draws, sample_step(logits, sampling)):
+        finished = record_sampling(chunks, draws, sample_step(logits, sampling))
+        with self._lock:
+            for chunk in chunks:  # the blocks this step filled join the prefix cache
+                self._kv.commit(chunk.request)
+        for request, reason in finished:
             self._finish(request, reason)
+
+    @property
+    def _table_width(self) -> int:
+        """MB: the blocks of a sequence of max_seq_len tokens (a traced step's tables are this wide)."""
+        return self._kv.blocks_for(self.config.max_seq_len)
 
     def _run_model(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
         """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host.
@@ -353,8 +333,7 @@ class Engine:
         with self._lock:
             if request in self._running:
                 self._running.remove(request)
-                self._free_rows.append(request.cache_row)
-                request.cache_row = None
+                self._kv.release(request)
         request.finish(reason, error)
         self._finished_in_step += 1
 
@@ -368,32 +347,50 @@ class Engine:
             self._finish(request, "cancelled")
 
     def _requeue(self, request: Request) -> None:
+        """A request admitted in this step goes back to the head of the queue (its adapter cannot be placed now)."""
         with self._lock:
             self._running.remove(request)
-            self._free_rows.append(request.cache_row)
-            request.cache_row, request.prefilled = None, 0
-            request.prompt_logprobs.clear()
+            self._kv.reset(request)
             self._waiting.appendleft(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Under the lock: a running request gives its blocks back and waits again at its arrival place; it will
+        recompute its prompt and the output it has (its cached blocks likely still there), losing nothing."""
+        self._running.remove(request)
+        self._kv.reset(request)
+        self._kv.stats.preemptions += 1
+        later = next((i for i, r in enumerate(self._waiting) if r.request_id > request.request_id), None)
+        self._waiting.insert(len(self._waiting) if later is None else later, request)
+
+    def _sha_of(self, adapter_id: str) -> str:
+        try:
+            return self.manager.registry.get(adapter_id).sha
+        except AdapterNotFoundError:
+            return "unregistered"  # its acquire fails the request alone; nothing of it is cached under a live name
+
+    def _adapter_retired(self, adapter_id: str) -> None:
+        """The manager forgot an adapter's revision (unregistered, or refreshed to a new sha): its cached prefix
+        blocks go, and no request reads them again."""
+        with self._lock:
+            self._kv.drop(adapter_id)
+
+    def kv_metrics(self) -> KVMetrics:
+        """The KV blocks and the prefix cache now: blocks used / free / cached, hit rates, preemptions."""
+        with self._lock:
+            return kv_metrics(self._kv, self._kv_bytes, len(self._running), len(self._waiting))
 
     def _prefetch(self) -> None:
         # Running requests' adapters go first: needed sooner than any waiting one's, so never a prefetch victim.
         # Called with an empty queue too: the prefetcher also keeps the most popular adapters warm.
-        # With no free KV row (saturated) a waiting adapter goes no further than the host tier: copied into a slot
-        # ahead of its turn it would only make its request warm and reorder the queue (bench_many at 1.5x load:
-        # TTFT p50 ~2.2 s against ~0.7 s, 92.7 % of all-resident throughput against 95.8 % without prefetch).
+        # With no seat or no free KV block (saturated) a waiting adapter goes no further than the host tier: copied
+        # into a slot ahead of its turn it would only make its request warm and reorder the queue (bench_many at 1.5x
+        # load: TTFT p50 ~2.2 s against ~0.7 s, 92.7 % of all-resident throughput against 95.8 % without prefetch).
         with self._lock:
             queued = [r.adapter_id for r in self._running] + [r.adapter_id for r in self._waiting]
-            room = bool(self._free_rows)
+            room = self._kv.seats > 0 and self._kv.free > self._kv.reserve
         if queued:
             self.manager.prefetch(queued, to_slot=room)
 
 
 _IDLE_WAIT_S = 1.0  # longest a step with nothing ready waits for the prefetcher before it returns empty
 _IDLE_POLL_S = 0.05  # and how often it looks again without being woken (a job that found no room retries)
-
-
-def _xla_sync() -> None:
-    """Cut the lazy graph of every live tensor on the XLA device and run it."""
-    import torch_xla
-
-    torch_xla.sync()

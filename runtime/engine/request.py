@@ -58,8 +58,14 @@ class Request:
     arrival_step: int  # engine step at which it was submitted
     generator: torch.Generator | None = None  # seeded sampler (None when greedy)
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: params.stop_ids plus the eos ids unless ignore_eos
-    cache_row: int | None = None  # KV cache row while running
-    prefilled: int = 0  # prompt tokens already in the cache
+    prefilled: int = 0  # tokens of `context` already in the KV cache
+    resumed: tuple[int, ...] = ()  # output tokens at its last preemption: recomputed after the prompt
+    blocks: list[int] = field(default_factory=list)  # its KV blocks in order (its block table) while running
+    named: int = 0  # its leading blocks the prefix cache names (or found cached)
+    namespace: bytes = b""  # its prefix-cache namespace while running (adapter and revision, or the base model)
+    cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
+    last_name: bytes = b""  # the prefix-cache name of its last named block
+    context_names: tuple[bytes, tuple[bytes, ...]] = (b"", ())  # (namespace, names of its context's usable blocks)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # params.prompt_logprobs: [None, ..]
@@ -73,13 +79,23 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False)  # set by the caller
 
     @property
+    def context(self) -> tuple[int, ...]:
+        """What a prefill computes: the prompt, and after a preemption the output it had then."""
+        return self.prompt + self.resumed
+
+    @property
     def in_prefill(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < len(self.prompt) + len(self.resumed)
 
     @property
     def position(self) -> int:
         """Tokens of this sequence in the KV cache (= the position of its next token)."""
-        return self.prefilled + max(len(self.output) - 1, 0) if not self.in_prefill else self.prefilled
+        return self.prefilled if self.in_prefill else len(self.prompt) + len(self.output) - 1
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Every token of the sequence so far: the prompt, then the output (its KV holds the first `position`)."""
+        return self.prompt + tuple(self.output)
 
     def emit(self, token: int, logprobs: TokenLogprobs | None = None) -> None:
         if not self.output:

@@ -34,9 +34,9 @@ def plan_sampling(
     for chunk in chunks:
         request, params = chunk.request, chunk.request.params
         prefill = request.in_prefill
-        done = not prefill or request.prefilled + chunk.count == len(request.prompt)
+        done = not prefill or request.prefilled + chunk.count == len(request.context)
         draws.append(done and params.max_tokens > 0)
-        if prefill and params.prompt_logprobs is not None:
+        if prefill and params.prompt_logprobs is not None and not request.resumed:  # resumed: scored before
             for i in range(min(request.prefilled + chunk.count, len(request.prompt) - 1) - request.prefilled):
                 at = request.prefilled + i  # this position's logits score prompt token at + 1
                 prompts.append(PromptRow(len(index) + i, request.prompt[at + 1], params.prompt_logprobs))
@@ -70,7 +70,7 @@ def record_sampling(
     for chunk, draws_token in zip(chunks, draws, strict=True):
         request = chunk.request
         if request.in_prefill:
-            if request.params.prompt_logprobs is not None:
+            if request.params.prompt_logprobs is not None and not request.resumed:
                 first = request.prefilled
                 request.prompt_logprobs.extend([None] if first == 0 else [])
                 targets = min(first + chunk.count, len(request.prompt) - 1) - first

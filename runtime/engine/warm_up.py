@@ -29,12 +29,14 @@ def warm_up_batches(
     active_buckets: Sequence[int],
     max_batch: int,
     padding_row: int,
+    tables: torch.Tensor,
     device: torch.device | str,
 ) -> Iterator[tuple[ForwardBatch, int]]:
     """One batch per distinct (token bucket, active width, logits rows), with the number k of distinct slots its
     tokens use (slots 0..k-1, of one pool row each).
 
-    Each batch is padding only: every token writes the spare cache row ``padding_row`` (no sequence touched), with
+    Each batch is padding only: every token writes through the spare table row ``padding_row`` of ``tables`` (the
+    engine's static [max_batch + 1, MB] tables, all the spare block: no sequence touched), with
     tokens on k distinct slots and on -1, so it traces the exact graph a real step of that shape traces. Widths no
     real step of a bucket reaches (more adapters than tokens) are skipped.
     """
@@ -54,5 +56,6 @@ def warm_up_batches(
                     logits_index=torch.zeros(logits, dtype=torch.long).to(device),
                     spans=None,
                     slot_indices=slots,
+                    block_tables=tables.to(device),
                 )
                 yield batch, active

@@ -14,7 +14,8 @@ class SequenceChunk:
     """The tokens one sequence contributes to a step: a prefill (chunk) or a single decode token."""
 
     cache_row: int
-    """The sequence's row of the KV cache, in [0, max_batch)."""
+    """The sequence's row of the step's block tables (``ForwardBatch.block_tables``; without them the model's dense
+    tables: row r owns blocks ``r·MB .. r·MB + MB - 1``)."""
     start_pos: int
     """Position of the first token (= tokens of this sequence already in the cache)."""
     tokens: tuple[int, ...]
@@ -44,7 +45,7 @@ class StaticPadding:
     logits: int
     """N: the fixed number of logits rows (the engine's ``max_batch``)."""
     spare_row: int
-    """The KV cache row padding tokens write into."""
+    """The block-table row padding tokens write through (its every entry the spare block no sequence owns)."""
 
 
 class SeqSpan(NamedTuple):
@@ -73,7 +74,7 @@ class ForwardBatch:
     positions: torch.Tensor
     """Shape: [T] int64, each token's position in its sequence."""
     cache_rows: torch.Tensor
-    """Shape: [T] int64, each token's KV cache row."""
+    """Shape: [T] int64, each token's row of the block tables."""
     logits_index: torch.Tensor | None
     """Shape: [N] int64, the tokens whose logits are returned; None returns all T."""
     spans: tuple[SeqSpan, ...] | None
@@ -81,6 +82,9 @@ class ForwardBatch:
     over the whole cache row with a position mask), the one a traced device needs."""
     slot_indices: torch.Tensor | None = None
     """Shape: [T] int32 on the host, each token's adapter slot (-1 none): what ``LoRAKernelMeta.prepare`` takes."""
+    block_tables: torch.Tensor | None = None
+    """Shape: [R, MB] int64, row r's KV blocks in order (position p lies in block ``[r, p // BS]``); None: the
+    model's dense tables (:meth:`runtime.model.llama.Llama.setup_caches`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -94,12 +98,14 @@ class ForwardBatch:
         logits: Literal["last", "all"] = "last",
         static: bool = False,
         padding: StaticPadding | None = None,
+        block_tables: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Flatten the step's chunks in order; ``logits="last"`` asks for each chunk's last token only.
 
         ``static=True`` leaves ``spans`` out so the forward takes the static-shape attention path. ``padding`` (with
         ``logits="last"``; implies ``static``) pads tokens to ``padding.tokens`` and ``logits_index`` to
-        ``padding.logits`` entries; the real tokens and logits rows come first, in chunk order.
+        ``padding.logits`` entries; the real tokens and logits rows come first, in chunk order. ``block_tables`` [R, MB]
+        (host): the tables the chunks' ``cache_row`` index, moved to ``device`` with the batch.
         """
         if not chunks:
             raise ValueError("a step needs at least one sequence chunk")
@@ -139,4 +145,5 @@ class ForwardBatch:
             logits_index=long(last) if logits == "last" else None,
             spans=None if static else tuple(spans),
             slot_indices=torch.tensor(slots, dtype=torch.int32),
+            block_tables=None if block_tables is None else block_tables.to(device),
         )

@@ -2,16 +2,16 @@
 
 On a GPU the eager decode step is launch-bound: ~10 kernels per layer plus the LoRA launches, each paying the host's
 launch latency. A CUDA graph replays the whole step as one launch. It needs static shapes and no host work inside the
-step, which the XLA path already has: tokens padded up to a bucket (padding tokens: token 0 at position 0 in a spare
-KV cache row, rank 0), ``logits_index`` padded to a fixed row count, and the static attention path (``spans=None``).
+step, which the XLA path already has: tokens padded up to a bucket (padding tokens: token 0 at position 0 in the
+spare block, rank 0), ``logits_index`` padded to a fixed row count, and the static attention path (``spans=None``).
 
 :meth:`runtime.model.llama.Llama.enable_decode_graphs` attaches one :class:`DecodeGraphs` to a model; from then on
 every forward of a decode-only step (one token per sequence, at most the largest bucket) prepared with the attached
 metadata replays its bucket's graph, captured on first use (or all at once by :meth:`DecodeGraphs.warm_up`). Other
 steps (prefill chunks, more tokens) run eagerly. Per replay:
 
-  - the step's tokens, positions, cache rows and logits rows are copied into the bucket's static inputs (the rest
-    padding);
+  - the step's tokens, positions, block-table rows, block tables and logits rows are copied into the bucket's static
+    inputs (the rest padding: the spare block);
   - the step's adapters: the caller prepared the metadata as for an eager step; the backend's inputs for it
     (:class:`kernels.DecodeCapture`: the triton backend's BGMV token table, each token's first pool row and rank) are
     copied into the bucket's static inputs, which the captured kernels read. The captured kernels' grid depends only
@@ -61,7 +61,17 @@ class _Model(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def setup_caches(self, max_batch: int, max_seq_len: int) -> None: ...
+    max_batch: int
+    dense_tables: torch.Tensor | None
+
+    @property
+    def spare_block(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
 
     def __call__(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None = None) -> torch.Tensor: ...
 
@@ -108,7 +118,8 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None
     """None with ``cuda_graph=False``."""
     batch: ForwardBatch
-    """Static inputs: tokens, positions, cache_rows [T] and logits_index [N] on the device."""
+    """Static inputs: tokens, positions, cache_rows [T], logits_index [N] and block_tables [max_batch + 1, MB] on the
+    device."""
     inputs: torch.Tensor
     """The backend's static inputs of the step's adapters (:meth:`kernels.DecodeCapture.static_inputs`)."""
     logits: torch.Tensor | None
@@ -119,8 +130,8 @@ class _Captured:
 class DecodeGraphs:
     """The captured decode steps of one model and one metadata object (an engine's).
 
-    Building it grows the model's KV caches by one spare row for the padding tokens (``setup_caches``: their contents
-    are lost), so build it before any sequence is cached: ``logits_rows`` and ``spare_row`` are the old row count.
+    Padding tokens write the caches' spare block through the static tables' last row (``spare_row``); a step's
+    tables (at most ``max_batch`` rows of at most MB blocks: the dense tables' shape) are copied into the rest.
     """
 
     model: _Model
@@ -129,9 +140,9 @@ class DecodeGraphs:
     """None: :meth:`DecodeGraphConfig.up_to` the most decode tokens a step can have (min of the cache's rows, the
     metadata's max_tokens and the backend's capture_max_tokens)."""
     logits_rows: int = field(init=False)
-    """N: the rows of every captured step's ``logits_index`` (the sequences the cache held before the spare row)."""
+    """N: the rows of every captured step's ``logits_index`` (the model's ``max_batch``)."""
     spare_row: int = field(init=False)
-    """The KV cache row padding tokens write (no sequence's)."""
+    """The static tables' row padding tokens write through (every entry the spare block)."""
     _captured: dict[int, _Captured] = field(init=False, default_factory=dict, repr=False)
     _pool: object = field(init=False, default=None, repr=False)
     _capturing: bool = field(init=False, default=False, repr=False)
@@ -145,11 +156,10 @@ class DecodeGraphs:
                 f"kernels.DecodeCapture); the metadata has {type(backend).__name__}"
             )
         self._backend = backend
-        cache = self.model.layers[0].attention.kv_cache
-        if cache is None:
+        if self.model.max_batch == 0:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
         if self.config is None:
-            limit = min(cache.max_batch, self.meta.max_tokens, backend.capture_max_tokens)
+            limit = min(self.model.max_batch, self.meta.max_tokens, backend.capture_max_tokens)
             self.config = DecodeGraphConfig.up_to(limit)
         if self.config.cuda_graph and (self.model.device.type != "cuda" or self.meta.device.type != "cuda"):
             raise ValueError(
@@ -161,8 +171,7 @@ class DecodeGraphs:
                 f"token bucket {largest} exceeds the backend's capture_max_tokens={backend.capture_max_tokens} or the "
                 f"metadata's max_tokens={self.meta.max_tokens}"
             )
-        self.logits_rows = self.spare_row = cache.max_batch
-        self.model.setup_caches(cache.max_batch + 1, cache.max_seq_len)
+        self.logits_rows = self.spare_row = self.model.max_batch
 
     @property
     def _config(self) -> DecodeGraphConfig:
@@ -182,7 +191,15 @@ class DecodeGraphs:
         if batch.spans is None or any(span.count != 1 for span in batch.spans):
             return False
         rows = batch.num_tokens if batch.logits_index is None else batch.logits_index.shape[0]
+        tables = batch.block_tables
+        if tables is not None and (tables.shape[0] > self.logits_rows or tables.shape[1] > self._table_width):
+            return False
         return self._config.bucket_for(batch.num_tokens) is not None and rows <= self.logits_rows
+
+    @property
+    def _table_width(self) -> int:
+        """MB: the blocks of the longest sequence (the caches' max_seq_len)."""
+        return -(-self.model.max_seq_len // self.model.block_size)
 
     def replay(self, batch: ForwardBatch, meta: LoRAKernelMeta | None) -> torch.Tensor:
         """One decode step (``covers`` it) by replaying its bucket's graph, captured first if it is not yet.
@@ -206,6 +223,12 @@ class DecodeGraphs:
         static.positions[num_tokens:].zero_()
         static.cache_rows[:num_tokens].copy_(batch.cache_rows)
         static.cache_rows[num_tokens:].fill_(self.spare_row)
+        assert static.block_tables is not None
+        tables = self.model.dense_tables if batch.block_tables is None else batch.block_tables
+        assert tables is not None, "a batch without block tables needs the dense ones"
+        static.block_tables.fill_(self.model.spare_block)
+        static.block_tables[: tables.shape[0], : tables.shape[1]].copy_(tables)
+        static.block_tables[self.spare_row].fill_(self.model.spare_block)
         assert static.logits_index is not None
         rows = num_tokens if batch.logits_index is None else batch.logits_index.shape[0]
         if batch.logits_index is None:
@@ -232,7 +255,10 @@ class DecodeGraphs:
             return torch.zeros(n, dtype=torch.long, device=device)
 
         spare = torch.full((bucket,), self.spare_row, dtype=torch.long, device=device)
-        batch = ForwardBatch(zeros(bucket), zeros(bucket), spare, zeros(self.logits_rows), None, None)
+        tables = torch.full(
+            (self.logits_rows + 1, self._table_width), self.model.spare_block, dtype=torch.long, device=device
+        )
+        batch = ForwardBatch(zeros(bucket), zeros(bucket), spare, zeros(self.logits_rows), None, None, tables)
         captured = _Captured(None, batch, self._backend.static_inputs(bucket, device), None)
         if self._config.cuda_graph:
             self._prepare_static(captured)
@@ -273,7 +299,7 @@ class DecodeGraphs:
 
     def check(self, rtol: float = 1e-3) -> None:
         """First contact with the device: capture every bucket, then replay one decode step (a token at position 0
-        of cache row 0, no adapter) and compare it with the same step run eagerly. Call it before any sequence is
+        of dense row 0, no adapter) and compare it with the same step run eagerly. Call it before any sequence is
         cached (it writes that row's first position). Raises :class:`DecodeGraphError` saying why when a capture
         raises or the replay's logits differ by more than ``rtol · (1 + max |logit|)``."""
         try:

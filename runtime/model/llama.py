@@ -22,7 +22,8 @@ from kernels import DecodeOps, LinearWeight, LoRAKernelMeta, WeightLayout, base_
 from .batch import ForwardBatch
 from .config import LlamaConfig
 from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
-from .kv_cache import AttentionPlan, KVCache, plan_attention
+from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
+from .norm import RMSNorm
 from .projection import LoRALinear, Stacks
 from .rope import apply_rope, rope_factors, rope_table
 
@@ -34,6 +35,10 @@ class _Step(NamedTuple):
 
     batch: ForwardBatch
     meta: LoRAKernelMeta | None
+    tables: torch.Tensor
+    """[R, MB] the step's block tables (the batch's, or the model's dense ones)."""
+    slots: torch.Tensor | None
+    """[T] each token's place in the caches' flat positions (:func:`slot_index`); None when the decode op writes."""
     rope: tuple[torch.Tensor, torch.Tensor] | None
     """cos, sin [T, 1, D/2] for the torch attention; None on a step the CPU decode op attends."""
     plan: AttentionPlan | None
@@ -44,23 +49,6 @@ class _Step(NamedTuple):
     ops: DecodeOps | None
     """The kernels' fused decode glue (:func:`kernels.decode_ops`: norms, residual adds, SwiGLU's activation, and
     attention on a decode-only step); None: the torch layers."""
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF Llama)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Semantics: ``w · (x / sqrt(mean(x²) + eps))``. Shape: x [T, H]; returns [T, H]."""
-        if x.dtype == torch.float32 and x.device.type != "xla":  # fp32: the same math as one fused op
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -104,6 +92,7 @@ class Attention(nn.Module):
                 step.rope_table,
                 cache.k,
                 cache.v,
+                step.tables,
                 batch.cache_rows,
                 batch.positions,
                 self.num_heads,
@@ -122,13 +111,14 @@ class Attention(nn.Module):
             q = apply_rope(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)  # [T, heads, D]
             k = apply_rope(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        self.kv_cache.update(batch.cache_rows, batch.positions, k, v)
+        assert step.slots is not None
+        self.kv_cache.update(step.slots, k, v)
         if batch.spans is None:
-            out = self.kv_cache.attend_static(q, batch.cache_rows, batch.positions)
+            out = self.kv_cache.attend_static(q, step.tables, batch.cache_rows, batch.positions)
         elif step.plan is not None:
-            out = self.kv_cache.attend(q, step.plan)  # [T, heads, D]
+            out = self.kv_cache.attend(q, step.plan, step.tables, k, v)  # [T, heads, D]
         else:
-            out = self.kv_cache.attend_spans(q, batch.spans)  # [T, heads, D]
+            out = self.kv_cache.attend_spans(q, batch.spans, step.tables)  # [T, heads, D]
         return self.wo(out.reshape(tokens, -1), meta)[0]
 
 
@@ -191,6 +181,10 @@ class Llama(nn.Module):
         CPU library's C++ ops; False: the torch layers only)."""
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
+        self.dense_tables: torch.Tensor | None
+        self.register_buffer("dense_tables", None, persistent=False)  # [max_batch + 1, MB], made by setup_caches
+        self.max_batch = 0
+        """The sequences of the dense tables (set by :meth:`setup_caches`); their row ``max_batch`` is the spare."""
         self.decode_graphs: DecodeGraphs | None = None
         """Set by :meth:`enable_decode_graphs`: the decode steps :meth:`forward` replays from CUDA graphs."""
 
@@ -206,29 +200,61 @@ class Llama(nn.Module):
     def max_seq_len(self) -> int:
         return 0 if self.rope_table is None else self.rope_table.shape[0]
 
-    def setup_caches(self, max_batch: int, max_seq_len: int) -> None:
-        """Allocate every layer's KV cache (``max_batch`` rows of ``max_seq_len`` positions) and the RoPE table.
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        """Every layer's KV cache (after :meth:`setup_caches`)."""
+        caches = [layer.attention.kv_cache for layer in self.layers]
+        assert all(cache is not None for cache in caches), "setup_caches() first"
+        return caches
 
-        Calling it again replaces the caches (their contents are lost).
+    @property
+    def spare_block(self) -> int:
+        """The caches' last block: padding tokens write it and padded tables name it; no sequence owns it."""
+        return self.kv_caches[0].num_blocks - 1
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_caches[0].block_size
+
+    def setup_caches(
+        self, max_batch: int, max_seq_len: int, num_blocks: int | None = None, block_size: int = 16
+    ) -> None:
+        """Allocate every layer's KV cache, ``num_blocks`` blocks of ``block_size`` positions plus one spare block
+        (:attr:`spare_block`: padding tokens write it, padded tables name it), and the RoPE table of ``max_seq_len``.
+
+        ``num_blocks`` None: ``max_batch · MB`` (MB = ⌈max_seq_len / block_size⌉: every sequence at its longest).
+        When the blocks cover that, batches without block tables use the dense ones (:attr:`dense_tables`: row r <
+        ``max_batch`` owns blocks ``r·MB .. r·MB + MB - 1``, row ``max_batch`` only the spare block). Calling it again
+        replaces the caches (their contents are lost).
         """
         if self.device.type == "meta":
             raise ValueError("the model is still on the meta device: load its weights before setup_caches()")
-        if max_seq_len <= 0 or max_batch <= 0:
-            raise ValueError(f"max_batch ({max_batch}) and max_seq_len ({max_seq_len}) must be positive")
-        config = self.config
+        if max_seq_len <= 0 or max_batch <= 0 or block_size <= 0:
+            raise ValueError(
+                f"max_batch ({max_batch}), max_seq_len ({max_seq_len}) and block_size ({block_size}) must be positive"
+            )
+        config, width = self.config, -(-max_seq_len // block_size)
+        num_blocks = max_batch * width if num_blocks is None else num_blocks
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) must be positive")
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(
-                max_batch, max_seq_len, config.num_kv_heads, config.head_dim, self.dtype, self.device
+                num_blocks + 1, block_size, config.num_kv_heads, config.head_dim, self.dtype, self.device
             )
+        self.max_batch = max_batch
+        self.dense_tables = None
+        if num_blocks >= max_batch * width:
+            dense = torch.full((max_batch + 1, width), num_blocks, dtype=torch.long)
+            dense[:max_batch] = torch.arange(max_batch * width).view(max_batch, width)
+            self.dense_tables = dense.to(self.device)
         self.rope_table = rope_table(config, max_seq_len, self.device)
         if self.cpu_ops:
             decode_ops(self.rope_table)  # builds the CPU library now (first use on a machine), not in a step
 
     def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
         """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
-        most the largest bucket's tokens from a CUDA graph (:mod:`runtime.model.cuda_graphs`). Grows each KV cache by
-        one spare row for padding tokens (the caches' contents are lost): call it after :meth:`setup_caches`, before
-        any sequence is cached. ``config`` None: buckets up to the most decode tokens a step can have.
+        most the largest bucket's tokens from a CUDA graph (:mod:`runtime.model.cuda_graphs`); call it after
+        :meth:`setup_caches`. ``config`` None: buckets up to the most decode tokens a step can have.
         ``decode_graphs = None`` turns it off."""
         self.decode_graphs = DecodeGraphs(self, meta, config)
         return self.decode_graphs
@@ -346,15 +372,20 @@ class Llama(nn.Module):
             )
         if self.decode_graphs is not None and self.decode_graphs.covers(batch, lora_meta):
             return self.decode_graphs.replay(batch, lora_meta)
+        tables = batch.block_tables if batch.block_tables is not None else self.dense_tables
+        if tables is None:
+            raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")
         h = self.tok_embeddings(batch.tokens)  # [T, H]
         ops = decode_ops(h) if self.cpu_ops and batch.spans is not None else None
         if ops is not None and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
-            step = _Step(batch, lora_meta, None, None, self.rope_table, ops)
+            step = _Step(batch, lora_meta, tables, None, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
             batched = batch.spans is not None and self.batched_attention
-            plan = plan_attention(batch.spans, self.device) if batched else None
-            step = _Step(batch, lora_meta, rope, plan, None, ops)
+            block_size = self.block_size
+            plan = plan_attention(batch.spans, tables, block_size, self.device) if batched else None
+            slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
+            step = _Step(batch, lora_meta, tables, slots, rope, plan, None, ops)
         for layer in self.layers:
             h = layer(h, step)
         if batch.logits_index is not None:

@@ -52,7 +52,8 @@ def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
     """Build (engine, manager) on the base checkpoint with the oracle's adapters registered (the test closes both).
 
     eos_ids=() as the oracle's generate runs with no eos; None takes the checkpoint's. ``model`` replaces the fp32 CPU
-    model loaded from ``checkpoint`` (default: the base checkpoint); the other keywords go to `AdapterManagerConfig`.
+    model loaded from ``checkpoint`` (default: the base checkpoint); ``engine_kwargs`` go to `EngineConfig`, the other
+    keywords to `AdapterManagerConfig`.
     """
 
     def make(
@@ -63,6 +64,7 @@ def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
         checkpoint: Path | None = None,
         model: Llama | None = None,
         adapters: Iterable[str] = tuple(ADAPTERS),
+        engine_kwargs: dict | None = None,
         **manager_kwargs,
     ) -> tuple[Engine, AdapterManager]:
         if model is None:
@@ -72,7 +74,9 @@ def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
         for name in adapters:
             manager.register(str(written[name][0]), adapter_id=name)
         scheduler = SchedulerConfig(token_budget=token_budget)
-        config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=scheduler, eos_ids=eos_ids)
+        config = EngineConfig(
+            max_batch=max_batch, max_seq_len=64, scheduler=scheduler, eos_ids=eos_ids, **(engine_kwargs or {})
+        )
         return Engine(model, manager, config), manager
 
     return make

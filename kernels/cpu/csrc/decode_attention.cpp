@@ -1,5 +1,6 @@
 // decode_attention: the CPU decode step's attention in one call: RoPE on q and k, the step's keys and values written
-// into the KV cache, and causal GQA attention of every token over its cache row (one pass over each row's keys).
+// into the paged KV cache, and causal GQA attention of every token over its row's blocks (one pass over each row's
+// keys, block by block: a block's positions are contiguous).
 // With add_rms_norm.cpp and silu_mul.cpp it is the decode layer's glue between its weight matmuls: a handful of
 // calls instead of ~35 small torch ops (each a Python call, a dispatch and an allocation).
 //
@@ -30,10 +31,10 @@ using adapter_manager_cpu::round_to;
 using adapter_manager_cpu::v16;
 
 
-// Scores p[r·keys + j] = q_r · key_j · scale for 4 query heads (q: 4 rows of kDim) over keys [0, keys) of a row
-// (key j at kbase + j·stride): 4 keys × 4 heads per block, 16 dot products reduced together.
+// Scores p[r·pstride + j] = q_r · key_j · scale for 4 query heads (q: 4 rows of kDim) over keys [0, keys) of one
+// block (key j at kbase + j·stride): 4 keys × 4 heads per pass, 16 dot products reduced together.
 template <int64_t kDim>
-void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, float scale, float* p) {
+void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, int64_t pstride, float scale, float* p) {
   int64_t j = 0;
   for (; j + 4 <= keys; j += 4) {
     v16 t[16] = {};
@@ -48,7 +49,7 @@ void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, f
     const v16 sums = reduce16(t);
     for (int lane = 0; lane < 16; ++lane) {
       const int n = kReduceOrder[lane];  // input n = 4·key + head
-      p[(n % 4) * keys + j + n / 4] = sums[lane] * scale;
+      p[(n % 4) * pstride + j + n / 4] = sums[lane] * scale;
     }
   }
   for (; j < keys; ++j) {
@@ -56,22 +57,28 @@ void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, f
     for (int64_t r = 0; r < 4; ++r) {
       float s = 0.f;
       for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
-      p[r * keys + j] = s * scale;
+      p[r * pstride + j] = s * scale;
     }
   }
 }
 
-// out_r = sum_j p[r·keys + j] · value_j for 4 heads, 64 columns at a time held in 16 registers across the keys.
+// out_r = sum_j p[r·keys + j] · value_j for 4 heads, 64 columns at a time held in 16 registers across the keys;
+// value j at vbase + blocks[j / bs]·bstride + (j % bs)·stride, walked block by block.
 template <int64_t kDim>
-void weighted4(const float* p, const float* vbase, int64_t stride, int64_t keys, float* out) {
+void weighted4(const float* p, const float* vbase, const int64_t* blocks, int64_t bs, int64_t bstride, int64_t stride,
+               int64_t keys, float* out) {
   for (int64_t c = 0; c < kDim; c += 64) {
     v16 acc[4][4] = {};
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* value = vbase + j * stride + c;
-      const v16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
-      for (int r = 0; r < 4; ++r) {
-        const float w = p[r * keys + j];
-        acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
+    for (int64_t b = 0, j0 = 0; j0 < keys; ++b, j0 += bs) {
+      const float* block = vbase + blocks[b] * bstride + c;
+      const int64_t n = std::min(bs, keys - j0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* value = block + i * stride;
+        const v16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
+        for (int r = 0; r < 4; ++r) {
+          const float w = p[r * keys + j0 + i];
+          acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
+        }
       }
     }
     for (int r = 0; r < 4; ++r)
@@ -115,11 +122,14 @@ void rope_into(float* out, const scalar_t* x, const float* cos, const float* sin
 
 // kDim: the head dim as a compile-time constant (64, 128: the per-key loops unroll fully), or 0 to read it at run time
 template <typename scalar_t, int64_t kDim>
-void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& kc, at::Tensor& vc, const int64_t* rows,
-                    const int64_t* pos, int64_t heads, int64_t kv_heads, at::Tensor& out) {
+void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& kc, at::Tensor& vc,
+                    const int64_t* tables, int64_t width, const int64_t* rows, const int64_t* pos, int64_t heads,
+                    int64_t kv_heads, at::Tensor& out) {
   const int64_t tokens = qkv.size(0), dim = kDim ? kDim : kc.size(3), half = dim / 2, rep = heads / kv_heads;
   const int64_t qs = qkv.stride(0), ts = table.stride(0), os = out.stride(0);
-  const int64_t cache_row = kc.stride(0), cache_pos = kc.stride(1);  // contiguous [B, P, KV, D]
+  const int64_t bs = kc.size(1), block_stride = kc.stride(0), cache_pos = kc.stride(1);  // contiguous [NB, BS, KV, D]
+  // token t's position p: block tables[rows[t]·width + p / bs], offset p % bs
+  auto at_pos = [&](int64_t t, int64_t p) { return tables[rows[t] * width + p / bs] * block_stride + (p % bs) * cache_pos; };
   const scalar_t* qp = qkv.data_ptr<scalar_t>();
   const float* tp = table.data_ptr<float>();
   scalar_t* kp = kc.data_ptr<scalar_t>();
@@ -135,10 +145,10 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
     const float *cos = trig.data() + t * dim, *sin = cos + half;
     for (int64_t g = 0; g < kv_heads; ++g) {
       rope_into<scalar_t>(rotated.data(), qp + t * qs + (heads + g) * dim, cos, sin, half);
-      scalar_t* kdst = kp + rows[t] * cache_row + pos[t] * cache_pos + g * dim;
+      scalar_t* kdst = kp + at_pos(t, pos[t]) + g * dim;
       for (int64_t i = 0; i < dim; ++i) kdst[i] = static_cast<scalar_t>(rotated[i]);
       const scalar_t* vsrc = qp + t * qs + (heads + kv_heads + g) * dim;
-      std::copy(vsrc, vsrc + dim, vp + rows[t] * cache_row + pos[t] * cache_pos + g * dim);
+      std::copy(vsrc, vsrc + dim, vp + at_pos(t, pos[t]) + g * dim);
     }
   }
   // 2. one work item per (token, KV head): its `rep` query heads against keys 0..pos of the token's row
@@ -157,22 +167,25 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
       const float *cos = trig.data() + t * dim, *sin = cos + half;
       for (int64_t r = 0; r < rep; ++r)
         rope_into<scalar_t>(q.data() + r * dim, qp + t * qs + (g * rep + r) * dim, cos, sin, half);
-      const scalar_t* kbase = kp + rows[t] * cache_row + g * dim;
-      const scalar_t* vbase = vp + rows[t] * cache_row + g * dim;
+      const int64_t* blocks = tables + rows[t] * width;
+      const scalar_t* kbase = kp + g * dim;
+      const scalar_t* vbase = vp + g * dim;
       constexpr bool kVector = std::is_same_v<scalar_t, float> && kDim > 0 && kDim % 64 == 0;
       if constexpr (kVector) {
         if (rep % 4 == 0) {
-          for (int64_t r = 0; r < rep; r += 4)
-            scores4<kDim>(q.data() + r * dim, kbase, cache_pos, keys, scale, p.data() + r * keys);
+          for (int64_t b = 0, j0 = 0; j0 < keys; ++b, j0 += bs)
+            for (int64_t r = 0; r < rep; r += 4)
+              scores4<kDim>(q.data() + r * dim, kbase + blocks[b] * block_stride, cache_pos, std::min(bs, keys - j0),
+                            keys, scale, p.data() + r * keys + j0);
           softmax_rows(p.data(), rep, keys);
           for (int64_t r = 0; r < rep; r += 4)
-            weighted4<kDim>(p.data() + r * keys, vbase, cache_pos, keys, acc.data() + r * dim);
+            weighted4<kDim>(p.data() + r * keys, vbase, blocks, bs, block_stride, cache_pos, keys, acc.data() + r * dim);
           store_heads<scalar_t>(acc.data(), op + t * os + g * rep * dim, rep * dim);
           continue;
         }
       }
       for (int64_t j = 0; j < keys; ++j) {
-        const scalar_t* key = kbase + j * cache_pos;
+        const scalar_t* key = kbase + blocks[j / bs] * block_stride + (j % bs) * cache_pos;
         int64_t r = 0;
         for (; r + 4 <= rep; r += 4) {  // four query heads per pass over the key: four reductions side by side
           const float *q0 = q.data() + r * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
@@ -196,7 +209,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
       softmax_rows(p.data(), rep, keys);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < keys; ++j) {
-        const scalar_t* value = vbase + j * cache_pos;
+        const scalar_t* value = vbase + blocks[j / bs] * block_stride + (j % bs) * cache_pos;
         int64_t r = 0;
         for (; r + 4 <= rep; r += 4) {  // four heads' accumulators per pass over the value
           const float p0 = p[r * keys + j], p1 = p[(r + 1) * keys + j], p2 = p[(r + 2) * keys + j],
@@ -221,14 +234,15 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
 }
 
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& table, at::Tensor k_cache, at::Tensor v_cache,
-                            const at::Tensor& rows, const at::Tensor& positions, int64_t heads, int64_t kv_heads) {
+                            const at::Tensor& block_tables, const at::Tensor& rows, const at::Tensor& positions,
+                            int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(qkv.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: CPU tensors only");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads (", heads,
               ") must be a positive multiple of kv_heads (", kv_heads, ")");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && k_cache.size(2) == kv_heads,
-              "decode_attention: k_cache and v_cache must be contiguous [B, P, KV=", kv_heads, ", D], got ",
+              "decode_attention: k_cache and v_cache must be contiguous [NB, BS, KV=", kv_heads, ", D], got ",
               k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t dim = k_cache.size(3);
   TORCH_CHECK(dim % 2 == 0, "decode_attention: head_dim must be even, got ", dim);
@@ -246,24 +260,32 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& table, at::
                   positions.dim() == 1 && rows.size(0) == tokens && positions.size(0) == tokens &&
                   rows.device().is_cpu() && positions.device().is_cpu(),
               "decode_attention: rows and positions must be int64 [T = ", tokens, "] CPU tensors");
-  const auto r = rows.contiguous(), p = positions.contiguous();
-  const int64_t *rp = r.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>();
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.device().is_cpu(),
+              "decode_attention: block_tables must be an int64 [R, MB] CPU tensor, got ", block_tables.sizes());
+  const auto bt = block_tables.contiguous(), r = rows.contiguous(), p = positions.contiguous();
+  const int64_t *tp = bt.data_ptr<int64_t>(), *rp = r.data_ptr<int64_t>(), *pp = p.data_ptr<int64_t>();
+  const int64_t width = bt.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(rp[t] >= 0 && rp[t] < k_cache.size(0), "decode_attention: token ", t, " names cache row ", rp[t],
-                " of ", k_cache.size(0));
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < k_cache.size(1) && pp[t] < table.size(0), "decode_attention: token ", t,
-                " is at position ", pp[t], ", beyond the cache (", k_cache.size(1), ") or the rope table (",
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < bt.size(0), "decode_attention: token ", t, " names table row ", rp[t], " of ",
+                bt.size(0));
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < width * bs && pp[t] < table.size(0), "decode_attention: token ", t,
+                " is at position ", pp[t], ", beyond its table (", width, " blocks of ", bs, ") or the rope table (",
                 table.size(0), ")");
+    for (int64_t b = 0; b <= pp[t] / bs; ++b) {
+      const int64_t block = tp[rp[t] * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: token ", t, " reads block ", block,
+                  " (entry ", b, " of table row ", rp[t], "), beyond the cache's ", num_blocks, " blocks");
+    }
   }
   auto out = at::empty({tokens, heads * dim}, qkv.options());
   if (tokens == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "decode_attention", [&] {
     if (dim == 64) {
-      attention_impl<scalar_t, 64>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+      attention_impl<scalar_t, 64>(qkv, table, k_cache, v_cache, tp, width, rp, pp, heads, kv_heads, out);
     } else if (dim == 128) {
-      attention_impl<scalar_t, 128>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+      attention_impl<scalar_t, 128>(qkv, table, k_cache, v_cache, tp, width, rp, pp, heads, kv_heads, out);
     } else {
-      attention_impl<scalar_t, 0>(qkv, table, k_cache, v_cache, rp, pp, heads, kv_heads, out);
+      attention_impl<scalar_t, 0>(qkv, table, k_cache, v_cache, tp, width, rp, pp, heads, kv_heads, out);
     }
   });
   return out;
@@ -273,8 +295,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& table, at::
 
 TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
   m.def(
-      "decode_attention(Tensor qkv, Tensor rope_table, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
-      "Tensor positions, int heads, int kv_heads) -> Tensor");
+      "decode_attention(Tensor qkv, Tensor rope_table, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, "
+      "Tensor rows, Tensor positions, int heads, int kv_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("decode_attention", &decode_attention); }

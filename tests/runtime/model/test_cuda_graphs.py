@@ -39,8 +39,9 @@ def test_capture_needs_the_triton_backend_and_a_cuda_model():
     triton_meta = LoRAKernelMeta.make(select_backend("cpu", KernelConfig(backend=BackendKind.TRITON)), 4, 8, 64, "cpu")
     with pytest.raises(ValueError, match="need a cuda model"):
         model.enable_decode_graphs(triton_meta)
-    assert model.decode_graphs is None and model.layers[0].attention.kv_cache.max_batch == 3, (
-        "a refusal changes nothing"
+    cache = model.layers[0].attention.kv_cache
+    assert model.decode_graphs is None and model.max_batch == 3 and cache.num_blocks == 3 + 1, (
+        "a refusal changes nothing (3 rows of one 16-token block, and the spare)"
     )
     assert not can_capture(triton_meta) and not can_capture(torch_meta), "the engine's test: cuda and triton only"
 

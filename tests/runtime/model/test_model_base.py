@@ -100,7 +100,8 @@ def test_setup_caches_is_explicit(tmp_path: Path) -> None:
         step(model, [SequenceChunk(0, 0, (1,))])
     model.setup_caches(max_batch=2, max_seq_len=8)
     cache = model.layers[0].attention.kv_cache
-    assert cache is not None and tuple(cache.k.shape) == (2, 8, TINY["num_key_value_heads"], 8)
+    # 2 sequences of one 16-position block each (8 positions round up), and the spare block
+    assert cache is not None and tuple(cache.k.shape) == (3, 16, TINY["num_key_value_heads"], 8)
     with torch.device("meta"):
         meta_model = Llama(model.config)
     with pytest.raises(ValueError, match="meta device"):

@@ -10,9 +10,7 @@ import torch
 
 from kernels.cpu import weights as packing
 from runtime.engine.sampling import SamplingParams
-from runtime.model.batch import SeqSpan
 from runtime.model.checkpoint import load_model
-from runtime.model.kv_cache import KVCache, plan_attention
 from runtime.model.projection import LoRALinear
 from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS, FP32_TOL, ROWS, max_diff, oracle_logits
 from tests.runtime._steps import greedy, prefill_logits
@@ -79,42 +77,6 @@ def test_nothing_is_packed_where_onednn_does_not_apply(written, monkeypatch) -> 
     assert not packing.can_pack(torch.zeros(2, 2, device="meta"))
     monkeypatch.setenv(packing.PACK_ENV, "0")
     assert not load_model(written[None][0]).packed
-
-
-def _filled_cache(rows: int, positions: int) -> KVCache:
-    cache = KVCache(rows, positions, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
-    generator = torch.Generator().manual_seed(0)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
-    return cache
-
-
-@pytest.mark.parametrize(
-    "spans",
-    [
-        # (row, offset, count, end): decode tokens with ragged contexts, out of row order
-        ((3, 0, 1, 7), (0, 1, 1, 1), (5, 2, 1, 19), (1, 3, 1, 12)),
-        # decode rows forming one contiguous range, out of order: read as a view of the cache
-        ((4, 0, 1, 7), (2, 1, 1, 19), (3, 2, 1, 1), (5, 3, 1, 12)),
-        # prefill chunks (fresh and with a cached prefix) between decode tokens
-        ((2, 0, 1, 9), (0, 1, 5, 5), (4, 6, 1, 3), (1, 7, 3, 14), (5, 10, 1, 20)),
-        # prefill only, one decode only
-        ((0, 0, 4, 4), (1, 4, 2, 11)),
-        ((3, 0, 1, 16),),
-    ],
-    ids=["decode-ragged", "decode-row-range", "mixed", "prefill-only", "one-decode"],
-)
-def test_batched_attention_equals_per_sequence_reference(spans) -> None:
-    cache = _filled_cache(rows=6, positions=20)
-    spans = tuple(SeqSpan(*span) for span in spans)
-    tokens = sum(span.count for span in spans)
-    q = torch.randn(tokens, 4, 8, generator=torch.Generator().manual_seed(1))  # 4 query heads over 2 KV heads
-    plan = plan_attention(spans, "cpu")
-    assert (plan.rows is not None) == any(span.count == 1 for span in spans)
-    decode_rows = sorted(span.cache_row for span in spans if span.count == 1)
-    contiguous = bool(decode_rows) and decode_rows == list(range(decode_rows[0], decode_rows[0] + len(decode_rows)))
-    assert (plan.row_start is not None) == contiguous
-    torch.testing.assert_close(cache.attend(q, plan), cache.attend_spans(q, spans), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
