@@ -356,6 +356,14 @@ def _metrics_table(snapshot: dict) -> str:
                 f"{name.replace('_', ' ')}: {wait['count']} {what}, total {wait['total_seconds']:.3f}s, "
                 f"p50 {wait['p50_s'] * 1e3:.2f} ms, p99 {wait['p99_s'] * 1e3:.2f} ms, max {wait['max_s'] * 1e3:.2f} ms"
             )
+    kv = snapshot.get("kv")
+    if kv:
+        lines.append(
+            f"kv cache: {kv['blocks_used']} / {kv['blocks_total']} blocks used, {kv['blocks_cached']} cached, "
+            f"{kv['block_size']} tokens each; prefix hit rate {kv['prefix_hit_rate']:.1%} "
+            f"({kv['prefix_hit_tokens']} of {kv['prefix_queried_tokens']} tokens, {kv['prefix_hit_requests']} of "
+            f"{kv['prefix_queried_requests']} requests), {kv['preemptions']} preemptions"
+        )
     return "\n".join(lines)
 
 

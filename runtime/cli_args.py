@@ -53,6 +53,19 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
         help=f"tokens per engine step{each}: prefill chunks plus decode tokens (vLLM's --max-num-batched-tokens; 512)",
     )
     parser.add_argument(
+        "--kv-cache-bytes",
+        type=parse_bytes,
+        default=None,
+        help=f"bytes of the KV block pool{each}, e.g. 4GiB (default: --max-batch sequences of --max-seq-len tokens, at "
+        "most half the device's free memory); --max-batch stays a cap",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt from its first token (default: reuse cached prefix blocks per adapter)",
+    )
+    parser.add_argument(
         "--admin-token", default=os.environ.get(TOKEN_ENV), help=f"bearer token for admin routes (default ${TOKEN_ENV})"
     )
     tail = "" if replica else "; --adapter at start-up may name any directory"

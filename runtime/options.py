@@ -22,8 +22,9 @@ from .server.state import ServerConfig
 _GIB = 1 << 30
 # namespace attributes ServeOptions reads: those both commands declare, and those only `serve` has
 _SHARED = (
-    "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token"
-)
+    "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token",
+    "kv_cache_bytes", "prefix_caching",
+)  # fmt: skip
 _SERVE_ONLY = ("pool_bytes", "dtype", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -52,6 +53,8 @@ class ServeOptions:
     max_seq_len: int = 2048  # prompt + output tokens per sequence
     token_budget: int = 512  # tokens per engine step: prefill chunks plus decode tokens
     admin_token: str | None = None  # bearer token for the admin routes
+    kv_cache_bytes: int | None = None  # bytes of the KV block pool; None: max_batch sequences of max_seq_len
+    prefix_caching: bool = True  # reuse cached prefix blocks per adapter
     local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
     pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # serve only: the serving dtype's torch name
@@ -94,7 +97,13 @@ class ServeOptions:
             local_roots=self.local_roots,
         )
         scheduler = SchedulerConfig(token_budget=self.token_budget)
-        engine = EngineConfig(max_batch=self.max_batch, max_seq_len=self.max_seq_len, scheduler=scheduler)
+        engine = EngineConfig(
+            max_batch=self.max_batch,
+            max_seq_len=self.max_seq_len,
+            scheduler=scheduler,
+            kv_cache_bytes=self.kv_cache_bytes,
+            prefix_caching=self.prefix_caching,
+        )
         return ServingConfigs(manager, engine, server, dtype)
 
 

@@ -5,7 +5,8 @@
         OpenAI(base_url=server.url + "/v1", api_key="-").completions.create(model="org/adapter", prompt="Hi")
 
 Routes: see `openai_routes` (completions, chat, models) and `admin_routes` (adapters, vLLM load/unload), plus
-``GET /metrics`` (Prometheus text), ``GET /v1/metrics/swaps`` (the manager's JSON snapshot with hit rates) and
+``GET /metrics`` (Prometheus text), ``GET /v1/metrics/swaps`` (the manager's JSON snapshot with hit rates, and the
+engine's KV blocks and prefix cache under ``kv``) and
 ``GET /health``. Bodies larger than ``max_body_bytes`` get 413 before any route reads them.
 """
 
@@ -32,6 +33,7 @@ from ..engine.engine import Engine
 from ..model.tokenizer import Tokenizer
 from .admin_routes import admin_router
 from .http_errors import error_body, install_handlers
+from .kv_collector import KVCacheCollector
 from .openai_routes import openai_router
 from .state import ServerConfig, ServerState
 
@@ -58,6 +60,7 @@ def create_app(engine: Engine, manager: AdapterManager, tokenizer: Tokenizer, co
 
     registry = CollectorRegistry()
     registry.register(AdapterManagerCollector(manager))
+    registry.register(KVCacheCollector(engine))
     served = Counter(
         "adapter_manager_http_requests", "HTTP requests by route and status", ["route", "status"], registry=registry
     )
@@ -96,6 +99,7 @@ def create_app(engine: Engine, manager: AdapterManager, tokenizer: Tokenizer, co
             for tier in sorted(set(hits) | set(misses))
             if (total := hits.get(tier, 0) + misses.get(tier, 0))
         }
+        snapshot["kv"] = engine.kv_metrics().to_dict()  # KV blocks and the prefix cache
         return snapshot
 
     return app

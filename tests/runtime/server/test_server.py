@@ -281,6 +281,15 @@ def test_prometheus_text_and_swap_snapshot(server, client, admin):
     assert any(s.labels["route"] == "/v1/completions" and s.labels["status"] == "200" for s in served)
     requests = {s.labels["adapter"]: s.value for s in families["adapter_manager_adapter_requests"].samples}
     assert requests["team/ad0"] >= 1 and "other" in requests  # the one per-adapter series: top K + "other"
+    client.completions.create(model="team/ad0", prompt="metrics " * 6, max_tokens=1)
+    client.completions.create(model="team/ad0", prompt="metrics " * 6, max_tokens=1)  # its prefix is cached now
+    families = {f.name: f for f in parser.text_string_to_metric_families(admin.get("/metrics").text)}
+    kv = admin.get("/v1/metrics/swaps").json()["kv"]
+    assert kv["prefix_hit_tokens"] > 0 and 0 < kv["prefix_hit_rate"] < 1 and kv["blocks_cached"] > 0
+    assert families["adapter_manager_prefix_hits_tokens"].samples[0].value == kv["prefix_hit_tokens"]
+    states = {s.labels["state"]: s.value for s in families["adapter_manager_kv_blocks"].samples}
+    assert states["used"] + states["free"] == kv["blocks_total"] and states["cached"] == kv["blocks_cached"]
+    assert "adapter_manager_kv_preemptions" in families and "adapter_manager_prefix_cache_hit_rate" in families
     for name, family in families.items():  # low cardinality: no other adapter ids as labels
         if name != "adapter_manager_adapter_requests":
             assert all("team/ad0" not in json.dumps(s.labels) for s in family.samples)
