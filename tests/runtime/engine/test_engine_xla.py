@@ -18,6 +18,7 @@ from kernels import LoRAKernelMeta, select_backend
 from runtime.engine.engine import Engine, EngineConfig
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
+from runtime.engine.step_batch import block_bytes
 from runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
@@ -87,16 +88,25 @@ def test_padding_goes_to_the_spare_row():
 
 def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected):
     """Warm-up over every (token bucket, active width, logits rows) with every slot filled, then 200 steps with
-    arrivals, departures, swaps (5 adapters through 2 slots) and changing mixes, then echo (prompt_logprobs) requests:
-    no compile, and every greedy generation equals HF `generate`."""
+    arrivals, departures, swaps (5 adapters through 2 slots), changing mixes, prefix-cache hits and preemptions (a
+    pool of 8 KV blocks), then echo (prompt_logprobs) requests: no compile, and every greedy generation equals HF
+    `generate`."""
     device = torch_xla.device()
     model = load_model(written[None][0], dtype=torch.float32, device=device)
     spec = model.config.to_spec(TINY_NAME)
     manager = AdapterManager(spec, AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device))
     for name in ADAPTERS:
         manager.register(str(written[name][0]), adapter_id=name)
+    # blocks of 4 tokens, 8 of them (one sequence of 32) for 4 sequences: prefix hits and preemptions
+    kv_bytes = 8 * block_bytes(model.config, torch.float32, 4)
     config = EngineConfig(
-        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS, eos_ids=()
+        max_batch=4,
+        max_seq_len=32,
+        scheduler=SchedulerConfig(token_budget=32),
+        token_buckets=BUCKETS,
+        eos_ids=(),
+        kv_block_size=4,
+        kv_cache_bytes=kv_bytes,
     )
     engine = Engine(model, manager, config)
     try:
@@ -122,6 +132,8 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
                 buckets_seen.add(next(b for b in BUCKETS if b >= stats.tokens))
         assert compile_count() == warmed, "a step after warm-up compiled"
         assert not engine.has_work
+        kv = engine.kv_metrics()
+        assert kv.prefix_hit_tokens > 0 and kv.preemptions > 0, kv  # both happened, and compiled nothing
         assert manager.metrics().moves["host_to_slot"].count - loads_before >= len(ADAPTERS)  # swaps happened
         assert len(mixes) >= 4 and len(buckets_seen) >= 2, (mixes, buckets_seen)
         for handle, prompt, name, max_tokens in handles:
