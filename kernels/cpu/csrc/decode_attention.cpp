@@ -62,6 +62,14 @@ void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, i
   }
 }
 
+// Ask for the next block's `n` rows of kDim floats (stride apart) while this one is computed: the hardware
+// prefetcher follows a stride, and a row's blocks are not one stride apart.
+template <int64_t kDim>
+inline void prefetch_rows(const float* base, int64_t stride, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < kDim; c += 16) __builtin_prefetch(base + i * stride + c);
+}
+
 // out_r = sum_j p[r·keys + j] · value_j for 4 heads, 64 columns at a time held in 16 registers across the keys;
 // value j at vbase + blocks[j / bs]·bstride + (j % bs)·stride, walked block by block.
 template <int64_t kDim>
@@ -72,6 +80,7 @@ void weighted4(const float* p, const float* vbase, const int64_t* blocks, int64_
     for (int64_t b = 0, j0 = 0; j0 < keys; ++b, j0 += bs) {
       const float* block = vbase + blocks[b] * bstride + c;
       const int64_t n = std::min(bs, keys - j0);
+      if (j0 + bs < keys) prefetch_rows<64>(vbase + blocks[b + 1] * bstride + c, stride, std::min(bs, keys - j0 - bs));
       for (int64_t i = 0; i < n; ++i) {
         const float* value = block + i * stride;
         const v16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
@@ -173,10 +182,13 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& table, at::Tensor& 
       constexpr bool kVector = std::is_same_v<scalar_t, float> && kDim > 0 && kDim % 64 == 0;
       if constexpr (kVector) {
         if (rep % 4 == 0) {
-          for (int64_t b = 0, j0 = 0; j0 < keys; ++b, j0 += bs)
+          for (int64_t b = 0, j0 = 0; j0 < keys; ++b, j0 += bs) {
+            if (j0 + bs < keys)
+              prefetch_rows<kDim>(kbase + blocks[b + 1] * block_stride, cache_pos, std::min(bs, keys - j0 - bs));
             for (int64_t r = 0; r < rep; r += 4)
               scores4<kDim>(q.data() + r * dim, kbase + blocks[b] * block_stride, cache_pos, std::min(bs, keys - j0),
                             keys, scale, p.data() + r * keys + j0);
+          }
           softmax_rows(p.data(), rep, keys);
           for (int64_t r = 0; r < rep; r += 4)
             weighted4<kDim>(p.data() + r * keys, vbase, blocks, bs, block_stride, cache_pos, keys, acc.data() + r * dim);
