@@ -6,7 +6,15 @@ from kernels.backend import select_backend
 from kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.grouping import AdapterRows, Segment, SlotGrouping
-from kernels.layer_ops import base_linear, decode_ops, pack_weight, packs_by_default, plain_matmul, unpack_weight
+from kernels.layer_ops import (
+    base_linear,
+    choose_weight_layout,
+    decode_ops,
+    pack_weight,
+    packs_by_default,
+    plain_matmul,
+    unpack_weight,
+)
 from kernels.meta import LoRAKernelMeta
 from kernels.ops import apply_parts, expand, fused_linear, shrink, shrink_parts
 from kernels.protocol import (
@@ -39,6 +47,7 @@ __all__ = [
     "WeightLayout",
     "apply_parts",
     "base_linear",
+    "choose_weight_layout",
     "bucket_for",
     "decode_ops",
     "expand",

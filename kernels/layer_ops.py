@@ -11,6 +11,8 @@ with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 import kernels.cpu as cpu
@@ -23,11 +25,20 @@ def decode_ops(x: torch.Tensor) -> DecodeOps | None:
     return cpu.decode_ops if x.device.type == "cpu" and cpu.decode_ops.available(x) else None
 
 
-def pack_weight(weight: torch.Tensor) -> LinearWeight | None:
-    """``weight`` [out, in] as a new copy (same values) in the layout its device's room reads fastest; None where the
-    plain layout stays (CUDA, XLA, a dtype no packed matmul takes). CPU: fp32 in our blocked layout where the library
-    builds (``ADAPTER_MANAGER_WEIGHT_LAYOUT=onednn``: oneDNN's), bf16 in oneDNN's."""
-    return cpu.weights.pack(weight) if weight.device.type == "cpu" else None
+def pack_weight(weight: torch.Tensor, layout: WeightLayout | None = None) -> LinearWeight | None:
+    """``weight`` [out, in] as a new copy (same values) in ``layout`` (from :func:`choose_weight_layout`; None: the
+    room's default for a lone weight); None where the plain layout stays (CUDA, XLA, ``layout`` plain, a dtype no
+    packed matmul takes)."""
+    return cpu.weights.pack(weight, layout) if weight.device.type == "cpu" else None
+
+
+def choose_weight_layout(dtype: torch.dtype, shapes: Sequence[tuple[int, int, int]], device: torch.device | str):
+    """The layout a model's base weights of ``shapes`` (out, in, count) in ``dtype`` read fastest in on ``device``:
+    on CPU measured once per machine and cached (:func:`kernels.cpu.layout_choice.choose_layout`;
+    ``ADAPTER_MANAGER_WEIGHT_LAYOUT`` forces one), returned with the times it was chosen by; elsewhere plain."""
+    if torch.device(device).type != "cpu":
+        return cpu.layout_choice.LayoutChoice(WeightLayout.PLAIN, "forced", {}, {})
+    return cpu.layout_choice.choose_layout(dtype, shapes)
 
 
 def packs_by_default() -> bool:

@@ -12,6 +12,9 @@ os.environ.pop("HF_TOKEN", None)
 # it (AUTO never picks that backend on a CPU device). With a GPU the kernels are compiled (tests/*/test_cuda.py).
 if "TRITON_INTERPRET" not in os.environ and not __import__("torch").cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# The tests name each weight layout they exercise; a model loaded without one keeps the blocked layout here, as the
+# suite was written for, instead of measuring on the machine (tests/kernels/cpu/test_layout_choice.py sets auto).
+os.environ.setdefault("ADAPTER_MANAGER_WEIGHT_LAYOUT", "blocked")
 
 from collections.abc import Callable
 from pathlib import Path

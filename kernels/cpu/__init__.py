@@ -1,7 +1,7 @@
 """The cpu backend's room: the backend (the torch forms plus one C++ call per fused linear), its C++ library (built
 and loaded on first use), the linear ops on each weight layout, the base weights' packing and the decode glue ops."""
 
-from kernels.cpu import decode_ops, weights
+from kernels.cpu import decode_ops, layout_choice, weights
 from kernels.cpu.backend import CpuFusedBackend
 from kernels.cpu.library import cache_dir, load, unavailable_reason
 from kernels.cpu.linear_ops import (
@@ -22,6 +22,7 @@ __all__ = [
     "block_weight",
     "cache_dir",
     "decode_ops",
+    "layout_choice",
     "load",
     "lora_apply",
     "lora_blocked",

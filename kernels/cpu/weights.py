@@ -15,15 +15,14 @@ import os
 
 import torch
 
+from kernels.cpu.layout_choice import LAYOUT_ENV as LAYOUT_ENV  # re-exported: benchmarks set it
+from kernels.cpu.layout_choice import forced_layout
 from kernels.cpu.library import load
 from kernels.cpu.linear_ops import LINEAR_MAX_TOKENS, block_weight, lora_blocked, lora_linear, unblock_weight
 from kernels.protocol import LinearWeight, WeightLayout
 
 PACK_ENV = "ADAPTER_MANAGER_PACK_WEIGHTS"
 """Set to ``0`` to keep plain weights on CPU (benchmarks compare the two); default on where oneDNN can."""
-LAYOUT_ENV = "ADAPTER_MANAGER_WEIGHT_LAYOUT"
-"""``blocked`` (the default: fp32 weights in our blocked layout where the CPU kernels build) or ``onednn`` (every
-packed weight in oneDNN's layout, as before the blocked one; benchmarks compare the two)."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -40,19 +39,21 @@ def pack_by_default() -> bool:
     return os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def blocked_by_default() -> bool:
-    """Whether :func:`pack_weight` takes the blocked layout for fp32 (``ADAPTER_MANAGER_WEIGHT_LAYOUT``)."""
-    layout = os.environ.get(LAYOUT_ENV, "blocked").strip().lower()
-    if layout not in ("blocked", "onednn"):
-        raise ValueError(f"{LAYOUT_ENV}={layout!r}: expected 'blocked' or 'onednn'")
-    return layout == "blocked"
+def default_layout(weight: torch.Tensor) -> WeightLayout:
+    """The layout of a weight packed on its own, without a measured choice: ``ADAPTER_MANAGER_WEIGHT_LAYOUT``'s where
+    it forces one, else fp32 in our blocked layout where the library builds and oneDNN's otherwise."""
+    forced = forced_layout()
+    if forced is not None:
+        return forced
+    return WeightLayout.BLOCKED if weight.dtype == torch.float32 and load() else WeightLayout.ONEDNN
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy of ``weight`` [out, in] (same values): an fp32 weight in our blocked layout (a dense
-    ``[ceil(out / 32), in, 32]``, :func:`kernels.cpu.linear_ops.block_weight`) where the CPU kernels load and
-    :func:`blocked_by_default`; otherwise oneDNN's reordered copy (an opaque ``torch._mkldnn`` tensor)."""
-    if weight.dtype == torch.float32 and blocked_by_default() and load():
+def pack_weight(weight: torch.Tensor, layout: WeightLayout | None = None) -> torch.Tensor:
+    """The packed copy of ``weight`` [out, in] (same values) in ``layout`` (None: :func:`default_layout`): our
+    blocked layout (a dense ``[ceil(out / 32), in, 32]``, :func:`kernels.cpu.linear_ops.block_weight`) for fp32 where
+    the CPU kernels load, otherwise oneDNN's reordered copy (an opaque ``torch._mkldnn`` tensor)."""
+    layout = default_layout(weight) if layout is None else layout
+    if layout is WeightLayout.BLOCKED and weight.dtype == torch.float32 and load():
         return block_weight(weight)
     return onednn_pack(weight)
 
@@ -84,12 +85,12 @@ def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return unblock_weight(packed, out_features) if is_blocked(packed) else packed.to_dense()
 
 
-def pack(weight: torch.Tensor) -> LinearWeight | None:
-    """``weight`` [out, in] packed (:func:`pack_weight`) as a :class:`LinearWeight`; None where it cannot be
-    (:func:`can_pack`)."""
-    if not can_pack(weight):
+def pack(weight: torch.Tensor, layout: WeightLayout | None = None) -> LinearWeight | None:
+    """``weight`` [out, in] packed (:func:`pack_weight`, in ``layout``; None: :func:`default_layout`) as a
+    :class:`LinearWeight`; None where it stays plain (``layout`` plain, or :func:`can_pack` refuses it)."""
+    if not can_pack(weight) or (layout or default_layout(weight)) is WeightLayout.PLAIN:
         return None
-    packed = pack_weight(weight)
+    packed = pack_weight(weight, layout)
     layout = WeightLayout.BLOCKED if is_blocked(packed) else WeightLayout.ONEDNN
     return LinearWeight(layout, packed, weight.shape[0])
 

@@ -24,7 +24,7 @@ from .config import LlamaConfig
 from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
 from .norm import RMSNorm
-from .projection import LoRALinear, Stacks
+from .projection import LoRALinear, Stacks, pack_linears
 from .rope import apply_rope, rope_factors, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
@@ -186,6 +186,7 @@ class Llama(nn.Module):
         self.max_batch = 0
         """The sequences of the dense tables (set by :meth:`setup_caches`); their row ``max_batch`` is the spare."""
         self.decode_graphs: DecodeGraphs | None = None
+        self.layout_choice = None  # how pack_weights chose the weights' layout (kernels.choose_weight_layout)
         """Set by :meth:`enable_decode_graphs`: the decode steps :meth:`forward` replays from CUDA graphs."""
 
     @property
@@ -264,15 +265,14 @@ class Llama(nn.Module):
         """Whether the projections' base weights are held packed (see :meth:`pack_weights`)."""
         return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
 
-    def pack_weights(self) -> bool:
-        """Pack every projection's (and an untied lm_head's) base weight (:func:`kernels.pack_weight`: on CPU fp32
-        in our blocked layout, bf16 in oneDNN's), in place of the plain one, where it applies (CPU, fp32 / supported
-        bf16); returns whether any was packed. A no-op on CUDA and XLA. Call after loading; :meth:`unpack_weights`
-        undoes it."""
-        packed = False
-        for module in self.modules():
-            if isinstance(module, LoRALinear):
-                packed |= module.pack()
+    def pack_weights(self, layout: WeightLayout | None = None) -> bool:
+        """Pack every projection's (and an untied lm_head's) base weight (:func:`kernels.pack_weight`) in ``layout``,
+        in place of the plain one, where it applies (CPU, fp32 / supported bf16); returns whether any was packed.
+        ``layout`` None: the one :func:`kernels.choose_weight_layout` measures fastest on this machine for these
+        shapes (cached; kept in :attr:`layout_choice`). A no-op on CUDA and XLA. Call after loading;
+        :meth:`unpack_weights` undoes it."""
+        packed, choice = pack_linears([m for m in self.modules() if isinstance(m, LoRALinear)], layout)
+        self.layout_choice = choice if choice is not None else self.layout_choice
         return packed
 
     def unpack_weights(self) -> None:

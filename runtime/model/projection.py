@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple, Protocol
 
 import torch
@@ -14,6 +15,7 @@ from kernels import (
     WeightLayout,
     apply_parts,
     base_linear,
+    choose_weight_layout,
     expand,
     fused_linear,
     pack_weight,
@@ -162,12 +164,12 @@ class LoRALinear(nn.Module):
     def weight_dtype(self) -> torch.dtype:
         return self._packed.tensor.dtype if self._packed is not None else self.weight.dtype
 
-    def pack(self) -> bool:
-        """Replace the plain weight by its packed copy (:func:`kernels.pack_weight`: on CPU fp32 blocked, bf16
-        oneDNN's) where it applies; returns whether the layer is packed. Pack last: ``to()`` does not move or cast a
-        packed weight."""
+    def pack(self, layout: WeightLayout | None = None) -> bool:
+        """Replace the plain weight by its packed copy in ``layout`` (:func:`kernels.pack_weight`; None: the lone
+        weight's default, on CPU fp32 blocked, bf16 oneDNN's) where it applies; returns whether the layer is packed.
+        Pack last: ``to()`` does not move or cast a packed weight."""
         if self._packed is None and self.weight is not None:
-            self._packed = pack_weight(self.weight)
+            self._packed = pack_weight(self.weight, layout)
             if self._packed is not None:
                 self.weight = None  # the plain copy goes: one copy of the weight in memory
         return self._packed is not None
@@ -189,13 +191,14 @@ class LoRALinear(nn.Module):
         state = dict(super().__getstate__())
         if self._packed is not None:
             state["_packed"], state["_packed_plain"] = None, unpack_weight(self._packed)
+            state["_packed_layout"] = self._packed.layout
         return state
 
     def __setstate__(self, state: dict) -> None:
-        plain = state.pop("_packed_plain", None)
+        plain, layout = state.pop("_packed_plain", None), state.pop("_packed_layout", None)
         super().__setstate__(state)
         if plain is not None:
-            self._packed = pack_weight(plain)
+            self._packed = pack_weight(plain, layout)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         if self._packed is not None:
@@ -354,3 +357,20 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         extra = f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"
         return extra + (f", {self._packed.layout.value}" if self._packed is not None else "")
+
+
+def pack_linears(linears: list[LoRALinear], layout: WeightLayout | None = None):
+    """Pack each of ``linears`` still holding a plain weight (:meth:`LoRALinear.pack`) in ``layout``; None: the one
+    :func:`kernels.choose_weight_layout` measures fastest here for their shapes. Returns (whether any is packed,
+    the choice made: None when ``layout`` was given or nothing was plain)."""
+    plain = [m for m in linears if m.weight is not None]
+    choice = None
+    if layout is None and plain:
+        shapes = Counter((m.out_total, m.in_features) for m in plain)
+        first = plain[0].weight
+        choice = choose_weight_layout(first.dtype, [(o, i, n) for (o, i), n in shapes.items()], first.device)
+        layout = choice.layout
+    packed = False
+    for module in linears:
+        packed |= module.pack(layout)
+    return packed, choice
