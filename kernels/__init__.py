@@ -4,6 +4,7 @@ backend (or the room of the tensors' device) picks its implementation."""
 from kernels.active_table import bucket_for
 from kernels.backend import select_backend
 from kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
+from kernels.cpu.machine import cpu_flags, cpu_model, has_fast_bf16
 from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from kernels.grouping import AdapterRows, Segment, SlotGrouping
 from kernels.layer_ops import (
@@ -48,10 +49,13 @@ __all__ = [
     "apply_parts",
     "base_linear",
     "choose_weight_layout",
+    "cpu_flags",
+    "cpu_model",
     "bucket_for",
     "decode_ops",
     "expand",
     "fused_linear",
+    "has_fast_bf16",
     "pack_weight",
     "packs_by_default",
     "plain_matmul",

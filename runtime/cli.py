@@ -95,7 +95,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--pool-bytes", type=parse_bytes, default=None, help="size the adapter pool in bytes instead, e.g. 1GiB"
     )
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(float32)")
+    serve.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="serving dtype (auto: the checkpoint's torch_dtype, float32 where it names none)",
+    )
     serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -208,7 +213,7 @@ def _load_and_serve(args: argparse.Namespace) -> int:
         scratch = tempfile.TemporaryDirectory(prefix="adapter-manager-model-") if args.workdir is None else None
         with scratch or contextlib.nullcontext(str(args.workdir)) as tmp:
             folder, name = model_source(args, Path(tmp), lambda ref: CheckpointSource(ref).resolve())
-            configs = ServeOptions.from_args(args, name).configs()
+            configs = ServeOptions.from_args(args, name).configs(folder)
             serving = build_serving(
                 folder, configs.manager, configs.engine, configs.server, dtype=configs.dtype, model_ref=args.model
             )
@@ -218,10 +223,12 @@ def _load_and_serve(args: argparse.Namespace) -> int:
                 result = serving.manager.register(ref, adapter_id or None)
                 print(f"registered {result.record.adapter_id} ({result.record.sha[:12]}, rank {result.record.rank})")
             try:
-                mode = serving.engine.decode_mode
+                mode, model = serving.engine.decode_mode, serving.engine.model
+                weights = f"{str(model.dtype).removeprefix('torch.')} weights, {model.weight_layout} layout"
 
                 def ready(url: str) -> None:
-                    print(f"serving {name} at {url} (OpenAI API: {url}/v1; decode steps: {mode})", flush=True)
+                    line = f"serving {name} at {url} (OpenAI API: {url}/v1; {weights}; decode steps: {mode})"
+                    print(line, flush=True)
 
                 serve(serving.app, on_ready=ready)
             finally:
@@ -272,7 +279,7 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
     from .options import ServeOptions
 
     try:
-        configs = ServeOptions.from_args(args, name, replica=True).configs()
+        configs = ServeOptions.from_args(args, name, replica=True).configs(folder)
         config = ClusterConfig(
             folder,
             configs.manager,

@@ -84,11 +84,16 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
             max_seq_len=128,
             port=0,
             max_pending=max(256, 2 * config.clients),
-        ).configs()
+        ).configs(root / "model")
         with LocalHub(root / "hub") as hub:
             configs.manager.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)
             serving = build_serving(root / "model", configs.manager, configs.engine, configs.server, configs.dtype)
             try:
+                model = serving.engine.model
+                print(
+                    f"serving in {str(model.dtype).removeprefix('torch.')} (--dtype auto: the checkpoint's), "
+                    f"{model.weight_layout} weight layout"
+                )
                 with BackgroundServer(serving.app) as server:
                     print(f"{config.adapters} adapters on the local hub {hub.endpoint}; server at {server.url}")
                     code = _drive(config, server.url, ids)

@@ -15,7 +15,7 @@ from adapter_manager import AdapterManagerConfig
 
 from .engine.engine import EngineConfig
 from .engine.scheduler import SchedulerConfig
-from .model.checkpoint import write_random_checkpoint
+from .model.checkpoint import DTYPE_CHOICES, resolve_dtype, write_random_checkpoint
 from .model.config import LlamaConfig
 from .server.state import ServerConfig
 
@@ -26,7 +26,6 @@ _SHARED = (
     "kv_cache_bytes", "prefix_caching",
 )  # fmt: skip
 _SERVE_ONLY = ("pool_bytes", "dtype", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class ServeOptions:
     prefix_caching: bool = True  # reuse cached prefix blocks per adapter
     local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
     pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # serve only: the serving dtype's torch name
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # serve only: auto is the checkpoint's
     state_dir: Path | None = None  # serve only: the manager's durable registrations (a cluster's are the directory's)
     disk_cache_bytes: int | None = None  # serve only: bound of the adapter files in the HF cache
     host: str = "127.0.0.1"  # serve only: bind address (Serve listens for a cluster)
@@ -65,8 +64,8 @@ class ServeOptions:
     max_pending: int = 256  # serve only: requests in flight before 503
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_name: str, *, replica: bool = False) -> ServeOptions:
@@ -75,9 +74,10 @@ class ServeOptions:
         local_roots = tuple(args.local_root) if args.local_root else None
         return cls(model_name, local_roots=local_roots, **{name: getattr(args, name) for name in names})
 
-    def configs(self) -> ServingConfigs:
-        """The configs of the adapter pool, the engine and the HTTP server."""
-        dtype = getattr(torch, self.dtype)
+    def configs(self, folder: Path | None = None) -> ServingConfigs:
+        """The configs of the adapter pool, the engine and the HTTP server; dtype ``auto`` is the one the checkpoint
+        in ``folder`` names (:func:`runtime.model.checkpoint.resolve_dtype`: float32 where it names none)."""
+        dtype = resolve_dtype(folder, self.dtype)
         manager = AdapterManagerConfig(
             max_slots="auto" if self.pool_bytes else self.max_slots,
             max_rank=self.max_rank,

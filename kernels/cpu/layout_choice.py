@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import library
+from kernels.cpu.machine import cpu_flags, cpu_model
 from kernels.protocol import WeightLayout
 
 _log = logging.getLogger(__name__)
@@ -116,25 +117,15 @@ def choose_layout(dtype: torch.dtype, shapes: Sequence[Shape]) -> LayoutChoice:
         if key not in _logged:
             _logged.add(key)
             _log.info(
-                "weight layout for %s on %s: %s", str(dtype).removeprefix("torch."), _cpu_name(), choice.describe()
+                "weight layout for %s on %s: %s", str(dtype).removeprefix("torch."), cpu_model(), choice.describe()
             )
     return choice
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "this CPU"
-
-
 def _key(dtype: torch.dtype, shapes: tuple[Shape, ...]) -> str:
     parts = (
-        _cpu_name(),
-        library._cpu_flags(),
+        cpu_model(),
+        " ".join(sorted(cpu_flags() or ())),
         torch.__version__,
         library._name(),
         str(torch.get_num_threads()),

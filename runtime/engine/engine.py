@@ -37,13 +37,14 @@ from ..model.batch import ForwardBatch
 from ..model.cuda_graphs import can_capture, use_decode_graphs
 from ..model.llama import Llama
 from .config import EngineConfig, StepStats
+from .device import device_free_bytes, xla_sync
 from .kv_blocks import BlockPool
-from .kv_space import KVSpace
+from .kv_space import KVSpace, block_bytes
 from .kv_stats import KVMetrics, kv_metrics
 from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, StepPlan, plan_step
-from .step_batch import block_bytes, device_free_bytes, place_chunks, step_batch, step_meta, xla_sync
+from .step_batch import place_chunks, step_batch, step_meta
 from .step_lease import acquire_step
 from .step_loop import StepLoop
 from .step_sampling import plan_sampling, record_sampling

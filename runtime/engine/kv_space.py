@@ -19,10 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.config import LlamaConfig
 from .kv_blocks import BlockPool, block_names
 from .request import Request
 
 BASE_NAMESPACE = b"base"
+
+
+def block_bytes(config: LlamaConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one KV block: ``block_size`` positions of every layer's K and V."""
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return block_size * per_token
 
 
 @dataclass

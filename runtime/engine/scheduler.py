@@ -141,7 +141,7 @@ def plan_step(
     chunks = [pieces[id(r)] for r in sorted(staying, key=lambda r: r.in_prefill) if id(r) in pieces]
     adapters = {r.adapter_id for r in staying if r.adapter_id is not None} | set(pinned)
     used = pinned_units + sum(units_of(a) for a in adapters if a not in pinned)
-    seats = kv.seats + len(preempted)
+    seats = kv.seats  # a step that preempts admits no one, so the seats its victims free are never counted
     ready: dict[str, bool] = {}  # adapter id -> is_ready, asked once per distinct adapter
     unit_cost: dict[str, int] = {}
     admitted: list[Request] = []

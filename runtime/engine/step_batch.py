@@ -1,9 +1,8 @@
 """What one step hands the model: the LoRA metadata sized for the engine, the KV blocks its chunks need, and the
-flat token batch over the step's block tables. Also the KV pool's size in bytes."""
+flat token batch over the step's block tables."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -11,25 +10,9 @@ import torch
 from kernels import LoRAKernelMeta
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
-from ..model.config import LlamaConfig
 from .kv_space import KVSpace
 from .request import Request
 from .scheduler import ScheduledChunk
-
-
-def block_bytes(config: LlamaConfig, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes of one KV block: ``block_size`` positions of every layer's K and V."""
-    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
-    return block_size * per_token
-
-
-def device_free_bytes(device: torch.device) -> int | None:
-    """Free memory of the device the caches live on (CPU: available RAM); None where it cannot be asked (XLA)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return None
 
 
 def step_meta(backend, pool, max_batch: int, max_tokens: int, device: torch.device) -> LoRAKernelMeta:
@@ -90,10 +73,3 @@ def step_batch(
         count = sum(len(s.tokens) for s in sequences)
         static = StaticPadding(next(b for b in buckets if b >= count), logits, spare_row)
     return ForwardBatch.from_chunks(sequences, device=device, padding=static, block_tables=tables)
-
-
-def xla_sync() -> None:
-    """Cut the lazy graph of every live tensor on the XLA device and run it (a traced step's one sync)."""
-    import torch_xla
-
-    torch_xla.sync()

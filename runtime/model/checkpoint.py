@@ -7,6 +7,8 @@ with ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "we
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,7 +20,10 @@ from safetensors.torch import save_file
 from kernels import packs_by_default
 
 from .config import LlamaConfig, eos_ids
+from .cpu_features import warn_if_slow_bf16
 from .llama import Llama
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -36,6 +41,11 @@ HUB_PATTERNS = (
 """What a hub download fetches: never pickle weights."""
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt")
 _LOCAL_PREFIXES = ("/", "./", "../", "~", "file://")
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a model is served in, by torch name."""
+DTYPE_CHOICES = ("auto", *SERVED_DTYPES)
+"""What a requested serving dtype may be: a served dtype's name, or "auto": the checkpoint's (:func:`resolve_dtype`)."""
+_DTYPE_KEYS = ("dtype", "torch_dtype")  # config.json: the key transformers >= 4.56 writes, and the older one
 
 
 class CheckpointError(Exception):
@@ -106,17 +116,65 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
+def resolve_dtype(
+    source: str | Path | Mapping[str, object] | None, requested: str | torch.dtype = "auto"
+) -> torch.dtype:
+    """The serving dtype: ``requested`` (a torch dtype, or a name in :data:`DTYPE_CHOICES`), where "auto" is the one
+    the checkpoint's config.json names (``dtype``, or ``torch_dtype`` as transformers before 4.56 wrote it) when it
+    is float32, bfloat16 or float16, and float32 where it names none or another (float64, null). ``source``: the
+    checkpoint folder, its config.json, or the parsed config; only "auto" reads it (None is then refused). What
+    "auto" chose and why is logged at INFO.
+
+    Example: a folder whose config.json says ``"torch_dtype": "bfloat16"`` -> ``torch.bfloat16``."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
+    if requested != "auto":
+        return getattr(torch, requested)
+    if source is None:
+        raise ValueError("dtype 'auto' is the checkpoint's: name its folder to resolve it")
+    config = source if isinstance(source, Mapping) else _read_config(Path(source))
+    key = next((k for k in _DTYPE_KEYS if k in config), None)
+    declared = config.get(key) if key else None
+    name = declared.removeprefix("torch.") if isinstance(declared, str) else None
+    if name in SERVED_DTYPES:
+        dtype, why = getattr(torch, name), f"config.json {key} is {declared!r}"
+    elif key is None:
+        dtype, why = torch.float32, "config.json names no dtype"
+    else:
+        dtype, why = torch.float32, f"config.json {key} {declared!r} is none of {', '.join(SERVED_DTYPES)}"
+    log.info("dtype auto: serving in %s (%s)", str(dtype).removeprefix("torch."), why)
+    return dtype
+
+
+def _read_config(path: Path) -> Mapping[str, object]:
+    """The parsed config.json of a checkpoint folder (or the file itself)."""
+    path = path / CONFIG_FILE if path.is_dir() else path
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read the checkpoint's {CONFIG_FILE} at {path}: {err}") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return config
+
+
 def load_model(
     folder: str | Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     pack_weights: bool | None = None,
 ) -> Llama:
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
 
+    ``dtype`` is a torch dtype or a name :func:`resolve_dtype` takes ("auto", the default: the checkpoint's own,
+    float32 where it names none). bf16 on a CPU that lacks avx512_bf16 and AMX works, and warns once that float32
+    is faster there.
+
     ``pack_weights`` (None: on unless ``ADAPTER_MANAGER_PACK_WEIGHTS=0``) then reorders the projections' weights
-    (fp32: our blocked layout; bf16: oneDNN's) where it applies (CPU; :meth:`Llama.pack_weights`), replacing the
-    plain ones.
+    into the layout measured fastest on this machine (our blocked one, oneDNN's, or plain) where it applies (CPU;
+    :meth:`Llama.pack_weights`), replacing the plain ones.
 
     Every parameter is written exactly once (fused q/k/v and gate/up row slices included); tensors are read one at a
     time from the memory-mapped files, so at no point does a second copy of the weights exist. The end-of-sequence
@@ -127,6 +185,9 @@ def load_model(
     if not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     config = LlamaConfig.from_hf(folder / CONFIG_FILE)
+    dtype = resolve_dtype(folder, dtype)
+    if torch.device(device).type == "cpu":
+        warn_if_slow_bf16(dtype)
     generation = folder / GENERATION_CONFIG_FILE
     if generation.is_file():
         try:
@@ -169,9 +230,10 @@ def load_model(
 
 
 def load_checkpoint(
-    source: CheckpointSource | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    source: CheckpointSource | str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu"
 ) -> tuple[Llama, Path]:
-    """Resolve ``source`` (local dir or hub id) and load it; returns the model and the local folder."""
+    """Resolve ``source`` (local dir or hub id) and load it in ``dtype`` (as :func:`load_model` takes it: "auto" is
+    the checkpoint's); returns the model and the local folder."""
     source = CheckpointSource(source) if isinstance(source, str) else source
     folder = source.resolve()
     return load_model(folder, dtype, device), folder

@@ -265,6 +265,11 @@ class Llama(nn.Module):
         """Whether the projections' base weights are held packed (see :meth:`pack_weights`)."""
         return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
 
+    @property
+    def weight_layout(self) -> str:
+        """How the projections' base weights are held: ``plain``, ``blocked`` or ``onednn`` (the first's)."""
+        return next((m.layout.value for m in self.modules() if isinstance(m, LoRALinear)), "plain")
+
     def pack_weights(self, layout: WeightLayout | None = None) -> bool:
         """Pack every projection's (and an untied lm_head's) base weight (:func:`kernels.pack_weight`) in ``layout``,
         in place of the plain one, where it applies (CPU, fp32 / supported bf16); returns whether any was packed.
@@ -272,14 +277,13 @@ class Llama(nn.Module):
         shapes (cached; kept in :attr:`layout_choice`). A no-op on CUDA and XLA. Call after loading;
         :meth:`unpack_weights` undoes it."""
         packed, choice = pack_linears([m for m in self.modules() if isinstance(m, LoRALinear)], layout)
-        self.layout_choice = choice if choice is not None else self.layout_choice
+        self.layout_choice = choice or self.layout_choice
         return packed
 
     def unpack_weights(self) -> None:
         """Plain weights again (same values)."""
-        for module in self.modules():
-            if isinstance(module, LoRALinear):
-                module.unpack()
+        for module in (m for m in self.modules() if isinstance(m, LoRALinear)):
+            module.unpack()
 
     def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
         """Route every module's LoRA through the slot pool's rows (by reference: later slot loads are seen).

@@ -4,46 +4,32 @@ choice tuned on one kind can lose on another)."""
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import kernels
+
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 """The /proc/cpuinfo flags the CPU kernels' choices depend on."""
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; ("", empty) where it cannot be read."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return model, flags
-
-
 def cpu_model() -> str:
     """The CPU's model name (``platform.processor()`` where /proc/cpuinfo has none)."""
-    return _cpuinfo()[0] or platform.processor() or "unknown"
+    return kernels.cpu_model()
 
 
 def cpu_features() -> dict[str, object]:
     """The machine description a CPU figure carries: model, the ISA flags that matter, torch's view of them."""
-    _, flags = _cpuinfo()
+    flags = kernels.cpu_flags() or frozenset()
     return {
         "model": cpu_model(),
         "isa": [flag for flag in ISA_FLAGS if flag in flags],
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
+        "native_bf16": kernels.has_fast_bf16(flags),
         "amx": "amx_tile" in flags,
         "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     }

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import urllib.request
 from dataclasses import dataclass
 
+import pytest
 from huggingface_hub import snapshot_download
 
 from adapter_manager import write_synthetic_adapter
@@ -139,6 +141,8 @@ def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
         lines = [proc.stdout.readline(), proc.stdout.readline()]
         assert lines[0].startswith("registered pre/loaded"), lines
         assert " at http://127.0.0.1:" in lines[1], proc.stderr.read() if proc.poll() is not None else lines
+        # dtype auto: the random checkpoint's float32; the layout measured on this machine (its env names none)
+        assert re.search(r"; float32 weights, (blocked|onednn|plain) layout;", lines[1]), lines[1]
         url = lines[1].split(" at ", 1)[1].split()[0]
         auth = ("--url", url, "--admin-token", "cli-test-token")
         with urllib.request.urlopen(url + "/health", timeout=30) as response:
@@ -187,19 +191,46 @@ def test_demo_small_run_prints_its_table(tmp_path):
         assert row in out, row
 
 
-def test_serve_sizes_the_engine_from_the_command_line():
+def test_serve_sizes_the_engine_from_the_command_line(tmp_path):
     """--token-budget (vLLM's --max-num-batched-tokens), --max-batch and --max-seq-len reach the engine's config, for
     `serve` and for every replica of `cluster serve`."""
     from runtime.cli import _parser
     from runtime.options import ServeOptions
 
     sizes = ["--token-budget", "64", "--max-batch", "3", "--max-seq-len", "96"]
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint naming no dtype: auto serves float32
     for command, replica in ((["serve", "--random", "tiny"], False), (["cluster", "serve", "--random", "tiny"], True)):
         args = _parser().parse_args([*command, *sizes])
-        engine = ServeOptions.from_args(args, "tiny", replica=replica).configs().engine
+        engine = ServeOptions.from_args(args, "tiny", replica=replica).configs(tmp_path).engine
         assert (engine.scheduler.token_budget, engine.max_batch, engine.max_seq_len) == (64, 3, 96), command
-    default = ServeOptions.from_args(_parser().parse_args(["serve", "--random", "tiny"]), "tiny").configs().engine
-    assert default.scheduler.token_budget == 512
+    default = ServeOptions.from_args(_parser().parse_args(["serve", "--random", "tiny"]), "tiny").configs(tmp_path)
+    assert default.engine.scheduler.token_budget == 512
+
+
+def test_serve_dtype_auto_is_the_checkpoints(tmp_path):
+    """--dtype auto (the default) serves in the checkpoint's torch_dtype, model and slots alike; a named dtype
+    overrides it; auto without a checkpoint to read is refused."""
+    import torch
+
+    from runtime.cli import _parser
+    from runtime.model.checkpoint import write_random_checkpoint
+    from runtime.model.config import LlamaConfig
+    from runtime.options import ServeOptions
+
+    write_random_checkpoint(LlamaConfig.tiny(), tmp_path / "bf16", dtype=torch.bfloat16)
+    write_random_checkpoint(LlamaConfig.tiny(), tmp_path / "fp32")
+
+    def options(*extra: str) -> ServeOptions:
+        return ServeOptions.from_args(_parser().parse_args(["serve", "model", *extra]), "model")
+
+    auto = options().configs(tmp_path / "bf16")
+    assert (auto.dtype, auto.manager.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert options().configs(tmp_path / "fp32").dtype == torch.float32
+    assert options("--dtype", "float32").configs(tmp_path / "bf16").dtype == torch.float32
+    cluster = ServeOptions.from_args(_parser().parse_args(["cluster", "serve", "m"]), "m", replica=True)
+    assert cluster.configs(tmp_path / "bf16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="auto"):
+        options().configs()
 
 
 def test_sigterm_while_the_model_loads_stops_serve_with_exit_0(tmp_path):

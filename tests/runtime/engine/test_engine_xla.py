@@ -16,9 +16,9 @@ import torch
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from kernels import LoRAKernelMeta, select_backend
 from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.kv_space import block_bytes
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SchedulerConfig
-from runtime.engine.step_batch import block_bytes
 from runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding
 from runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME

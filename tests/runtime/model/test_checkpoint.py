@@ -16,9 +16,11 @@ from runtime.model.checkpoint import (
     CheckpointSource,
     load_checkpoint,
     load_model,
+    resolve_dtype,
     write_random_checkpoint,
 )
 from runtime.model.config import LlamaConfig, RopeScaling
+from runtime.model.cpu_features import warn_if_slow_bf16
 from tests.conftest import TINY, make_tiny_llama
 from tests.runtime._steps import prefill_logits
 
@@ -146,3 +148,56 @@ def test_config_reads_both_rope_layouts(tmp_path: Path) -> None:
         assert ours.rope_theta == 5e5
         assert ours.rope_scaling == RopeScaling("llama3", 4.0, 1.0, 4.0, 32)
         assert ours.head_dim == 8 and ours.num_kv_heads == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"torch_dtype": "bfloat16"}, torch.bfloat16),  # transformers before 4.56
+        ({"dtype": "float16"}, torch.float16),  # transformers >= 4.56
+        ({"dtype": "torch.bfloat16"}, torch.bfloat16),
+        ({}, torch.float32),  # names none
+        ({"torch_dtype": None}, torch.float32),
+        ({"torch_dtype": "float64"}, torch.float32),  # not a serving dtype
+    ],
+)
+def test_dtype_auto_is_the_checkpoints_own(tmp_path: Path, config: dict, expected: torch.dtype, caplog) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("INFO", logger="runtime.model.checkpoint"):
+        assert resolve_dtype(tmp_path) == expected == resolve_dtype(config, "auto")
+    assert f"dtype auto: serving in {str(expected).removeprefix('torch.')}" in caplog.text
+    assert resolve_dtype(tmp_path, "float32") == torch.float32 == resolve_dtype(None, torch.float32)
+
+
+def test_dtype_refusals(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
+        resolve_dtype({}, "float8")
+    with pytest.raises(ValueError, match="name its folder"):
+        resolve_dtype(None)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        resolve_dtype(tmp_path)  # no config.json
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        resolve_dtype(tmp_path)
+
+
+def test_load_model_serves_a_bf16_checkpoint_in_bf16_by_default(tmp_path: Path) -> None:
+    write_random_checkpoint(SMALL, tmp_path / "bf16", dtype=torch.bfloat16)
+    write_random_checkpoint(SMALL, tmp_path / "fp32")
+    assert load_model(tmp_path / "bf16", pack_weights=False).dtype == torch.bfloat16
+    assert load_model(tmp_path / "bf16", dtype="float32", pack_weights=False).dtype == torch.float32
+    assert load_model(tmp_path / "fp32", pack_weights=False).dtype == torch.float32
+
+
+def test_bf16_warns_once_where_the_cpu_emulates_it(caplog) -> None:
+    import runtime.model.cpu_features as features
+
+    features._warned = False
+    with caplog.at_level("WARNING", logger=features.__name__):
+        assert not warn_if_slow_bf16(torch.float32, {"avx2"})
+        assert not warn_if_slow_bf16(torch.bfloat16, {"avx2", "avx512_bf16"})
+        assert not warn_if_slow_bf16(torch.bfloat16, {"amx_bf16"})
+        assert warn_if_slow_bf16(torch.bfloat16, {"avx2", "fma"})
+        assert not warn_if_slow_bf16(torch.bfloat16, {"avx2"})  # once per process
+    assert caplog.text.count("--dtype float32") == 1
+    features._warned = False
