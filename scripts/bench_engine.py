@@ -81,6 +81,9 @@ def main() -> None:
         config = work.config
         models = {"packed": work.model}
         results["load_packed_s"] = round(work.load_s, 2)
+        choice = work.model.layout_choice
+        results["weight_layout"] = choice.describe() if choice else work.model.weight_layout
+        print(f"weight layout (chosen at load): {results['weight_layout']}", flush=True)
         plain = work.load_model(pack_weights=False)
         if not args.no_plain:
             models["plain"] = plain

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections import Counter
 from collections.abc import Callable
 
 import torch
 
+import kernels
 from kernels import WeightLayout
 from kernels.cpu import weights as packing
 from scripts.harness import (
@@ -34,6 +36,7 @@ from scripts.harness import (
     StepSetup,
     adapter_bytes,
     base_linears,
+    cpu_model,
     decode_step_parser,
     engine_workload,
     interleaved_ms,
@@ -88,6 +91,9 @@ def main() -> None:
                 if layout == "blocked" and cfg != "base":  # the same layers, the matmul and the LoRA in two calls
                     fns[f"split/{cfg}"] = one_call(model, False, setup.step_fn(cfg, prefill))
         os.environ.pop(packing.LAYOUT_ENV)
+        shapes = Counter(tuple(w.shape) for w in weights)
+        chosen = kernels.choose_weight_layout(torch.float32, [(o, i, n) for (o, i), n in shapes.items()], "cpu")
+        print(f"CPU {cpu_model()}; the engine's measured choice: {chosen.describe()}", flush=True)
         if not prefill:
             inputs = {w.shape[1]: torch.randn(args.seqs, w.shape[1]) for w in weights}
             onednn = [packing.onednn_pack(w) for w in weights]

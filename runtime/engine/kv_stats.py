@@ -45,21 +45,15 @@ class KVMetrics:
 
 
 def kv_metrics(kv: KVSpace, cache_bytes: int, running: int, waiting: int) -> KVMetrics:
-    """The snapshot of ``kv`` (called under the engine's lock)."""
-    counts, stats = kv.pool.counts(), kv.stats
+    """The snapshot of ``kv`` (called under the engine's lock): the pool's :class:`BlockCounts` as ``blocks_*``, the
+    :class:`PrefixStats` as ``prefix_*`` (preemptions as they are)."""
+    counts, stats = dataclasses.asdict(kv.pool.counts()), dataclasses.asdict(kv.stats)
     return KVMetrics(
         block_size=kv.block_size,
-        blocks_total=counts.total,
-        blocks_used=counts.used,
-        blocks_free=counts.free,
-        blocks_cached=counts.cached,
         cache_bytes=cache_bytes,
         running=running,
         waiting=waiting,
-        prefix_queried_tokens=stats.queried_tokens,
-        prefix_hit_tokens=stats.hit_tokens,
-        prefix_queried_requests=stats.queried_requests,
-        prefix_hit_requests=stats.hit_requests,
-        preemptions=stats.preemptions,
-        prefix_dropped_blocks=stats.dropped_blocks,
+        preemptions=stats.pop("preemptions"),
+        **{f"blocks_{name}": value for name, value in counts.items()},
+        **{f"prefix_{name}": value for name, value in stats.items()},
     )
