@@ -32,14 +32,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import library
+import kernels.cpu.library as library
 from kernels.cpu.machine import cpu_flags, cpu_model
+from kernels.cpu.weights import LAYOUT_ENV, LinearWeight, forced_layout, linear, pack
 from kernels.protocol import WeightLayout
 
 _log = logging.getLogger(__name__)
 
-LAYOUT_ENV = "ADAPTER_MANAGER_WEIGHT_LAYOUT"
-"""``auto`` (default: measured here, :func:`choose_layout`), or ``blocked`` / ``onednn`` / ``plain`` to force one."""
 CACHE_FILE = "weight_layouts.json"
 DECODE_TOKENS = 8  # rows of the measured decode matmul (the engine's default batch decodes about this many)
 PREFILL_TOKENS = 256  # rows of the measured prefill matmul
@@ -73,17 +72,6 @@ class LayoutChoice:
             f"{self.layout.value} ({self.source}; decode chain at {DECODE_TOKENS} tokens: {times(self.decode_ms)}; "
             f"prefill chain at {PREFILL_TOKENS} tokens: {times(self.prefill_ms)})"
         )
-
-
-def forced_layout() -> WeightLayout | None:
-    """The layout ``ADAPTER_MANAGER_WEIGHT_LAYOUT`` forces, or None for ``auto`` / unset (a ValueError otherwise)."""
-    value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
-    if value == "auto":
-        return None
-    try:
-        return WeightLayout(value)
-    except ValueError:
-        raise ValueError(f"{LAYOUT_ENV}={value!r}: expected auto, blocked, onednn or plain") from None
 
 
 def candidates(dtype: torch.dtype) -> list[WeightLayout]:
@@ -174,12 +162,10 @@ def _write_cached(key: str, choice: LayoutChoice) -> None:
 
 def _matmul(layout: WeightLayout, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> x @ weight.T`` the way the model runs it on a weight held in ``layout``."""
-    from kernels.cpu import weights  # noqa: PLC0415 - weights imports this module
-
-    held = weights.pack(weight, layout)
+    held = pack(weight, layout)
     if held is None:
-        held = weights.LinearWeight(WeightLayout.PLAIN, weight, weight.shape[0])
-    return lambda x: weights.linear(x, held, fast=True, reorder=True)
+        held = LinearWeight(WeightLayout.PLAIN, weight, weight.shape[0])
+    return lambda x: linear(x, held, fast=True, reorder=True)
 
 
 def _measure(dtype: torch.dtype, shapes: tuple[Shape, ...], options: list[WeightLayout]) -> LayoutChoice:

@@ -15,12 +15,12 @@ import os
 
 import torch
 
-from kernels.cpu.layout_choice import LAYOUT_ENV as LAYOUT_ENV  # re-exported: benchmarks set it
-from kernels.cpu.layout_choice import forced_layout
 from kernels.cpu.library import load
 from kernels.cpu.linear_ops import LINEAR_MAX_TOKENS, block_weight, lora_blocked, lora_linear, unblock_weight
 from kernels.protocol import LinearWeight, WeightLayout
 
+LAYOUT_ENV = "ADAPTER_MANAGER_WEIGHT_LAYOUT"
+"""``auto`` (default: measured here, :func:`choose_layout`), or ``blocked`` / ``onednn`` / ``plain`` to force one."""
 PACK_ENV = "ADAPTER_MANAGER_PACK_WEIGHTS"
 """Set to ``0`` to keep plain weights on CPU (benchmarks compare the two); default on where oneDNN can."""
 
@@ -37,6 +37,17 @@ def can_pack(weight: torch.Tensor) -> bool:
 def pack_by_default() -> bool:
     """The load-time default: on unless ``ADAPTER_MANAGER_PACK_WEIGHTS=0``."""
     return os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def forced_layout() -> WeightLayout | None:
+    """The layout ``ADAPTER_MANAGER_WEIGHT_LAYOUT`` forces, or None for ``auto`` / unset (a ValueError otherwise)."""
+    value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return None
+    try:
+        return WeightLayout(value)
+    except ValueError:
+        raise ValueError(f"{LAYOUT_ENV}={value!r}: expected auto, blocked, onednn or plain") from None
 
 
 def default_layout(weight: torch.Tensor) -> WeightLayout:

@@ -266,8 +266,7 @@ class Llama(nn.Module):
         return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
 
     @property
-    def weight_layout(self) -> str:
-        """How the projections' base weights are held: ``plain``, ``blocked`` or ``onednn`` (the first's)."""
+    def weight_layout(self) -> str:  # how the first projection's base weight is held: plain, blocked or onednn
         return next((m.layout.value for m in self.modules() if isinstance(m, LoRALinear)), "plain")
 
     def pack_weights(self, layout: WeightLayout | None = None) -> bool:
