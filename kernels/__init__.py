@@ -14,6 +14,7 @@ from kernels.layer_ops import (
     pack_weight,
     packs_by_default,
     plain_matmul,
+    quantize_weight,
     unpack_weight,
 )
 from kernels.meta import LoRAKernelMeta
@@ -59,6 +60,7 @@ __all__ = [
     "pack_weight",
     "packs_by_default",
     "plain_matmul",
+    "quantize_weight",
     "select_backend",
     "shrink",
     "shrink_parts",

@@ -32,6 +32,14 @@ def pack_weight(weight: torch.Tensor, layout: WeightLayout | None = None) -> Lin
     return cpu.weights.pack(weight, layout) if weight.device.type == "cpu" else None
 
 
+def quantize_weight(weight: torch.Tensor) -> LinearWeight:
+    """``weight`` [out, in] as weight-only int8 with one scale per output row (symmetric, ``max|W[n]| / 127`` rounded
+    to the weight's dtype), on its own device: the :class:`WeightLayout` INT8 form the device's matmul reads. The
+    matmul of every device computes ``x @ W.T`` for the dequantized ``W = q · scales[:, None]``
+    (:func:`unpack_weight` returns it)."""
+    return cpu.weights.quantize(weight)
+
+
 def choose_weight_layout(dtype: torch.dtype, shapes: Sequence[tuple[int, int, int]], device: torch.device | str):
     """The layout a model's base weights of ``shapes`` (out, in, count) in ``dtype`` read fastest in on ``device``:
     on CPU measured once per machine and cached (:func:`kernels.cpu.layout_choice.choose_layout`;
@@ -47,7 +55,7 @@ def packs_by_default() -> bool:
 
 
 def unpack_weight(weight: LinearWeight) -> torch.Tensor:
-    """The plain ``[out, in]`` weight back from any layout (a plain one as it is)."""
+    """The plain ``[out, in]`` weight back from any layout (a plain one as it is; an int8 one dequantized)."""
     return weight.tensor if weight.layout is WeightLayout.PLAIN else cpu.weights.unpack(weight)
 
 
@@ -57,6 +65,8 @@ def base_linear(x: torch.Tensor, weight: LinearWeight, fast: bool = False, reord
     take the library's decode linear. ``reorder``: a plain weight may be reordered for oneDNN's linear at this call
     (a prefill's projection); False keeps torch's matmul (a tied lm_head, whose reorder would cost more than its few
     rows' matmul). Shape: x [T, in]; returns a new [T, weight.out_features]."""
+    if weight.layout is WeightLayout.INT8:
+        return cpu.weights.int8_linear(x, weight)
     if weight.layout is WeightLayout.PLAIN and x.device.type != "cpu":
         return x @ weight.tensor.t()
     return cpu.weights.linear(x, weight, fast, reorder)
@@ -65,6 +75,8 @@ def base_linear(x: torch.Tensor, weight: LinearWeight, fast: bool = False, reord
 def plain_matmul(x: torch.Tensor, weight: LinearWeight) -> bool:
     """Whether :func:`base_linear` of ``x`` is torch's own ``x @ W.T`` for this weight (no packed or oneDNN
     matmul): then a caller may write its LoRA terms first and add the base matmul on top with one ``addmm_``."""
+    if weight.layout is WeightLayout.INT8:
+        return False
     if weight.layout is WeightLayout.PLAIN and x.device.type != "cpu":
         return True
     return cpu.weights.plain_matmul(x, weight)

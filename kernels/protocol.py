@@ -59,6 +59,10 @@ class WeightLayout(enum.Enum):
     """Our fp32 blocked layout, ``[ceil(out / 32), in, 32]`` (:func:`kernels.cpu.linear_ops.block_weight`)."""
     ONEDNN = "onednn"
     """oneDNN's reordered copy (an opaque ``torch._mkldnn`` tensor: ``torch.ops.mkldnn._reorder_linear_weight``)."""
+    INT8 = "int8"
+    """Weight-only int8 with one scale per output row (:func:`kernels.quantize_weight`): ``W = q · scales[:, None]``;
+    ``tensor`` is q, ``[out, in]`` int8, or on CPU in fp32 its blocked ``[ceil(out / 48), in, 48]``
+    (:func:`kernels.cpu.linear_ops.q8_block`); ``scales`` ``[out]`` in the serving dtype."""
 
 
 class LinearWeight(NamedTuple):
@@ -68,6 +72,8 @@ class LinearWeight(NamedTuple):
     tensor: torch.Tensor
     out_features: int
     """W's rows: the output's width (a blocked weight pads them to a multiple of 32)."""
+    scales: torch.Tensor | None = None
+    """INT8 only: one scale per output row ``[out_features]``, in the serving dtype."""
 
 
 class LoRAGroups(NamedTuple):

@@ -101,6 +101,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         default="auto",
         help="serving dtype (auto: the checkpoint's torch_dtype, float32 where it names none)",
     )
+    serve.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: hold the base model's projection weights weight-only int8 (one scale per output row; adapters "
+        "stay in the serving dtype)",
+    )
     serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -215,7 +222,13 @@ def _load_and_serve(args: argparse.Namespace) -> int:
             folder, name = model_source(args, Path(tmp), lambda ref: CheckpointSource(ref).resolve())
             configs = ServeOptions.from_args(args, name).configs(folder)
             serving = build_serving(
-                folder, configs.manager, configs.engine, configs.server, dtype=configs.dtype, model_ref=args.model
+                folder,
+                configs.manager,
+                configs.engine,
+                configs.server,
+                dtype=configs.dtype,
+                model_ref=args.model,
+                quantize=configs.quantize,
             )
             _print_restored(serving.manager)
             for spec in args.adapter:

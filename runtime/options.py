@@ -15,7 +15,7 @@ from adapter_manager import AdapterManagerConfig
 
 from .engine.engine import EngineConfig
 from .engine.scheduler import SchedulerConfig
-from .model.checkpoint import DTYPE_CHOICES, resolve_dtype, write_random_checkpoint
+from .model.checkpoint import DTYPE_CHOICES, check_quantize, resolve_dtype, write_random_checkpoint
 from .model.config import LlamaConfig
 from .server.state import ServerConfig
 
@@ -25,7 +25,7 @@ _SHARED = (
     "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token",
     "kv_cache_bytes", "prefix_caching",
 )  # fmt: skip
-_SERVE_ONLY = ("pool_bytes", "dtype", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
+_SERVE_ONLY = ("pool_bytes", "dtype", "quantize", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class ServingConfigs:
     engine: EngineConfig  # continuous batching
     server: ServerConfig  # the API: model name, where it listens, admin token, local roots
     dtype: torch.dtype  # the base model's serving dtype
+    quantize: str | None = None  # the base weights' quantization: None (as loaded) or "int8"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class ServeOptions:
     local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
     pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # serve only: auto is the checkpoint's
+    quantize: Literal["none", "int8"] = "none"  # serve only: int8 holds the block projections weight-only int8
     state_dir: Path | None = None  # serve only: the manager's durable registrations (a cluster's are the directory's)
     disk_cache_bytes: int | None = None  # serve only: bound of the adapter files in the HF cache
     host: str = "127.0.0.1"  # serve only: bind address (Serve listens for a cluster)
@@ -66,6 +68,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        check_quantize(self.quantize)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_name: str, *, replica: bool = False) -> ServeOptions:
@@ -104,7 +107,7 @@ class ServeOptions:
             kv_cache_bytes=self.kv_cache_bytes,
             prefix_caching=self.prefix_caching,
         )
-        return ServingConfigs(manager, engine, server, dtype)
+        return ServingConfigs(manager, engine, server, dtype, check_quantize(self.quantize))
 
 
 def model_source(args: argparse.Namespace, random_root: Path, resolve: Callable[[str], Path]) -> tuple[Path, str]:

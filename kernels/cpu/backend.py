@@ -96,6 +96,8 @@ class CpuFusedBackend(TorchEagerBackend):
             return None
         a_groups, bts, offsets = groups
         w = weight.tensor
+        if weight.layout is WeightLayout.INT8:  # its matmul, then the LoRA (kernels.base_linear, apply_parts)
+            return None
         if weight.layout is WeightLayout.BLOCKED:  # any step with an adapter: prefill too
             return lora_blocked(x, w, weight.out_features, a_groups, bts, offsets, runs)
         if meta.form is not LoRAForm.FUSED:

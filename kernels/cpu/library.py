@@ -1,7 +1,8 @@
 """Build (once per machine) and load the CPU backend's C++ library: ``torch.ops.adapter_manager.lora_apply`` (the LoRA
-of a fused linear), ``lora_linear`` (a plain fp32 decode linear's base matmul with its LoRA), ``lora_blocked`` (a linear
-on our blocked weight layout with its LoRA, any number of tokens), ``lora_onednn`` (the same on a oneDNN-packed weight:
-oneDNN's linear, then lora_apply, in one call) — wrapped in :mod:`kernels.cpu.linear_ops` — and the decode step's glue
+of a fused linear), ``lora_linear`` (a plain fp32 decode linear's base matmul with its LoRA), ``q8_linear`` (a linear
+on an int8 weight with a scale per output row), ``lora_blocked`` (a linear on our blocked weight layout with its
+LoRA, any number of tokens), ``lora_onednn`` (the same on a oneDNN-packed weight: oneDNN's linear, then lora_apply,
+in one call) — wrapped in :mod:`kernels.cpu.linear_ops` — and the decode step's glue
 ops ``decode_attention``, ``add_rms_norm``, ``silu_mul`` (:mod:`kernels.cpu.decode_ops`).
 
 The sources are ``kernels/cpu/csrc/<op>.cpp``, one per op (with the headers ``lora_common.h`` and ``vec16.h``), one
@@ -29,7 +30,10 @@ import torch
 _log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_OPS = ("lora_apply", "lora_onednn", "lora_linear", "lora_blocked", "decode_attention", "add_rms_norm", "silu_mul")
+_OPS = (
+    "lora_apply", "lora_onednn", "lora_linear", "lora_blocked", "q8_linear", "decode_attention", "add_rms_norm",
+    "silu_mul",
+)  # fmt: skip
 SOURCES = tuple(_CSRC / f"{op}.cpp" for op in _OPS)  # one source per op, named after it
 HEADERS = tuple(_CSRC / name for name in ("vec16.h", "lora_common.h", "decode_common.h"))  # in the build's hash too
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"

@@ -1,6 +1,7 @@
 """The CPU library's linear ops (:mod:`kernels.cpu.library` builds and loads them): a fused linear's LoRA
-(``lora_apply``), and a linear's base matmul with its LoRA in one call per weight layout (``lora_blocked`` on our
-blocked fp32 layout, ``lora_onednn`` on oneDNN's, ``lora_linear`` on a plain fp32 weight at decode).
+(``lora_apply``), a linear's base matmul with its LoRA in one call per weight layout (``lora_blocked`` on our
+blocked fp32 layout, ``lora_onednn`` on oneDNN's, ``lora_linear`` on a plain fp32 weight at decode), and the base
+matmul on an int8 weight (``q8_linear``, blocked by :func:`q8_block`).
 Call :func:`kernels.cpu.library.load` first.
 """
 
@@ -14,6 +15,7 @@ _op = None  # torch.ops.adapter_manager.lora_apply.default, once resolved
 _linear_op = None  # torch.ops.adapter_manager.lora_linear.default, once resolved
 _onednn_op = None  # torch.ops.adapter_manager.lora_onednn.default, once resolved
 _blocked_op = None  # torch.ops.adapter_manager.lora_blocked.default, once resolved
+_q8_op = None  # torch.ops.adapter_manager.q8_linear.default, once resolved
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], runs: torch.Tensor) -> None:
@@ -100,3 +102,42 @@ def lora_blocked(
     if _blocked_op is None:
         _blocked_op = torch.ops.adapter_manager.lora_blocked.default
     return _blocked_op(x, wb, n, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
+
+
+Q8_BLOCK = 48
+"""Output columns per block of :func:`q8_block`'s layout (kQ8Block in ``csrc/q8_linear.cpp``)."""
+
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric weight-only int8 with one scale per output row: ``(q, scales)`` with ``scales[n] = max|W[n]| / 127``
+    rounded to ``scale_dtype`` first (so ``q · scales`` is exactly the dequantized weight in that dtype's scale) and
+    ``q = round(W / scales)`` in [-127, 127]; an all-zero row gets scale 1. Shape: w [out, in]; returns q [out, in]
+    int8 and scales [out]."""
+    w32 = w.detach().float()
+    scales = (w32.abs().amax(dim=1) / 127).to(scale_dtype)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w32 / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def q8_block(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [N, in] in the blocked layout :func:`q8_linear` reads: ``qb[b, k, c] = q[Q8_BLOCK·b + c, k]``, zero past
+    N. Returns a new contiguous [ceil(N / Q8_BLOCK), in, Q8_BLOCK]."""
+    n, k = q.shape
+    padded = torch.nn.functional.pad(q, (0, 0, 0, -n % Q8_BLOCK))
+    return padded.view(-1, Q8_BLOCK, k).transpose(1, 2).contiguous()
+
+
+def q8_unblock(qb: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain int8 [n, in] back from :func:`q8_block`'s layout."""
+    return qb.transpose(1, 2).reshape(-1, qb.shape[1])[:n].contiguous()
+
+
+def q8_linear(x: torch.Tensor, qb: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """Semantics: ``y = (x @ q.T) · scales`` for the int8 q [n, in] held as :func:`q8_block`'s ``qb`` (= ``x @ W.T``
+    for the dequantized ``W = q · scales[:, None]``, within fp32 rounding). Any number of tokens, fp32 x and scales.
+    See its csrc/ source. Load the library first. Shape: x [T, in]; scales [n]; returns a new [T, n]."""
+    global _q8_op
+    if _q8_op is None:
+        _q8_op = torch.ops.adapter_manager.q8_linear.default
+    return _q8_op(x, qb, scales, n)

@@ -16,7 +16,17 @@ import os
 import torch
 
 from kernels.cpu.library import load
-from kernels.cpu.linear_ops import LINEAR_MAX_TOKENS, block_weight, lora_blocked, lora_linear, unblock_weight
+from kernels.cpu.linear_ops import (
+    LINEAR_MAX_TOKENS,
+    block_weight,
+    lora_blocked,
+    lora_linear,
+    q8_block,
+    q8_linear,
+    q8_unblock,
+    quantize_int8,
+    unblock_weight,
+)
 from kernels.protocol import LinearWeight, WeightLayout
 
 LAYOUT_ENV = "ADAPTER_MANAGER_WEIGHT_LAYOUT"
@@ -44,10 +54,9 @@ def forced_layout() -> WeightLayout | None:
     value = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
     if value == "auto":
         return None
-    try:
-        return WeightLayout(value)
-    except ValueError:
-        raise ValueError(f"{LAYOUT_ENV}={value!r}: expected auto, blocked, onednn or plain") from None
+    if value not in ("blocked", "onednn", "plain"):  # int8 is a quantization (load_model's quantize), not a layout
+        raise ValueError(f"{LAYOUT_ENV}={value!r}: expected auto, blocked, onednn or plain")
+    return WeightLayout(value)
 
 
 def default_layout(weight: torch.Tensor) -> WeightLayout:
@@ -107,8 +116,42 @@ def pack(weight: torch.Tensor, layout: WeightLayout | None = None) -> LinearWeig
 
 
 def unpack(weight: LinearWeight) -> torch.Tensor:
-    """The plain [out, in] weight of any layout (a plain one as it is)."""
+    """The plain [out, in] weight of any layout (a plain one as it is; an int8 one dequantized)."""
+    if weight.layout is WeightLayout.INT8:
+        return dequantize(weight)
     return weight.tensor if weight.layout is WeightLayout.PLAIN else unpack_weight(weight.tensor, weight.out_features)
+
+
+def quantize(weight: torch.Tensor) -> LinearWeight:
+    """``weight`` [out, in] as weight-only int8 with one scale per output row in its dtype
+    (:func:`kernels.cpu.linear_ops.quantize_int8`): for fp32 on CPU where the library builds, q in the blocked layout
+    :func:`q8_linear` reads; otherwise q plain ``[out, in]`` (bf16 / fp16: torch's ``_weight_int8pack_mm`` reads it;
+    CUDA, XLA: dequantized inside the matmul)."""
+    q, scales = quantize_int8(weight, weight.dtype)
+    cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32 and load()
+    return LinearWeight(WeightLayout.INT8, q8_block(q) if cpu_fp32 else q, weight.shape[0], scales)
+
+
+def dequantize(weight: LinearWeight) -> torch.Tensor:
+    """The dequantized [out, in] weight of an int8 one, ``q · scales[:, None]`` in the scales' dtype (computed in fp32:
+    the values every int8 matmul here stands for)."""
+    q = weight.tensor if weight.tensor.dim() == 2 else q8_unblock(weight.tensor, weight.out_features)
+    assert weight.scales is not None
+    return (q.float() * weight.scales.float()[:, None]).to(weight.scales.dtype)
+
+
+def int8_linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    """Semantics: ``x @ W.T`` for the dequantized int8 W (:func:`dequantize`), any device: the blocked fp32 form
+    through :func:`q8_linear`, bf16 / fp16 on CPU through torch's ``_weight_int8pack_mm`` (fp32 accumulation), else
+    the weight dequantized inside the matmul (XLA fuses it into the dot; CUDA materialises it per call). Shape:
+    x [T, in]; returns a new [T, out]."""
+    q, scales = weight.tensor, weight.scales
+    assert scales is not None
+    if q.dim() == 3:
+        return q8_linear(x if x.stride(1) == 1 else x.contiguous(), q, scales, weight.out_features)
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == scales.dtype:
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales)
+    return x @ (q.to(x.dtype) * scales.to(x.dtype)[:, None]).t()
 
 
 def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -135,6 +178,8 @@ def linear(x: torch.Tensor, weight: LinearWeight, fast: bool, reorder: bool) -> 
     weight of few tokens through the decode kernel when ``fast``; a plain one of many tokens through oneDNN's
     linear when ``reorder``; else torch's matmul. Shape: x [T, in]; returns a new [T, out]."""
     w = weight.tensor
+    if weight.layout is WeightLayout.INT8:
+        return int8_linear(x, weight)
     if weight.layout is not WeightLayout.PLAIN:
         return packed_linear(x, w, weight.out_features)
     if fast and decode_kernel_takes(x, w):

@@ -22,6 +22,7 @@ from kernels import packs_by_default
 from .config import LlamaConfig, eos_ids
 from .cpu_features import warn_if_slow_bf16
 from .llama import Llama
+from .projection import LoRALinear, quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ SERVED_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes a model is served in, by torch name."""
 DTYPE_CHOICES = ("auto", *SERVED_DTYPES)
 """What a requested serving dtype may be: a served dtype's name, or "auto": the checkpoint's (:func:`resolve_dtype`)."""
+QUANTIZE_CHOICES = ("none", "int8")
+"""How a model's base weights may be held: as loaded, or weight-only int8 (:func:`load_model`'s ``quantize``)."""
 _DTYPE_KEYS = ("dtype", "torch_dtype")  # config.json: the key transformers >= 4.56 writes, and the older one
 
 
@@ -165,6 +168,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     pack_weights: bool | None = None,
+    quantize: str | None = None,
 ) -> Llama:
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
 
@@ -176,12 +180,18 @@ def load_model(
     into the layout measured fastest on this machine (our blocked one, oneDNN's, or plain) where it applies (CPU;
     :meth:`Llama.pack_weights`), replacing the plain ones.
 
+    ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every transformer
+    block's projection weight (q/k/v/o/gate/up/down) by weight-only int8 with one scale per output row
+    (:func:`kernels.quantize_weight`, any device); embeddings, norms and the lm_head stay in ``dtype``, and so do the
+    adapters' rows: their LoRA adds onto the int8 matmul's output.
+
     Every parameter is written exactly once (fused q/k/v and gate/up row slices included); tensors are read one at a
     time from the memory-mapped files, so at no point does a second copy of the weights exist. The end-of-sequence
     ids come from ``generation_config.json`` when it names them (as transformers' ``generate`` reads them), else
     from ``config.json``.
     """
     folder = Path(folder)
+    quantize = check_quantize(quantize)
     if not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     config = LlamaConfig.from_hf(folder / CONFIG_FILE)
@@ -224,19 +234,31 @@ def load_model(
             f"{folder}: tensors missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
     model = model.eval().requires_grad_(False)
+    if quantize not in (None, "none"):
+        quantize_linears([m for m in model.layers.modules() if isinstance(m, LoRALinear)])
     if pack_weights if pack_weights is not None else packs_by_default():
         model.pack_weights()
     return model
 
 
+def check_quantize(quantize: str | None) -> str | None:
+    """``quantize`` as :func:`load_model` takes it (None for "none"), or a ValueError naming the choices."""
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+    return None if quantize == "none" else quantize
+
+
 def load_checkpoint(
-    source: CheckpointSource | str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu"
+    source: CheckpointSource | str,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    quantize: str | None = None,
 ) -> tuple[Llama, Path]:
     """Resolve ``source`` (local dir or hub id) and load it in ``dtype`` (as :func:`load_model` takes it: "auto" is
-    the checkpoint's); returns the model and the local folder."""
+    the checkpoint's; ``quantize`` too); returns the model and the local folder."""
     source = CheckpointSource(source) if isinstance(source, str) else source
     folder = source.resolve()
-    return load_model(folder, dtype, device), folder
+    return load_model(folder, dtype, device, quantize=quantize), folder
 
 
 def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -262,11 +262,11 @@ class Llama(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether the projections' base weights are held packed (see :meth:`pack_weights`)."""
+        """Whether the projections' base weights are held packed or int8 (see :meth:`pack_weights`)."""
         return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
 
     @property
-    def weight_layout(self) -> str:  # how the first projection's base weight is held: plain, blocked or onednn
+    def weight_layout(self) -> str:  # the first projection's: plain, blocked, onednn or int8
         return next((m.layout.value for m in self.modules() if isinstance(m, LoRALinear)), "plain")
 
     def pack_weights(self, layout: WeightLayout | None = None) -> bool:

@@ -20,6 +20,7 @@ from kernels import (
     fused_linear,
     pack_weight,
     plain_matmul,
+    quantize_weight,
     shrink,
     shrink_parts,
     unpack_weight,
@@ -116,6 +117,11 @@ class LoRALinear(nn.Module):
     weight in its layout: the kernels pick the implementation.
     ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused; pickling and
     ``deepcopy`` carry the weight plain and pack it again.
+
+    Quantized weight: :meth:`quantize` replaces the plain weight by its int8 form (:func:`kernels.quantize_weight`,
+    one scale per output row; any device), held like a packed one (``layout`` INT8); the LoRA stays in the serving
+    dtype and adds onto the int8 matmul's output. ``state_dict`` and :meth:`unpack` give the dequantized weight;
+    pickling carries the int8 form as it is.
     """
 
     def __init__(
@@ -152,7 +158,7 @@ class LoRALinear(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether the base weight is held packed, in our blocked layout or oneDNN's (``weight`` is then None)."""
+        """Whether the base weight is held packed (our blocked layout, oneDNN's) or int8 (``weight`` is then None)."""
         return self._packed is not None
 
     @property
@@ -162,7 +168,10 @@ class LoRALinear(nn.Module):
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        return self._packed.tensor.dtype if self._packed is not None else self.weight.dtype
+        """The serving dtype of the layer's matmul (an int8 weight's: its scales')."""
+        if self._packed is None:
+            return self.weight.dtype
+        return self._packed.scales.dtype if self._packed.scales is not None else self._packed.tensor.dtype
 
     def pack(self, layout: WeightLayout | None = None) -> bool:
         """Replace the plain weight by its packed copy in ``layout`` (:func:`kernels.pack_weight`; None: the lone
@@ -174,8 +183,16 @@ class LoRALinear(nn.Module):
                 self.weight = None  # the plain copy goes: one copy of the weight in memory
         return self._packed is not None
 
+    def quantize(self) -> bool:
+        """Replace the plain weight by its int8 form (:func:`kernels.quantize_weight`); returns whether the layer is
+        int8 now (False where the weight is already packed: quantize before packing)."""
+        if self._packed is None and self.weight is not None:
+            self._packed = quantize_weight(self.weight)
+            self.weight = None
+        return self.layout is WeightLayout.INT8
+
     def unpack(self) -> None:
-        """Back to a plain ``weight`` Parameter (same values)."""
+        """Back to a plain ``weight`` Parameter (same values; an int8 weight dequantized)."""
         if self._packed is not None:
             self.weight = nn.Parameter(unpack_weight(self._packed), requires_grad=False)
             self._packed = None
@@ -189,7 +206,7 @@ class LoRALinear(nn.Module):
         """Pickle / deepcopy (a oneDNN tensor has no storage to copy): a packed weight travels plain, repacked on
         arrival."""
         state = dict(super().__getstate__())
-        if self._packed is not None:
+        if self._packed is not None and self._packed.layout is not WeightLayout.INT8:  # int8: plain tensors
             state["_packed"], state["_packed_plain"] = None, unpack_weight(self._packed)
             state["_packed_layout"] = self._packed.layout
         return state
@@ -221,7 +238,7 @@ class LoRALinear(nn.Module):
         """The weight as the backend's one-call form reads it: packed always, plain only with the model's fused
         decode ops on (``kernel``)."""
         if self._packed is not None:
-            return self._packed
+            return self._packed  # the backend takes the layouts it has a form for (never INT8 today)
         return self._weight() if kernel and self.weight is not None else None
 
     def attach(self, part: int, stacks: Stacks) -> None:
@@ -374,3 +391,9 @@ def pack_linears(linears: list[LoRALinear], layout: WeightLayout | None = None):
     for module in linears:
         packed |= module.pack(layout)
     return packed, choice
+
+
+def quantize_linears(linears: list[LoRALinear]) -> int:
+    """Quantize each of ``linears`` still holding a plain weight to int8 (:meth:`LoRALinear.quantize`); returns how
+    many are int8."""
+    return sum(module.quantize() for module in linears)

@@ -45,14 +45,16 @@ def build_serving(
     server_config: ServerConfig,
     dtype: torch.dtype = torch.float32,
     model_ref: str | None = None,
+    quantize: str | None = None,
 ) -> Serving:
     """Load the checkpoint in `folder` onto `manager_config.device` and build the app around it. The engine's
     max_seq_len is capped at the model's max_position_embeddings; on a traced device (XLA) the engine is warmed up
     before the app exists, so requests compile nothing. The chat template is the checkpoint's own if it has one.
     Adapters are checked against the checkpoint's identity (:func:`checkpoint_aliases`: its folder, and the hub id
-    or path `model_ref` it was served from) as well as the served name `server_config.model_name`."""
+    or path `model_ref` it was served from) as well as the served name `server_config.model_name`. `quantize`
+    ("int8") holds the base projections weight-only int8 (:func:`runtime.model.checkpoint.load_model`)."""
     folder = Path(folder)
-    model = load_model(folder, dtype=dtype, device=manager_config.device)
+    model = load_model(folder, dtype=dtype, device=manager_config.device, quantize=quantize)
     max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
     engine_config = replace(engine_config, max_seq_len=max_seq_len)
     spec = model.config.to_spec(server_config.model_name, checkpoint_aliases(folder, model_ref))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,40 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 ENGINE_NEW_TOKENS = 6  # tokens the engine tests generate per request
 ENGINE_REQUESTS = ROWS + [([3, 1, 4, 1, 5], name) for name in ADAPTERS]  # every (prompt, adapter) `expected` holds
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def int8_dequantized(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-output-row int8 of w, dequantized: the weights the int8 model stands for."""
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+def int8_copy(hf):
+    """A copy of an HF (or PEFT) model whose decoder projections' base weights are int8-dequantized; the lm_head,
+    embeddings, norms and any LoRA weights as they were."""
+    hf = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if ".layers." in name and "lora_" not in name and any(f".{p}." in name for p in PROJECTIONS):
+                param.copy_(int8_dequantized(param))
+    return hf
+
+
+def int8_generate(written, requests) -> dict[tuple[tuple[int, ...], str | None], list[int]]:
+    """HF / PEFT greedy generate on the int8-dequantized base (:func:`int8_copy`), one adapter at a time: the oracle of
+    an int8 engine for each (prompt, adapter) of ``requests``."""
+    copies, result = {}, {}
+    for prompt, name in requests:
+        if name not in copies:
+            copies[name] = int8_copy(written[name][1])
+            copies[name].generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = copies[name].generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=ENGINE_NEW_TOKENS, do_sample=False, pad_token_id=0
+            )
+        result[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
+    return result

@@ -233,6 +233,40 @@ def test_serve_dtype_auto_is_the_checkpoints(tmp_path):
         options().configs()
 
 
+def test_serve_quantize_int8_serves_an_int8_base(tmp_path, capsys):
+    """--quantize int8 reaches the loaded model (every block projection int8, the adapters' pool in the serving
+    dtype) and it answers; the default keeps the weights as loaded; an unknown choice is a usage error."""
+    import torch
+
+    from runtime.cli import _parser
+    from runtime.engine.sampling import SamplingParams
+    from runtime.model.checkpoint import write_random_checkpoint
+    from runtime.model.config import LlamaConfig
+    from runtime.options import ServeOptions
+    from runtime.server.launch import build_serving
+
+    folder = write_random_checkpoint(LlamaConfig.tiny(), tmp_path / "fp32")
+
+    def configs(*extra: str):
+        return ServeOptions.from_args(_parser().parse_args(["serve", "model", *extra]), "model").configs(folder)
+
+    assert configs().quantize is None
+    int8 = configs("--quantize", "int8")
+    assert int8.quantize == "int8"
+    serving = build_serving(folder, int8.manager, int8.engine, int8.server, int8.dtype, quantize=int8.quantize)
+    try:
+        model = serving.engine.model
+        assert model.weight_layout == "int8" and int8.manager.dtype == torch.float32
+        handle = serving.engine.submit([1, 2, 3], None, SamplingParams(max_tokens=3, ignore_eos=True))
+        serving.engine.run_until_idle(max_steps=50)
+        assert len(handle.result(timeout=0)) == 3
+    finally:
+        serving.close()
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "model", "--quantize", "int4"])
+    capsys.readouterr()
+
+
 def test_sigterm_while_the_model_loads_stops_serve_with_exit_0(tmp_path):
     """SIGTERM is a stop from the moment `serve` starts, not only once it listens: sent as soon as it says it is
     loading, the process exits 0 (not -15) and leaves no scratch folder behind in its --workdir."""

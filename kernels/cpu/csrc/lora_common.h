@@ -63,6 +63,7 @@ constexpr int64_t kTile = 64;       // expand columns per block; lora_linear's o
 constexpr int64_t kPairTokens = 4;  // a run of at least this many tokens shrinks in pair_dots' form (fp32)
 
 // out[r·8 + t] = W row r · x[t] for the row pair (w0, w1) and 8 token rows xr (K % 16 == 0 here; the tail apart).
+#if defined(__AVX512F__)
 inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,
                       const float* ahead1, float* out, const float* extra = nullptr) {
   const int64_t K16 = K - K % 16;
@@ -85,6 +86,48 @@ inline void pair_dots(const float* const* xr, const float* w0, const float* w1, 
   for (int64_t k = K16; k < K; ++k)
     for (int t = 0; t < 8; ++t) out[t] += w0[k] * xr[t][k], out[8 + t] += w1[k] * xr[t][k];
 }
+#else
+// Without AVX-512 the 16 accumulators of 16 floats above are 32 of the 16 vector registers (they spill, ~4× slower):
+// one row at a time, 8 token accumulators of 8 floats (one 256-bit register each).
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum8(v8 v) {
+  const v8 h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8 q = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
+  return q[0] + q[1];
+}
+
+inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,
+                      const float* ahead1, float* out, const float* extra = nullptr) {
+  const int64_t K8 = K - K % 8;
+  const float* fetch = extra != nullptr ? extra : ahead0;
+  for (int r = 0; r < 2; ++r) {
+    const float* w = r == 0 ? w0 : w1;
+    const float* ahead = r == 0 ? ahead0 : ahead1;
+    v8 acc[8] = {};
+    for (int64_t k = 0; k < K8; k += 8) {
+      if (k % 16 == 0) {
+        __builtin_prefetch(ahead + k, 0, 3);
+        if (r == 0) __builtin_prefetch(fetch + k, 0, 2);
+      }
+      const v8 a = load8(w + k);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) acc[t] += a * load8(xr[t] + k);
+    }
+    for (int t = 0; t < 8; ++t) {
+      float sum = sum8(acc[t]);
+      for (int64_t k = K8; k < K; ++k) sum += w[k] * xr[t][k];
+      out[8 * r + t] = sum;
+    }
+  }
+}
+#endif
 
 // y[start + t, 0 : cols] += h[t] @ Bt[0 : rank, 0 : cols] for the run's tokens (h: [count, rank]; Bt row j at b + j·bs;
 // y row t at y + t·ys), cols <= kTile: 2 tokens × 4 column vectors of accumulators, so that the rank loop's FMAs are

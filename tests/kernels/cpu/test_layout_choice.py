@@ -74,7 +74,8 @@ def test_the_environment_forces_a_layout(monkeypatch: pytest.MonkeyPatch, value:
     assert fp16.layout is WeightLayout.PLAIN  # a layout the dtype has no form for falls back to one it has
 
 
-def test_an_unknown_forced_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(layout_choice.LAYOUT_ENV, "fastest")
+@pytest.mark.parametrize("value", ["fastest", "int8"])  # int8 is load_model's quantize, not a layout
+def test_an_unknown_forced_layout_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(layout_choice.LAYOUT_ENV, value)
     with pytest.raises(ValueError, match="expected auto, blocked, onednn or plain"):
         layout_choice.choose_layout(torch.float32, SHAPES)

@@ -28,6 +28,8 @@ from tests.runtime._oracle import (
     MAX_RANK,
     ROWS,
     SLOTTED,
+    int8_copy,
+    int8_generate,
     max_diff,
     oracle_logits,
     slots_of,
@@ -181,3 +183,41 @@ def test_logprobs_and_prompt_logprobs_on_xla_equal_peft(written):
         assert all(abs(lp.logprob - base_ref[2 + j, lp.token].item()) < FP32_TOL for j, lp in enumerate(plain.logprobs))
     finally:
         manager.close()
+
+
+def test_an_int8_base_on_xla_matches_peft_on_the_dequantized_base_and_compiles_nothing_after_warm_up(written):
+    """``quantize="int8"`` on the XLA device: the int8 weights dequantized inside each matmul (static shapes), the
+    adapters' rows in fp32. The base prefill equals HF on the dequantized weights; after warm-up, mixed requests over
+    2 slots generate PEFT's tokens on that base and compile nothing."""
+    device = torch_xla.device()
+    model = load_model(written[None][0], dtype=torch.float32, device=device, quantize="int8")
+    assert model.weight_layout == "int8"
+    spec = model.config.to_spec(TINY_NAME)
+    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device))
+    for name in ADAPTERS:
+        manager.register(str(written[name][0]), adapter_id=name)
+    config = EngineConfig(
+        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS, eos_ids=()
+    )
+    engine = Engine(model, manager, config)
+    requests = [(p, a) for p, a in ROWS[:5]] + [([3, 1, 4, 1, 5], "spare")]
+    expected = int8_generate(written, requests)
+    try:
+        manager.release(manager.acquire(["qv", "all_rslora"]))
+        engine.warm_up()
+        warmed = compile_count()
+        handles = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in requests]
+        engine.run_until_idle(max_steps=300)
+        assert compile_count() == warmed, "an int8 step after warm-up compiled"
+        for handle, (prompt, name) in zip(handles, requests, strict=True):
+            assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
+    finally:
+        manager.close()
+    hf = int8_copy(written[None][1])
+    base = load_model(written[None][0], dtype=torch.float32, device=device, quantize="int8")
+    base.setup_caches(max_batch=2, max_seq_len=32)
+    prompts = [ROWS[0][0], ROWS[2][0]]
+    for logits, prompt in zip(prefill_logits(base, prompts, static=True), prompts, strict=True):
+        with torch.no_grad():
+            oracle = hf(input_ids=torch.tensor([prompt])).logits[0].float()
+        assert max_diff(logits.cpu(), oracle) <= FP32_TOL
