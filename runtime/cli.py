@@ -105,8 +105,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--quantize",
         choices=("none", "int8"),
         default="none",
-        help="int8: hold the base model's projection weights weight-only int8 (one scale per output row; adapters "
-        "stay in the serving dtype)",
+        help="int8: hold the base model's projection weights (and an untied lm_head) weight-only int8, one scale "
+        "per output row; adapters stay in the serving dtype",
     )
     serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need a token)")

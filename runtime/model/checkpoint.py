@@ -180,10 +180,10 @@ def load_model(
     into the layout measured fastest on this machine (our blocked one, oneDNN's, or plain) where it applies (CPU;
     :meth:`Llama.pack_weights`), replacing the plain ones.
 
-    ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every transformer
-    block's projection weight (q/k/v/o/gate/up/down) by weight-only int8 with one scale per output row
-    (:func:`kernels.quantize_weight`, any device); embeddings, norms and the lm_head stay in ``dtype``, and so do the
-    adapters' rows: their LoRA adds onto the int8 matmul's output.
+    ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every projection
+    weight (q/k/v/o/gate/up/down, and an untied lm_head) by weight-only int8 with one scale per output row
+    (:func:`kernels.quantize_weight`, any device); embeddings (a tied lm_head with them) and norms stay in ``dtype``,
+    and so do the adapters' rows: their LoRA adds onto the int8 matmul's output.
 
     Every parameter is written exactly once (fused q/k/v and gate/up row slices included); tensors are read one at a
     time from the memory-mapped files, so at no point does a second copy of the weights exist. The end-of-sequence
@@ -235,7 +235,7 @@ def load_model(
         )
     model = model.eval().requires_grad_(False)
     if quantize not in (None, "none"):
-        quantize_linears([m for m in model.layers.modules() if isinstance(m, LoRALinear)])
+        quantize_linears([m for m in model.modules() if isinstance(m, LoRALinear)])
     if pack_weights if pack_weights is not None else packs_by_default():
         model.pack_weights()
     return model

@@ -80,9 +80,12 @@ class EngineWorkload:
     manager: AdapterManager  # ADAPTERS slots of max rank RANK, no prefetch workers, a0 .. a7 registered
     adapter_ids: list[str]  # a0 .. a7, as registered on ``manager``
 
-    def load_model(self, pack_weights: bool | None = None) -> Llama:
-        """One more copy of the model from ``checkpoint`` (``pack_weights`` as in :func:`load_model`)."""
-        return load_model(self.checkpoint, dtype=self.dtype, device=self.device, pack_weights=pack_weights)
+    def load_model(self, pack_weights: bool | None = None, quantize: str | None = None) -> Llama:
+        """One more copy of the model from ``checkpoint`` (``pack_weights`` and ``quantize`` as in
+        :func:`load_model`)."""
+        return load_model(
+            self.checkpoint, dtype=self.dtype, device=self.device, pack_weights=pack_weights, quantize=quantize
+        )
 
     def engine(self, max_batch: int, max_seq_len: int, token_budget: int | None = None) -> Engine:
         """An engine over ``model`` and ``manager`` (see :func:`build_engine`)."""

@@ -72,12 +72,13 @@ def int8_dequantized(w: torch.Tensor) -> torch.Tensor:
 
 
 def int8_copy(hf):
-    """A copy of an HF (or PEFT) model whose decoder projections' base weights are int8-dequantized; the lm_head,
+    """A copy of an HF (or PEFT) model whose projections' base weights and untied lm_head are int8-dequantized;
     embeddings, norms and any LoRA weights as they were."""
     hf = copy.deepcopy(hf)
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            if ".layers." in name and "lora_" not in name and any(f".{p}." in name for p in PROJECTIONS):
+            projection = ".layers." in name and any(f".{p}." in name for p in PROJECTIONS)
+            if "lora_" not in name and (projection or name.endswith("lm_head.weight")):
                 param.copy_(int8_dequantized(param))
     return hf
 

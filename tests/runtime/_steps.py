@@ -21,11 +21,16 @@ from tests.runtime._oracle import ADAPTERS, MAX_RANK, ROWS, SLOTTED, slots_of
 
 
 def slotted_model(
-    written, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", pack_weights: bool | None = None
+    written,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    pack_weights: bool | None = None,
+    quantize: str | None = None,
 ) -> tuple[Llama, AdapterRegistry, SlotPool, dict[int, int]]:
-    """The base model (caches for ROWS) with every adapter registered and SLOTTED in slots 0..3, attached, all in
-    ``dtype`` on ``device``; returns it with the registry, the pool and each slot's rank."""
-    model = load_model(written[None][0], dtype=dtype, device=device, pack_weights=pack_weights)
+    """The base model (caches for ROWS; ``quantize`` as load_model's) with every adapter registered and SLOTTED in
+    slots 0..3, attached, all in ``dtype`` on ``device``; returns it with the registry, the pool and each slot's
+    rank."""
+    model = load_model(written[None][0], dtype=dtype, device=device, pack_weights=pack_weights, quantize=quantize)
     model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
     spec = model.config.to_spec(TINY_NAME)
     registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))

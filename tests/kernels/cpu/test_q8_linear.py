@@ -37,8 +37,8 @@ def test_quantize_int8_rounds_each_row_to_its_own_scale(out: int, width: int, se
     assert q.dtype == torch.int8 and scales.dtype == dtype and q.shape == w.shape and scales.shape == (out,)
     assert int(q.abs().max()) <= 127 and scales[0] == 1 and not q[0].any()
     deq = q.double() * scales.double()[:, None]
-    # each value within half a step of its row's scale (the scale rounded to the dtype first)
-    assert ((deq - w.double()).abs() <= scales.double()[:, None] / 2 + 1e-12).all()
+    # each value within half a step of its row's scale (the scale rounded to the dtype first; W / s rounds in fp32)
+    assert ((deq - w.double()).abs() <= scales.double()[:, None] * (0.5 + 1e-5)).all()
     # the largest value of every nonzero row lands on ±127 or next to it (the scale's rounding apart)
     nonzero = w.double().abs().amax(1) > 0
     assert (q[nonzero].abs().amax(1) >= 126).all()

@@ -33,6 +33,17 @@ def test_a_replayed_decode_step_equals_the_eager_one_across_a_swap(written) -> N
     assert all(c.graph is not None for c in graphs._captured.values())
 
 
+def test_a_replayed_int8_decode_step_equals_the_eager_one(written) -> None:
+    """An int8 base (dequantized inside each matmul) under captured decode steps: replays equal eager steps."""
+    model, registry, pool, rows = slotted_model(written, torch.float32, device="cuda", quantize="int8")
+    assert model.weight_layout == "int8"
+    meta = LoRAKernelMeta.make(select_backend("cuda", KernelConfig()), pool.num_slots, MAX_RANK, 64, "cuda",
+                               granule=pool.granule)  # fmt: skip
+    graphs = model.enable_decode_graphs(meta, DecodeGraphConfig(token_buckets=(4, 8)))
+    diffs = decode_replays_vs_eager(model, registry, pool, meta, rows, graphs)
+    assert max(diffs) <= FP32_TOL, diffs
+
+
 def test_warm_up_captures_every_bucket(written) -> None:
     model, _, pool, _ = slotted_model(written, torch.float32, device="cuda")
     meta = LoRAKernelMeta.make(select_backend("cuda", KernelConfig()), pool.num_slots, MAX_RANK, 64, "cuda",

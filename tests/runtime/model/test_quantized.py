@@ -1,7 +1,7 @@
-"""A weight-only int8 base (``load_model(quantize="int8")``): the oracle is HF transformers (and PEFT, for adapters) on
-the same dequantized weights, ``W = q · s`` with one scale per output row computed here independently of the
-quantizer; the int8 model must match it to fp32 precision, prefill and decode, with and without adapters, and keep
-the adapters' rows in the serving dtype."""
+"""A weight-only int8 base (``load_model(quantize="int8")``: every projection and the untied lm_head): the oracle is
+HF transformers (and PEFT, for adapters) on the same dequantized weights, ``W = q · s`` with one scale per output
+row (tests/runtime/_oracle.py: computed independently of the quantizer); the int8 model must match it to fp32
+precision, prefill and decode, with and without adapters, and keep the adapters' rows in the serving dtype."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def hf_int8(written):
 
 def test_int8_model_equals_hf_on_the_dequantized_weights(written, hf_int8) -> None:
     model = load_model(written[None][0], dtype=torch.float32, quantize="int8")
-    layers = [m for m in model.layers.modules() if isinstance(m, LoRALinear)]
-    assert layers and all(m.layout is WeightLayout.INT8 and m.weight is None for m in layers)
-    assert model.output is not None and model.output.layout is not WeightLayout.INT8  # the lm_head stays fp32
+    linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert len(linears) == 4 * len(model.layers) + 1  # every projection and the untied lm_head
+    assert all(m.layout is WeightLayout.INT8 and m.weight is None for m in linears)
     assert model.weight_layout == "int8" and model.packed
     prompts = [p for p, _ in ROWS]
     model.setup_caches(max_batch=len(prompts), max_seq_len=32)
@@ -105,3 +105,31 @@ def test_an_int8_model_pickles_unpacks_and_refuses_bad_choices(written) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="quantize must be one of none, int8"):
         load_model(written[None][0], quantize="int4")
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_adapter_rows_on_an_int8_base_equal_peft_per_row(written, device: str) -> None:
+    """A ragged batch of the oracle's rows, 4 adapters in slots beside base rows, prefilled then decoded greedily on an
+    int8 base (CPU: q8_linear; CUDA: dequantized inside the matmul): every row's logits equal PEFT's with that row's
+    adapter alone on the dequantized base."""
+    from kernels import KernelConfig, LoRAKernelMeta, select_backend
+    from tests.runtime._oracle import MAX_RANK, SLOTTED, slots_of
+    from tests.runtime._steps import slotted_model
+
+    model, _, pool, rows = slotted_model(written, device=device, quantize="int8")
+    meta = LoRAKernelMeta.make(select_backend(device, KernelConfig()), pool.num_slots, MAX_RANK, 64, device,
+                               granule=pool.granule)  # fmt: skip
+    prompts, names = [p for p, _ in ROWS], [a for _, a in ROWS]
+    slots = slots_of(names, SLOTTED)
+    oracles = {name: int8_copy(written[name][1]) for name in set(names)}
+    for logits, prompt, name in zip(prefill_logits(model, prompts, slots, meta, slot_rows=rows), prompts, names,
+                                    strict=True):  # fmt: skip
+        assert max_diff(logits.cpu(), _hf_logits(oracles[name], prompt)) <= FP32_TOL, name
+    generated, step_logits = greedy(model, prompts, 4, slots, meta, slot_rows=rows)
+    for row, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        full = _hf_logits(oracles[name], prompt + generated[row])
+        for i, logits in enumerate(step_logits):
+            assert max_diff(logits[row].cpu(), full[len(prompt) - 1 + i]) <= FP32_TOL, (name, i)

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""The real engine's decode step in this checkout against another commit's, side by side (alternating processes).
+
+Each round runs one process per checkout (this one first, then the baseline: a ``git worktree`` of the commit, given
+as ``--baseline DIR``), each timing :func:`scripts.harness.engine_step_ms` (scheduler, lease, forward, sampling; 20
+decode steps of 8 sequences) for base and lora_8 at each ``--context``, with the weight layout forced the same in
+both (``ADAPTER_MANAGER_WEIGHT_LAYOUT``, default onednn: a commit before the measured choice had no ``auto``). Prints
+each side's median step over the rounds and their ratio; writes out/bench_decode_vs.json. A baseline must have
+``scripts.harness.engine_workload`` and ``engine_step_ms`` (845377c on has).
+
+  git worktree add /tmp/before 845377c
+  .venv/bin/python -m scripts.bench_decode_vs --baseline /tmp/before [--rounds 3] [--context 144 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.harness import cpu_features, write_json
+
+_CHILD = """
+import json, sys
+from scripts.harness import engine_step_ms, engine_workload
+out = {}
+with engine_workload() as w:
+    for ctx in map(int, sys.argv[1:]):
+        for n in ("base", "lora_8"):
+            out[f"{n}@{ctx}"] = engine_step_ms(w, w.mix(n, 8), ctx, 20)["step_ms"]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run(root: Path, contexts: list[int], layout: str) -> dict[str, float]:
+    """One process in checkout ``root`` (its packages first on the path); its step medians (ms)."""
+    env = {**os.environ, "PYTHONPATH": str(root), "ADAPTER_MANAGER_WEIGHT_LAYOUT": layout}
+    cmd = [sys.executable, "-c", _CHILD, *map(str, contexts)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--baseline", type=Path, required=True, help="a checkout (git worktree) of the other commit")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--context", type=int, nargs="+", default=[144, 768])
+    parser.add_argument("--layout", default="onednn", help="the weight layout both sides run (blocked/onednn/plain)")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_decode_vs.json"))
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parents[1]
+    sides: dict[str, list[dict[str, float]]] = {"this": [], "baseline": []}
+    for r in range(args.rounds):
+        for side, root in (("this", here), ("baseline", args.baseline.resolve())):
+            sides[side].append(run(root, args.context, args.layout))
+            print(f"round {r + 1} {side}: {json.dumps({k: round(v, 2) for k, v in sides[side][-1].items()})}")
+    keys = sides["this"][0].keys()
+    medians = {side: {k: statistics.median(x[k] for x in runs) for k in keys} for side, runs in sides.items()}
+    ratios = {k: medians["this"][k] / medians["baseline"][k] for k in keys}
+    print(f"\nmedian decode step ms over {args.rounds} rounds, layout {args.layout} (target this / baseline <= 1.03)")
+    for k in keys:
+        print(f"  {k:12s} baseline {medians['baseline'][k]:7.2f}  this {medians['this'][k]:7.2f}  {ratios[k]:.3f}x")
+    write_json(args.out, {"cpu": cpu_features(), "args": vars(args), "rounds": sides, "medians": medians,
+                          "ratios": ratios}, default=str)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
