@@ -206,7 +206,10 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000 if len(values) else float("nan")
 
 
-def summary(outcomes: Sequence[Outcome], span: float, samples: Sequence[int] = ()) -> dict:
+def summary(outcomes: Sequence[Outcome], span: float, samples: Sequence[int | None] = ()) -> dict:
+    """The run's percentiles and rates; ``samples`` the running sequences polled meanwhile (None: the server does not
+    say, as a checkout before the paged KV cache: its running figures are then None)."""
+    samples = [s for s in samples if s is not None]
     ok = [o for o in outcomes if o.error is None]
     gaps = [g for o in ok for g in o.gaps]
     tpot = [(o.e2e - o.ttft) / (o.tokens - 1) for o in ok if o.tokens > 1]
