@@ -17,6 +17,7 @@ import torch
 
 import kernels.cpu as cpu
 from kernels.protocol import DecodeOps, LinearWeight, WeightLayout
+from kernels.quantize import dequantize_int8, int8_matmul, quantize_int8
 
 
 def decode_ops(x: torch.Tensor) -> DecodeOps | None:
@@ -36,8 +37,11 @@ def quantize_weight(weight: torch.Tensor) -> LinearWeight:
     """``weight`` [out, in] as weight-only int8 with one scale per output row (symmetric, ``max|W[n]| / 127`` rounded
     to the weight's dtype), on its own device: the :class:`WeightLayout` INT8 form the device's matmul reads. The
     matmul of every device computes ``x @ W.T`` for the dequantized ``W = q · scales[:, None]``
-    (:func:`unpack_weight` returns it)."""
-    return cpu.weights.quantize(weight)
+    (:func:`unpack_weight` returns it). The scheme: :mod:`kernels.quantize`."""
+    if weight.device.type == "cpu":
+        return cpu.weights.quantize(weight)
+    q, scales = quantize_int8(weight, weight.dtype)
+    return LinearWeight(WeightLayout.INT8, q, weight.shape[0], scales)
 
 
 def choose_weight_layout(dtype: torch.dtype, shapes: Sequence[tuple[int, int, int]], device: torch.device | str):
@@ -56,6 +60,9 @@ def packs_by_default() -> bool:
 
 def unpack_weight(weight: LinearWeight) -> torch.Tensor:
     """The plain ``[out, in]`` weight back from any layout (a plain one as it is; an int8 one dequantized)."""
+    if weight.layout is WeightLayout.INT8 and weight.tensor.device.type != "cpu":
+        assert weight.scales is not None
+        return dequantize_int8(weight.tensor, weight.scales)
     return weight.tensor if weight.layout is WeightLayout.PLAIN else cpu.weights.unpack(weight)
 
 
@@ -65,8 +72,9 @@ def base_linear(x: torch.Tensor, weight: LinearWeight, fast: bool = False, reord
     take the library's decode linear. ``reorder``: a plain weight may be reordered for oneDNN's linear at this call
     (a prefill's projection); False keeps torch's matmul (a tied lm_head, whose reorder would cost more than its few
     rows' matmul). Shape: x [T, in]; returns a new [T, weight.out_features]."""
-    if weight.layout is WeightLayout.INT8:
-        return cpu.weights.int8_linear(x, weight)
+    if weight.layout is WeightLayout.INT8 and x.device.type != "cpu":
+        assert weight.scales is not None
+        return int8_matmul(x, weight.tensor, weight.scales)
     if weight.layout is WeightLayout.PLAIN and x.device.type != "cpu":
         return x @ weight.tensor.t()
     return cpu.weights.linear(x, weight, fast, reorder)
@@ -80,3 +88,34 @@ def plain_matmul(x: torch.Tensor, weight: LinearWeight) -> bool:
     if weight.layout is WeightLayout.PLAIN and x.device.type != "cpu":
         return True
     return cpu.weights.plain_matmul(x, weight)
+
+
+_paged = None  # kernels.triton.attention.PagedAttention, built on the first CUDA call; False: triton is missing
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor | None:
+    """Causal GQA attention of each token over its sequence's cached keys read in place through the block tables
+    (no gather), where the device has a kernel for it: CUDA with triton (:mod:`kernels.triton.attention`); None
+    elsewhere (the caller gathers and runs SDPA: ``runtime.model.kv_cache.KVCache.attend_static`` is the torch
+    form). Semantics and shapes: :class:`kernels.triton.attention.PagedAttention`."""
+    global _paged
+    if q.device.type != "cuda" or _paged is False:
+        return None
+    if _paged is None:
+        try:
+            from kernels.triton.attention import PagedAttention
+
+            _paged = PagedAttention()
+        except ImportError:
+            _paged = False
+            return None
+    q = q if q.stride(2) == 1 else q.contiguous()
+    tables = tables if tables.stride(1) == 1 else tables.contiguous()
+    return _paged(q, k_cache, v_cache, tables, rows, positions)

@@ -108,18 +108,6 @@ Q8_BLOCK = 48
 """Output columns per block of :func:`q8_block`'s layout (kQ8Block in ``csrc/q8_linear.cpp``)."""
 
 
-def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric weight-only int8 with one scale per output row: ``(q, scales)`` with ``scales[n] = max|W[n]| / 127``
-    rounded to ``scale_dtype`` first (so ``q · scales`` is exactly the dequantized weight in that dtype's scale) and
-    ``q = round(W / scales)`` in [-127, 127]; an all-zero row gets scale 1. Shape: w [out, in]; returns q [out, in]
-    int8 and scales [out]."""
-    w32 = w.detach().float()
-    scales = (w32.abs().amax(dim=1) / 127).to(scale_dtype)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w32 / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
-
-
 def q8_block(q: torch.Tensor) -> torch.Tensor:
     """int8 q [N, in] in the blocked layout :func:`q8_linear` reads: ``qb[b, k, c] = q[Q8_BLOCK·b + c, k]``, zero past
     N. Returns a new contiguous [ceil(N / Q8_BLOCK), in, Q8_BLOCK]."""

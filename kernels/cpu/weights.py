@@ -24,10 +24,10 @@ from kernels.cpu.linear_ops import (
     q8_block,
     q8_linear,
     q8_unblock,
-    quantize_int8,
     unblock_weight,
 )
 from kernels.protocol import LinearWeight, WeightLayout
+from kernels.quantize import dequantize_int8, int8_matmul, quantize_int8
 
 LAYOUT_ENV = "ADAPTER_MANAGER_WEIGHT_LAYOUT"
 """``auto`` (default: measured here, :func:`choose_layout`), or ``blocked`` / ``onednn`` / ``plain`` to force one."""
@@ -123,35 +123,32 @@ def unpack(weight: LinearWeight) -> torch.Tensor:
 
 
 def quantize(weight: torch.Tensor) -> LinearWeight:
-    """``weight`` [out, in] as weight-only int8 with one scale per output row in its dtype
-    (:func:`kernels.cpu.linear_ops.quantize_int8`): for fp32 on CPU where the library builds, q in the blocked layout
-    :func:`q8_linear` reads; otherwise q plain ``[out, in]`` (bf16 / fp16: torch's ``_weight_int8pack_mm`` reads it;
-    CUDA, XLA: dequantized inside the matmul)."""
+    """``weight`` [out, in] on CPU as weight-only int8 (:mod:`kernels.quantize`): for fp32 where the library builds,
+    q in the blocked layout :func:`q8_linear` reads; otherwise q plain ``[out, in]`` (bf16 / fp16: torch's
+    ``_weight_int8pack_mm`` reads it)."""
     q, scales = quantize_int8(weight, weight.dtype)
-    cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32 and load()
-    return LinearWeight(WeightLayout.INT8, q8_block(q) if cpu_fp32 else q, weight.shape[0], scales)
+    blocked = weight.dtype == torch.float32 and load()
+    return LinearWeight(WeightLayout.INT8, q8_block(q) if blocked else q, weight.shape[0], scales)
 
 
 def dequantize(weight: LinearWeight) -> torch.Tensor:
-    """The dequantized [out, in] weight of an int8 one, ``q · scales[:, None]`` in the scales' dtype (computed in fp32:
-    the values every int8 matmul here stands for)."""
+    """The dequantized [out, in] weight of an int8 one, either form of q."""
     q = weight.tensor if weight.tensor.dim() == 2 else q8_unblock(weight.tensor, weight.out_features)
     assert weight.scales is not None
-    return (q.float() * weight.scales.float()[:, None]).to(weight.scales.dtype)
+    return dequantize_int8(q, weight.scales)
 
 
 def int8_linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-    """Semantics: ``x @ W.T`` for the dequantized int8 W (:func:`dequantize`), any device: the blocked fp32 form
-    through :func:`q8_linear`, bf16 / fp16 on CPU through torch's ``_weight_int8pack_mm`` (fp32 accumulation), else
-    the weight dequantized inside the matmul (XLA fuses it into the dot; CUDA materialises it per call). Shape:
-    x [T, in]; returns a new [T, out]."""
+    """Semantics: ``x @ W.T`` for the dequantized int8 W on CPU: the blocked fp32 form through :func:`q8_linear`,
+    bf16 / fp16 through torch's ``_weight_int8pack_mm`` (fp32 accumulation), else the weight dequantized inside the
+    matmul. Shape: x [T, in]; returns a new [T, out]."""
     q, scales = weight.tensor, weight.scales
     assert scales is not None
     if q.dim() == 3:
         return q8_linear(x if x.stride(1) == 1 else x.contiguous(), q, scales, weight.out_features)
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == scales.dtype:
+    if x.dtype in (torch.bfloat16, torch.float16) and x.dtype == scales.dtype:
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales)
-    return x @ (q.to(x.dtype) * scales.to(x.dtype)[:, None]).t()
+    return int8_matmul(x, q, scales)
 
 
 def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

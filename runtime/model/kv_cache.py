@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import paged_attention
+
 from .batch import SeqSpan
 
 
@@ -37,6 +39,8 @@ class AttentionPlan(NamedTuple):
     """Shape: [B, 1, 1, nb·BS] bool, keys j < the row's context length."""
     prefill: tuple[SeqSpan, ...]
     """The spans of ≥ 2 tokens, one attention call each."""
+    positions: torch.Tensor | None = None
+    """Shape: [B] int64 on the device, each decode token's position (its context length - 1); None: no decode."""
 
 
 def plan_attention(
@@ -60,7 +64,7 @@ def plan_attention(
         rows = torch.tensor([span.cache_row for span in decode], dtype=torch.long).to(device)
         blocks = tables.index_select(0, rows)[:, :nb]
     mask = torch.arange(nb * block_size)[None, :] < ends[:, None]  # [B, nb·BS]
-    return AttentionPlan(index, blocks, mask[:, None, None, :].to(device), prefill)
+    return AttentionPlan(index, blocks, mask[:, None, None, :].to(device), prefill, (ends - 1).to(device))
 
 
 class KVCache(nn.Module):
@@ -155,7 +159,14 @@ class KVCache(nn.Module):
         return out
 
     def _attend_decode(self, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """Shape: q [B, H, D], one token per row; returns [B, H, D]."""
+        """Shape: q [B, H, D], one token per row; returns [B, H, D]. Where the device has a paged kernel
+        (:func:`kernels.paged_attention`: CUDA) it reads the blocks in place instead of gathering them."""
+        assert plan.blocks is not None and plan.positions is not None
+        if q.is_cuda:
+            rows = torch.arange(q.shape[0], device=q.device)
+            out = paged_attention(q, self.k, self.v, plan.blocks, rows, plan.positions)
+            if out is not None:
+                return out
         ks, vs = self.gather(plan.blocks)  # [B, nb·BS, KV, D]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=plan.mask, enable_gqa=True
@@ -173,7 +184,11 @@ class KVCache(nn.Module):
 
         Shape: q [T, H, D]; tables [R, MB]; rows, positions [T]; returns [T, H, D]. No host sync and no data-dependent
         shape: the form a traced (XLA) step and a captured CUDA graph use, padding tokens pointed at a spare block.
+        On CUDA the paged kernel (:func:`kernels.paged_attention`) reads the blocks in place, its grid T alone.
         """
+        out = paged_attention(q, self.k, self.v, tables, rows, positions)
+        if out is not None:
+            return out
         ks, vs = self.gather(tables.index_select(0, rows))  # [T, MB·BS, KV, D]
         key_pos = torch.arange(ks.shape[1], device=q.device)  # [MB·BS]
         mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [T, 1, 1, MB·BS]

@@ -13,10 +13,12 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.triton import attention as triton_attention
 from kernels.triton import kernels as triton_kernels
 from kernels.triton.block_sizes import TritonBlockTable
 
-POINTERS = {"h_ptr": "*fp32", "tok_ptr": "*i32", "runs_ptr": "*i32"}
+POINTERS = {"h_ptr": "*fp32", "tok_ptr": "*i32", "runs_ptr": "*i32", "tab_ptr": "*i64", "rows_ptr": "*i64",
+            "pos_ptr": "*i64"}  # fmt: skip
 """Pointer arguments of a fixed type; every other ``*_ptr`` has the serving dtype."""
 
 
@@ -29,8 +31,13 @@ def signature(fn, dtype: str) -> dict[str, str]:
         elif name.endswith("_ptr"):
             out[name] = POINTERS.get(name, f"*{dtype}")
         else:
-            out[name] = "i64" if name in ("off1", "off2") else "i32"
+            out[name] = "i64" if name in ("off1", "off2") else "fp32" if name == "scale" else "i32"
     return out
+
+
+PAGED = {"GROUP": 4, "BLOCK_G": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_S": 16}
+"""The paged decode attention's constexprs for Llama-3-8B's shape (32 heads over 8 KV heads, head 128, 16-token
+blocks)."""
 
 
 def constexprs(op: str, blocks, dtype: str) -> dict[str, object]:
@@ -57,6 +64,12 @@ def main(arch: int = 90) -> int:
             kernel = triton.compile(source, target=target, options={"num_warps": entry.blocks.num_warps})
             assert kernel.asm.get("cubin"), f"{entry.op} {dtype}: no cubin"
             compiled += 1
+    fn = triton_attention._paged_decode  # noqa: SLF001 - the kernel body
+    for dtype in ("bf16", "fp32"):
+        source = ASTSource(fn=triton.jit(fn), signature=signature(fn, dtype), constexprs=PAGED)
+        kernel = triton.compile(source, target=target, options={"num_warps": 4})
+        assert kernel.asm.get("cubin"), f"paged attention {dtype}: no cubin"
+        compiled += 1
     print(f"compiled {compiled} kernels for sm_{arch}")
     return 0
 

@@ -122,3 +122,18 @@ def test_triton_kernels_on_cuda_equal_the_loop(kind, mix, parts, dtype, pool):
     untouched = torch.ones_like(wide, dtype=torch.bool)
     untouched[:, 2 : 2 + sum(OUTS[:parts])] = (slots < 0)[:, None]
     assert torch.equal(wide_cuda.cpu()[untouched], wide[untouched]), "slot -1 rows and other columns bit for bit"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_compiled_equals_the_gathered_sdpa_on_cpu(dtype) -> None:
+    """kernels.paged_attention on CUDA (the compiled Triton kernel) against the torch form on CPU, same operands."""
+    from kernels import paged_attention
+    from tests.kernels.triton.test_paged_attention import _case
+
+    cache, q, tables, rows, positions = _case(8, 2, 64, 16, dtype)
+    ours = paged_attention(q.cuda(), cache.k.cuda(), cache.v.cuda(), tables.cuda(), rows.cuda(), positions.cuda())
+    assert ours is not None
+    expected = cache.attend_static(q, tables, rows, positions)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(ours.cpu().float(), expected.float(), **tol)
