@@ -3,10 +3,10 @@
 
 Each round runs one process per checkout (this one first, then the baseline: a ``git worktree`` of the commit, given
 as ``--baseline DIR``), each timing :func:`scripts.harness.engine_step_ms` (scheduler, lease, forward, sampling; 20
-decode steps of 8 sequences) for base and lora_8 at each ``--context``, with the weight layout forced the same in
+decode steps of ``--batch`` sequences, default 8) for base and lora_8 at each ``--context``, with the weight layout forced the same in
 both (``ADAPTER_MANAGER_WEIGHT_LAYOUT``, default onednn: a commit before the measured choice had no ``auto``). Prints
 each side's median step over the rounds and their ratio (and with ``--prefill`` one prompt of each length alone,
-submit to first token, median of 3: the prefill path's cost); writes out/bench_decode_vs.json. A baseline must have
+submit to first token, median of 3, without and with an adapter: the prefill path's cost); writes out/bench_decode_vs.json. A baseline must have
 ``scripts.harness.engine_workload`` and ``engine_step_ms`` (845377c on has).
 
   git worktree add /tmp/before 845377c
@@ -30,30 +30,34 @@ import json, statistics, sys, time
 import torch
 from runtime.engine.sampling import SamplingParams
 from scripts.harness import engine_step_ms, engine_workload
-contexts, prefills = (list(map(int, a.split(","))) if a else [] for a in sys.argv[1:3])
+contexts, prefills, batches = (list(map(int, a.split(","))) if a else [] for a in sys.argv[1:4])
 out = {}
 with engine_workload() as w:
-    for ctx in contexts:
-        for n in ("base", "lora_8"):
-            out[f"{n}@{ctx}"] = engine_step_ms(w, w.mix(n, 8), ctx, 20)["step_ms"]
+    for batch in batches:
+        for ctx in contexts:
+            for n in ("base", "lora_8"):
+                tag = f"{n}@{ctx}" if batch == 8 else f"{n}@{ctx}x{batch}"
+                out[tag] = engine_step_ms(w, w.mix(n, batch), ctx, 20)["step_ms"]
     gen = torch.Generator().manual_seed(2)
     for length in prefills:  # one prompt alone, submit to its first token (chunks of the engine's token budget)
-        engine, times = w.engine(max_batch=1, max_seq_len=length + 8), []
-        for _ in range(3):
-            prompt = torch.randint(0, w.config.vocab_size, (length,), generator=gen).tolist()
-            start = time.perf_counter()
-            engine.submit(prompt, None, SamplingParams(max_tokens=1))
-            engine.run_until_idle(max_steps=1000)
-            times.append(1e3 * (time.perf_counter() - start))
-        out[f"prefill@{length}"] = statistics.median(times)
+        engine = w.engine(max_batch=1, max_seq_len=length + 8)
+        for tag, adapter in (("prefill", None), ("prefill_lora", w.adapter_ids[0])):
+            times = []
+            for _ in range(3):
+                prompt = torch.randint(0, w.config.vocab_size, (length,), generator=gen).tolist()
+                start = time.perf_counter()
+                engine.submit(prompt, adapter, SamplingParams(max_tokens=1))
+                engine.run_until_idle(max_steps=1000)
+                times.append(1e3 * (time.perf_counter() - start))
+            out[f"{tag}@{length}"] = statistics.median(times)
 print("RESULT " + json.dumps(out))
 """
 
 
-def run(root: Path, contexts: list[int], prefills: list[int], layout: str) -> dict[str, float]:
+def run(root: Path, contexts: list[int], prefills: list[int], batches: list[int], layout: str) -> dict[str, float]:
     """One process in checkout ``root`` (its packages first on the path); its medians (ms)."""
     env = {**os.environ, "PYTHONPATH": str(root), "ADAPTER_MANAGER_WEIGHT_LAYOUT": layout}
-    cmd = [sys.executable, "-c", _CHILD, ",".join(map(str, contexts)), ",".join(map(str, prefills))]
+    cmd = [sys.executable, "-c", _CHILD, ",".join(map(str, contexts)), ",".join(map(str, prefills)), ",".join(map(str, batches))]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, required=True, help="a checkout (git worktree) of the other commit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--context", type=int, nargs="*", default=[144, 768])
+    parser.add_argument("--batch", type=int, nargs="*", default=[8], help="decoding sequences per step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths to time alone (TTFT)")
     parser.add_argument("--layout", default="onednn", help="the weight layout both sides run (blocked/onednn/plain)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_decode_vs.json"))
@@ -72,7 +77,7 @@ def main() -> None:
     sides: dict[str, list[dict[str, float]]] = {"this": [], "baseline": []}
     for r in range(args.rounds):
         for side, root in (("this", here), ("baseline", args.baseline.resolve())):
-            sides[side].append(run(root, args.context, args.prefill, args.layout))
+            sides[side].append(run(root, args.context, args.prefill, args.batch, args.layout))
             print(f"round {r + 1} {side}: {json.dumps({k: round(v, 2) for k, v in sides[side][-1].items()})}")
     keys = sides["this"][0].keys()
     medians = {side: {k: statistics.median(x[k] for x in runs) for k in keys} for side, runs in sides.items()}

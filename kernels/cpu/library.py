@@ -37,7 +37,9 @@ _OPS = (
 SOURCES = tuple(_CSRC / f"{op}.cpp" for op in _OPS)  # one source per op, named after it
 HEADERS = tuple(_CSRC / name for name in ("vec16.h", "lora_common.h", "decode_common.h"))  # in the build's hash too
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -fno-trapping-math: without it GCC 12 will not if-convert a float min / max (exp_poly's clamp), so the decode glue's
+# exp loops (silu_mul, the attention's softmax) stay scalar; it changes no result (no reassociation, no fast-math).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 _LDFLAGS = ["-fopenmp"]
 
 

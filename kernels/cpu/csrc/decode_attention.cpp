@@ -31,6 +31,7 @@ using adapter_manager_cpu::round_to;
 using adapter_manager_cpu::v16;
 
 
+#if defined(__AVX512F__)
 // Scores p[r·pstride + j] = q_r · key_j · scale for 4 query heads (q: 4 rows of kDim) over keys [0, keys) of one
 // block (key j at kbase + j·stride): 4 keys × 4 heads per pass, 16 dot products reduced together.
 template <int64_t kDim>
@@ -61,6 +62,48 @@ void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, i
     }
   }
 }
+#else
+// Without AVX-512 the 16 accumulators of 16 floats above are 32 of AVX2's 16 vector registers (they spill): 2 keys ×
+// 4 heads of 8 floats (8 registers), each dot product reduced on its own.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum8(v8 v) {
+  const v8 h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8 q = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
+  return q[0] + q[1];
+}
+
+template <int64_t kDim>
+void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, int64_t pstride, float scale, float* p) {
+  int64_t j = 0;
+  for (; j + 2 <= keys; j += 2) {
+    v8 t[2][4] = {};
+    const float *k0 = kbase + j * stride, *k1 = k0 + stride;
+    for (int64_t c = 0; c < kDim; c += 8) {
+      const v8 a = load8(k0 + c), b = load8(k1 + c);
+      for (int r = 0; r < 4; ++r) {
+        const v8 qv = load8(q + r * kDim + c);
+        t[0][r] += qv * a, t[1][r] += qv * b;
+      }
+    }
+    for (int r = 0; r < 4; ++r) p[r * pstride + j] = sum8(t[0][r]) * scale, p[r * pstride + j + 1] = sum8(t[1][r]) * scale;
+  }
+  for (; j < keys; ++j) {
+    const float* key = kbase + j * stride;
+    for (int64_t r = 0; r < 4; ++r) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
+      p[r * pstride + j] = s * scale;
+    }
+  }
+}
+#endif
 
 // Ask for the next block's `n` rows of kDim floats (stride apart) while this one is computed: the hardware
 // prefetcher follows a stride, and a row's blocks are not one stride apart.
@@ -70,6 +113,7 @@ inline void prefetch_rows(const float* base, int64_t stride, int64_t n) {
     for (int64_t c = 0; c < kDim; c += 16) __builtin_prefetch(base + i * stride + c);
 }
 
+#if defined(__AVX512F__)
 // out_r = sum_j p[r·keys + j] · value_j for 4 heads, 64 columns at a time held in 16 registers across the keys;
 // value j at vbase + blocks[j / bs]·bstride + (j % bs)·stride, walked block by block.
 template <int64_t kDim>
@@ -94,7 +138,32 @@ void weighted4(const float* p, const float* vbase, const int64_t* blocks, int64_
       for (int i = 0; i < 4; ++i) std::memcpy(out + r * kDim + c + 16 * i, &acc[r][i], sizeof(v16));
   }
 }
-
+#else
+// AVX2: 16 columns at a time for the 4 heads (8 registers of 8 floats), kDim / 16 passes over the row's values.
+template <int64_t kDim>
+void weighted4(const float* p, const float* vbase, const int64_t* blocks, int64_t bs, int64_t bstride, int64_t stride,
+               int64_t keys, float* out) {
+  for (int64_t c = 0; c < kDim; c += 16) {
+    v8 acc[4][2] = {};
+    for (int64_t b = 0, j0 = 0; j0 < keys; ++b, j0 += bs) {
+      const float* block = vbase + blocks[b] * bstride + c;
+      const int64_t n = std::min(bs, keys - j0);
+      if (c == 0 && j0 + bs < keys)
+        prefetch_rows<kDim>(vbase + blocks[b + 1] * bstride, stride, std::min(bs, keys - j0 - bs));
+      for (int64_t i = 0; i < n; ++i) {
+        const float* value = block + i * stride;
+        const v8 v0 = load8(value), v1 = load8(value + 8);
+        for (int r = 0; r < 4; ++r) {
+          const float w = p[r * keys + j0 + i];
+          acc[r][0] += w * v0, acc[r][1] += w * v1;
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 2; ++i) std::memcpy(out + r * kDim + c + 8 * i, &acc[r][i], sizeof(v8));
+  }
+}
+#endif
 
 // p[r·keys + j] = softmax over j of row r, for `rows` rows of `keys` scores
 inline void softmax_rows(float* p, int64_t rows, int64_t keys) {
