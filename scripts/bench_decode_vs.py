@@ -3,11 +3,12 @@
 
 Each round runs one process per checkout (this one first, then the baseline: a ``git worktree`` of the commit, given
 as ``--baseline DIR``), each timing :func:`scripts.harness.engine_step_ms` (scheduler, lease, forward, sampling; 20
-decode steps of ``--batch`` sequences, default 8) for base and lora_8 at each ``--context``, with the weight layout forced the same in
-both (``ADAPTER_MANAGER_WEIGHT_LAYOUT``, default onednn: a commit before the measured choice had no ``auto``). Prints
-each side's median step over the rounds and their ratio (and with ``--prefill`` one prompt of each length alone,
-submit to first token, median of 3, without and with an adapter: the prefill path's cost); writes out/bench_decode_vs.json. A baseline must have
-``scripts.harness.engine_workload`` and ``engine_step_ms`` (845377c on has).
+decode steps of ``--batch`` sequences, default 8) for base and lora_8 at each ``--context``, with the weight layout
+forced the same in both (``ADAPTER_MANAGER_WEIGHT_LAYOUT``, default onednn: a commit before the measured choice had no
+``auto``). Prints each side's median step over the rounds and their ratio (and with ``--prefill`` one prompt of each
+length alone, submit to first token, median of 3, without and with an adapter: the prefill path's cost); writes
+out/bench_decode_vs.json. A baseline must have ``scripts.harness.engine_workload`` and ``engine_step_ms`` (845377c
+on has).
 
   git worktree add /tmp/before 845377c
   .venv/bin/python -m scripts.bench_decode_vs --baseline /tmp/before [--rounds 3] [--context 144 768]
@@ -57,7 +58,14 @@ print("RESULT " + json.dumps(out))
 def run(root: Path, contexts: list[int], prefills: list[int], batches: list[int], layout: str) -> dict[str, float]:
     """One process in checkout ``root`` (its packages first on the path); its medians (ms)."""
     env = {**os.environ, "PYTHONPATH": str(root), "ADAPTER_MANAGER_WEIGHT_LAYOUT": layout}
-    cmd = [sys.executable, "-c", _CHILD, ",".join(map(str, contexts)), ",".join(map(str, prefills)), ",".join(map(str, batches))]
+    cmd = [
+        sys.executable,
+        "-c",
+        _CHILD,
+        ",".join(map(str, contexts)),
+        ",".join(map(str, prefills)),
+        ",".join(map(str, batches)),
+    ]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=True)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
