@@ -26,10 +26,27 @@ namespace {
 using adapter_manager_cpu::exp_poly;
 using adapter_manager_cpu::kReduceOrder;
 using adapter_manager_cpu::load16;
+using adapter_manager_cpu::load8;
 using adapter_manager_cpu::reduce16;
 using adapter_manager_cpu::round_to;
+using adapter_manager_cpu::sum8;
 using adapter_manager_cpu::v16;
+using adapter_manager_cpu::v8;
 
+
+// The scores of keys [from, keys) one at a time (what a vector form's passes leave over).
+template <int64_t kDim>
+void scores_tail(const float* q, const float* kbase, int64_t stride, int64_t from, int64_t keys, int64_t pstride,
+                 float scale, float* p) {
+  for (int64_t j = from; j < keys; ++j) {
+    const float* key = kbase + j * stride;
+    for (int64_t r = 0; r < 4; ++r) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
+      p[r * pstride + j] = s * scale;
+    }
+  }
+}
 
 #if defined(__AVX512F__)
 // Scores p[r·pstride + j] = q_r · key_j · scale for 4 query heads (q: 4 rows of kDim) over keys [0, keys) of one
@@ -53,32 +70,11 @@ void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, i
       p[(n % 4) * pstride + j + n / 4] = sums[lane] * scale;
     }
   }
-  for (; j < keys; ++j) {
-    const float* key = kbase + j * stride;
-    for (int64_t r = 0; r < 4; ++r) {
-      float s = 0.f;
-      for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
-      p[r * pstride + j] = s * scale;
-    }
-  }
+  scores_tail<kDim>(q, kbase, stride, j, keys, pstride, scale, p);
 }
 #else
 // Without AVX-512 the 16 accumulators of 16 floats above are 32 of AVX2's 16 vector registers (they spill): 2 keys ×
 // 4 heads of 8 floats (8 registers), each dot product reduced on its own.
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum8(v8 v) {
-  const v8 h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  const v8 q = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
-  return q[0] + q[1];
-}
-
 template <int64_t kDim>
 void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, int64_t pstride, float scale, float* p) {
   int64_t j = 0;
@@ -94,14 +90,7 @@ void scores4(const float* q, const float* kbase, int64_t stride, int64_t keys, i
     }
     for (int r = 0; r < 4; ++r) p[r * pstride + j] = sum8(t[0][r]) * scale, p[r * pstride + j + 1] = sum8(t[1][r]) * scale;
   }
-  for (; j < keys; ++j) {
-    const float* key = kbase + j * stride;
-    for (int64_t r = 0; r < 4; ++r) {
-      float s = 0.f;
-      for (int64_t i = 0; i < kDim; ++i) s += q[r * kDim + i] * key[i];
-      p[r * pstride + j] = s * scale;
-    }
-  }
+  scores_tail<kDim>(q, kbase, stride, j, keys, pstride, scale, p);
 }
 #endif
 

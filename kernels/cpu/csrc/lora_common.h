@@ -89,19 +89,6 @@ inline void pair_dots(const float* const* xr, const float* w0, const float* w1, 
 #else
 // Without AVX-512 the 16 accumulators of 16 floats above are 32 of the 16 vector registers (they spill, ~4× slower):
 // one row at a time, 8 token accumulators of 8 floats (one 256-bit register each).
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum8(v8 v) {
-  const v8 h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  const v8 q = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
-  return q[0] + q[1];
-}
 
 inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,
                       const float* ahead1, float* out, const float* extra = nullptr) {

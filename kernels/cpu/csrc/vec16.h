@@ -14,6 +14,21 @@ inline v16 load16(const float* p) {
   return v;
 }
 
+// 8 lanes (one AVX2 register): the loops' forms for CPUs without AVX-512, where 16 accumulators of 16 floats spill.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum8(v8 v) {
+  const v8 h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8 q = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
+  return q[0] + q[1];
+}
+
 // [sum(t[n]) for n in kReduceOrder]: 16 horizontal sums in one vector (4 levels of pairwise shuffles and adds, 2 ops
 // per sum instead of the 8 of one reduction each).
 constexpr int kReduceOrder[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
