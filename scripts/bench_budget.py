@@ -26,9 +26,9 @@ import torch
 from huggingface_hub.utils import disable_progress_bars
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
-from runtime.engine.sampling import SamplingParams
-from runtime.model.checkpoint import load_model
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import build_engine, write_adapters, write_checkpoint, write_json
 
 RANKS = (8, 16, 32, 64, 8, 16, 32, 64)

@@ -29,10 +29,10 @@ import httpx
 import numpy as np
 
 from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub
-from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
-from runtime.engine.engine import EngineConfig
-from runtime.model.config import LlamaConfig
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.model.config import LlamaConfig
+from adapter_manager.runtime.server.state import ServerConfig
 from scripts.harness import write_adapters, write_checkpoint, write_json
 
 MODES = {  # name -> (multiplexed, custom_router)

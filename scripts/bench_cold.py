@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.model.checkpoint import load_model
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import build_engine, write_adapters, write_checkpoint, write_json
 
 WARM, COLD = 8, 8

@@ -29,7 +29,10 @@ from scripts.harness import cpu_features, write_json
 _CHILD = """
 import json, statistics, sys, time
 import torch
-from runtime.engine.sampling import SamplingParams
+try:
+    from adapter_manager.runtime.engine.sampling import SamplingParams
+except ImportError:  # a checkout from before the one import root
+    from runtime.engine.sampling import SamplingParams
 from scripts.harness import engine_step_ms, engine_workload
 contexts, prefills, batches = (list(map(int, a.split(","))) if a else [] for a in sys.argv[1:4])
 out = {}

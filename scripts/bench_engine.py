@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm
-from runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAForm
+from adapter_manager.runtime.engine.sampling import SampleRow, SamplingBatch, SamplingParams, sample_step
 from scripts.harness import (
     CONFIGS,
     RANK,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import (
+from adapter_manager.kernels import (
     DispatchEntry,
     KernelConfig,
     LoRAForm,
@@ -262,7 +262,9 @@ def main() -> None:
     default_out = "out/bench_kernels_xla.json" if HAS_XLA else "out/bench_kernels.json"
     parser.add_argument("--out", default=default_out)
     parser.add_argument("--write-table", action="store_true", help="measure grouped vs laned, rewrite the table")
-    parser.add_argument("--table-out", default=str(Path(__file__).resolve().parents[1] / "kernels/torch_dispatch.json"))
+    parser.add_argument(
+        "--table-out", default=str(Path(__file__).resolve().parents[1] / "adapter_manager/kernels/torch_dispatch.json")
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),

@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
-from kernels import WeightLayout
-from kernels.cpu import weights as packing
+from adapter_manager import kernels
+from adapter_manager.kernels import WeightLayout
+from adapter_manager.kernels.cpu import weights as packing
 from scripts.harness import (
     CONFIGS,
     RANK,

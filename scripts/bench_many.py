@@ -35,10 +35,10 @@ import torch
 from huggingface_hub.utils import disable_progress_bars
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
-from kernels import BackendKind, KernelConfig
-from runtime.engine.engine import Engine
-from runtime.model.checkpoint import load_model
-from runtime.model.config import LlamaConfig
+from adapter_manager.kernels import BackendKind, KernelConfig
+from adapter_manager.runtime.engine.engine import Engine
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import (
     RANKS,
     SHARES,

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.checkpoint import load_model
-from runtime.model.config import LlamaConfig
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import decode_floor, interleaved_ms, op_calls, write_adapters, write_checkpoint, write_json
 
 RANKS = (8, 16, 32, 64) * 4

@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from runtime.engine.kv_blocks import BlockPool
-from runtime.engine.kv_space import KVSpace
-from runtime.engine.request import Request
-from runtime.engine.sampling import SamplingParams
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.config import LlamaConfig
-from runtime.model.llama import Llama
+from adapter_manager.runtime.engine.kv_blocks import BlockPool
+from adapter_manager.runtime.engine.kv_space import KVSpace
+from adapter_manager.runtime.engine.request import Request
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.llama import Llama
 from scripts.harness import cpu_model, write_json
 
 BLOCK = 16

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import ADAPTERS, RANK, write_adapters, write_checkpoint, write_json
 
 CONFIGS = ["base", "lora_1", "lora_8"]

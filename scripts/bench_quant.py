@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import WeightLayout, base_linear
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.checkpoint import load_model
-from runtime.model.llama import Llama
-from runtime.model.tokenizer import load_tokenizer
+from adapter_manager.kernels import WeightLayout, base_linear
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.llama import Llama
+from adapter_manager.runtime.model.tokenizer import load_tokenizer
 from scripts.harness import (
     CONFIGS,
     StepSetup,

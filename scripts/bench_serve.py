@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import cpu_model, write_adapters, write_checkpoint, write_json
 from scripts.harness.serving import (
     Server,
@@ -112,7 +112,9 @@ def serve(kind: str, args, checkpoint: Path, adapters: dict[str, Path], port: in
     common = ["--max-slots", str(args.slots), "--max-rank", str(args.rank), "--max-seq-len", str(seq)]
     if kind == "before":
         options = [*common, "--max-batch", str(args.max_batch)]
-        return Server.start("before", ours_argv(checkpoint, adapters, port, options), port, log, cwd=args.baseline)
+        return Server.start(
+            "before", ours_argv(checkpoint, adapters, port, options, args.baseline), port, log, cwd=args.baseline
+        )
     options = [*common, "--max-batch", str(args.cap), "--kv-cache-bytes", str(args.kv_bytes)]
     return Server.start("ours", ours_argv(checkpoint, adapters, port, options), port, log, cwd=Path.cwd())
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine.engine import Engine
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.engine import Engine
+from adapter_manager.runtime.engine.sampling import SamplingParams
 from scripts.harness import (
     CONFIGS,
     RANK,

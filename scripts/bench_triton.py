@@ -73,7 +73,7 @@ class Operands:
     """One case's pool (A parts and Bt parts adjacent in one row buffer, as the row layout puts them), x, y, meta."""
 
     def __init__(self, case: Case, backend, dtype: torch.dtype, device: str, gen: torch.Generator) -> None:
-        from kernels import LoRAKernelMeta
+        from adapter_manager.kernels import LoRAKernelMeta
 
         parts, k, rank = len(case.outs), case.adapters, case.rank
         num_rows, width = k * rank + 1, parts * case.in_f + sum(case.outs)
@@ -136,7 +136,7 @@ def copy_ms(nbytes: int, device: str, inner: int, repeats: int) -> float:
 
 def candidates(op: str, rank: int) -> list:
     """Block sizes --tune tries for ``op`` at padded rank ``rank``."""
-    from kernels.triton.block_sizes import TritonBlocks
+    from adapter_manager.kernels.triton.block_sizes import TritonBlocks
 
     ranks = [r for r in (16, 32, 64) if r <= max(16, rank)]
     if op == "bgmv_shrink":
@@ -153,7 +153,7 @@ def candidates(op: str, rank: int) -> list:
 def tune(case: Case, operands: Operands, device: str, inner: int, repeats: int, limit: int | None = None) -> list:
     """The fastest candidate (of the first ``limit``; None: all) of the case's shrink and expand ops, as table
     entries for (T, rank, features)."""
-    from kernels.triton.block_sizes import TritonBlockEntry, TritonBlockTable
+    from adapter_manager.kernels.triton.block_sizes import TritonBlockEntry, TritonBlockTable
 
     backend, shipped = operands.backend, operands.backend.blocks
     kind = "bgmv" if operands.meta.num_tokens <= backend.bgmv_max_tokens else "sgmv"
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         device = "cuda"
-    from kernels import BackendKind, KernelConfig, select_backend
-    from kernels.backend import triton_unavailable_reason
+    from adapter_manager.kernels import BackendKind, KernelConfig, select_backend
+    from adapter_manager.kernels.backend import triton_unavailable_reason
 
     if (reason := triton_unavailable_reason()) is not None:
         sys.exit(f"bench_kernels --device cuda: {reason}")
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(met)} of {len(rows)} kernel times within {TARGET}x their byte floor")
     write_json(args.out, {"device": device, "dtype": args.dtype, "rows": rows}, indent=1)
     if args.tune:
-        from kernels.triton.block_sizes import TritonBlockTable
+        from adapter_manager.kernels.triton.block_sizes import TritonBlockTable
 
         shipped = [e for e in backend.blocks.entries if e.rank is None and e.features is None]
         unique = {(e.op, e.max_tokens, e.rank, e.features): e for e in reversed(tuned)}  # the first tuned per key

@@ -88,7 +88,7 @@ def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton's interpreter for the Triton backends a test builds (``TRITON_INTERPRET=1`` while it runs). Skips where
     triton is not installed (the 'triton' extra) or was imported for a GPU (the compiled kernels' tests run there)."""
     pytest.importorskip("triton", reason="triton is not installed (the 'triton' extra)")
-    from kernels.triton.kernels import imported_interpreting
+    from adapter_manager.kernels.triton.kernels import imported_interpreting
 
     if not imported_interpreting():
         pytest.skip("triton was imported compiled (a GPU is present): its kernels are tested in test_cuda.py")

@@ -1,11 +1,12 @@
-"""The packages' import graph: no cycles (deferred and TYPE_CHECKING imports included), and imports flow one way;
-no file past one concept.
+"""The package's import graph: one import root, no cycles (deferred and TYPE_CHECKING imports included), imports
+flowing one way, no file past one concept.
 
-Flow: ``runtime → adapter_manager → kernels``; inside runtime, ``cli/demo/client → server → engine → model``;
-inside adapter_manager, ``facade (manager, prometheus) → registry | policy → tiers → sources → vocabulary (errors,
-base_model, metrics)``. runtime reaches kernels through its faces only: ``kernels`` and a backend room's
-``__init__`` (``kernels.cpu``, ``kernels.triton``, ``kernels.pallas``), never an inner module. The graph is read from
-the source with :mod:`ast`, so an import inside a function counts like any other.
+Everything is under ``adapter_manager``. Flow: ``runtime → lifecycle``, ``runtime → kernels``; the lifecycle and
+kernels are siblings (neither imports the other). Inside runtime, ``cli/demo/client → cluster → server → engine →
+model``; inside the lifecycle, ``facade (manager, prometheus) → registry | policy → tiers → sources → vocabulary
+(errors, base_model, metrics)``. runtime reaches kernels through its faces only: ``adapter_manager.kernels`` and a
+backend room's ``__init__`` (``kernels.cpu``, ``kernels.triton``, ``kernels.pallas``), never an inner module. The
+graph is read from the source with :mod:`ast`, so an import inside a function counts like any other.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "adapter_manager", "runtime")
+PACKAGES = ("adapter_manager",)
+KERNELS = "adapter_manager.kernels"
+RUNTIME = "adapter_manager.runtime"
 
 # Lower rank may not import higher rank. Modules not listed here take their package's rank.
 _RANK = {
-    "kernels": 0,
+    KERNELS: 0,
     "adapter_manager.errors": 1,  # the lifecycle's vocabulary, shared by every room
     "adapter_manager.base_model": 1,
     "adapter_manager.metrics": 1,
@@ -96,12 +99,20 @@ def _rank(module: str) -> int:
 
 def test_graph_sees_every_package() -> None:
     graph = _graph()
-    assert {"kernels.meta", "adapter_manager.manager", "runtime.engine.engine", "runtime.server.app"} <= set(graph)
+    expected = {f"{KERNELS}.meta", "adapter_manager.manager", f"{RUNTIME}.engine.engine", f"{RUNTIME}.server.app"}
+    assert expected <= set(graph)
     assert {"adapter_manager.sources.hub", "adapter_manager.tiers.allocator", "adapter_manager.policy.prefetch"} <= set(
         graph
     )
     assert "adapter_manager.tiers.prepare" in graph["adapter_manager.registry.registry"]
-    assert "kernels.meta" in graph["runtime.model.projection"] | graph["kernels.ops"]
+    assert f"{KERNELS}.meta" in graph[f"{RUNTIME}.model.projection"] | graph[f"{KERNELS}.ops"]
+
+
+def test_one_import_root() -> None:
+    """The source tree has one top-level package: no second import name (``kernels``, ``runtime``) to collide with
+    another distribution's."""
+    tops = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} - {"tests", "scripts"}
+    assert tops == {"adapter_manager"}
 
 
 def test_no_import_cycles() -> None:
@@ -134,31 +145,47 @@ def test_imports_flow_one_way() -> None:
         for dst in sorted(targets)
         if _rank(dst) > _rank(src)
     ]
-    flow = "runtime -> adapter_manager -> kernels (server -> engine -> model)"
+    flow = "runtime -> lifecycle -> kernels (server -> engine -> model)"
     assert not wrong, f"imports against {flow}:\n" + "\n".join(wrong)
 
 
+def _in(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def test_lifecycle_and_kernels_are_siblings() -> None:
+    """The lifecycle (everything outside kernels and runtime) never imports kernels, nor kernels the lifecycle."""
+    wrong = [
+        f"{src} -> {dst}"
+        for src, targets in sorted(_graph().items())
+        if not _in(src, RUNTIME)
+        for dst in sorted(targets)
+        if not _in(dst, RUNTIME) and _in(src, KERNELS) != _in(dst, KERNELS)
+    ]
+    assert not wrong, "the lifecycle and kernels import each other:\n" + "\n".join(wrong)
+
+
 def _faces(modules: set[str]) -> set[str]:
-    """``kernels`` and each backend room's ``__init__``: the only kernels modules runtime may import."""
-    rooms = {m for m in modules if m.count(".") == 1 and m.startswith("kernels.")}
-    return {"kernels"} | {m for m in rooms if (ROOT / m.replace(".", "/")).is_dir()}
+    """``adapter_manager.kernels`` and each backend room's ``__init__``: the only kernels modules runtime may import."""
+    rooms = {m for m in modules if m.startswith(KERNELS + ".") and m.count(".") == 2}
+    return {KERNELS} | {m for m in rooms if (ROOT / m.replace(".", "/")).is_dir()}
 
 
 def test_runtime_reaches_kernels_through_its_faces() -> None:
     graph = _graph()
     faces = _faces(set(graph))
-    assert faces == {"kernels", "kernels.cpu", "kernels.triton", "kernels.pallas"}
+    assert faces == {KERNELS, f"{KERNELS}.cpu", f"{KERNELS}.triton", f"{KERNELS}.pallas"}
     wrong = [
         f"{src} -> {dst}"
         for src, targets in sorted(graph.items())
-        if src.startswith("runtime")
+        if _in(src, RUNTIME)
         for dst in sorted(targets)
-        if dst.startswith("kernels") and dst not in faces
+        if _in(dst, KERNELS) and dst not in faces
     ]
     assert not wrong, "runtime imports an inner kernels module (use kernels or a room's face):\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("module", ["runtime", "runtime.engine", "runtime.model", "adapter_manager", "kernels"])
+@pytest.mark.parametrize("module", [RUNTIME, f"{RUNTIME}.engine", f"{RUNTIME}.model", "adapter_manager", KERNELS])
 def test_light_imports(module: str) -> None:
     """Embedding the engine (a batch job, a Ray replica, a notebook) pulls in no web stack."""
     code = (
@@ -173,7 +200,7 @@ def test_light_imports(module: str) -> None:
 
 
 def test_no_file_past_one_concept() -> None:
-    """Every .py file of the packages, tests and scripts stays under MAX_LINES lines."""
+    """Every .py file of the package, tests and scripts stays under MAX_LINES lines."""
     long = [
         f"{path.relative_to(ROOT)}: {n} lines"
         for folder in (*PACKAGES, "tests", "scripts")

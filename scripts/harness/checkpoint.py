@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from adapter_manager import BaseModelSpec, write_synthetic_adapter
-from runtime.model.checkpoint import write_random_checkpoint
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
+from adapter_manager.runtime.model.config import LlamaConfig
 
 
 def write_checkpoint(

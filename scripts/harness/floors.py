@@ -7,7 +7,7 @@ step's distinct active adapters ÷ the base weight bytes (the KV cache's bytes n
 from __future__ import annotations
 
 from adapter_manager import PROJECTIONS
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness.workload import RANK
 
 

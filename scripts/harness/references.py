@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels.cpu import weights as packing
-from runtime.model.llama import Llama
+from adapter_manager.kernels import cpu as cpu_kernels
+from adapter_manager.kernels.cpu import weights as packing
+from adapter_manager.runtime.model.llama import Llama
 from scripts.harness.steps import base_linears
 
 

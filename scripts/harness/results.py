@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-import kernels
+from adapter_manager import kernels
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 """The /proc/cpuinfo flags the CPU kernels' choices depend on."""

@@ -85,8 +85,14 @@ class Server:
                 self.proc.wait()
 
 
-def ours_argv(checkpoint: Path, adapters: dict[str, Path], port: int, options: Sequence[str]) -> list[str]:
-    argv = [sys.executable, "-m", "runtime.cli", "serve", str(checkpoint), "--port", str(port), *options]
+def ours_argv(
+    checkpoint: Path, adapters: dict[str, Path], port: int, options: Sequence[str], root: Path | None = None
+) -> list[str]:
+    """``serve`` from the checkout ``root`` (default: this one); a checkout from before the one import root runs its
+    top-level ``runtime.cli``."""
+    root = Path.cwd() if root is None else root
+    cli = "adapter_manager.runtime.cli" if (root / "adapter_manager" / "runtime").is_dir() else "runtime.cli"
+    argv = [sys.executable, "-m", cli, "serve", str(checkpoint), "--port", str(port), *options]
     for adapter_id, folder in adapters.items():
         argv += ["--adapter", f"{folder}={adapter_id}"]
     return argv

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import KernelConfig, LoRAKernelMeta, select_backend
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.llama import Llama
-from runtime.model.projection import LoRALinear
+from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.llama import Llama
+from adapter_manager.runtime.model.projection import LoRALinear
 from scripts.harness.workload import EngineWorkload
 
 

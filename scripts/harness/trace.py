@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.engine.engine import Engine
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.engine import Engine
+from adapter_manager.runtime.engine.sampling import SamplingParams
 
 RANKS, SHARES = (8, 16, 32, 64), (0.4, 0.3, 0.2, 0.1)
 """The population's adapter ranks and the share of adapters of each."""

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from kernels import KernelConfig
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model
-from runtime.model.config import LlamaConfig
-from runtime.model.llama import Llama
+from adapter_manager.kernels import KernelConfig
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.llama import Llama
 from scripts.harness.checkpoint import write_adapters, write_checkpoint
 
 RANK = 16

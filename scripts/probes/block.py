@@ -20,9 +20,9 @@ import torch
 
 from adapter_manager import ModuleKey
 from adapter_manager.base_model import BaseModelSpec
+from adapter_manager.kernels import LoRAKernelMeta, select_backend
+from adapter_manager.runtime.model.projection import LoRALinear
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
-from kernels import LoRAKernelMeta, select_backend
-from runtime.model.projection import LoRALinear
 from scripts.harness import samples_ms, write_json
 
 BLOCK_LINEARS = {

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from runtime.model.projection import LoRALinear
+from adapter_manager.runtime.model.projection import LoRALinear
 from scripts.harness import (
     StepSetup,
     adapter_bytes,

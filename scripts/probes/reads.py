@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from runtime.model.projection import LoRALinear
+from adapter_manager.runtime.model.projection import LoRALinear
 from scripts.harness import RANK, StepSetup, engine_workload, write_json
 
 MODES = ("weights", "rows_after", "rows_same_region", "rows_prefetched", "rows_interleaved", "contiguous_after")

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from runtime.model.projection import LoRALinear
+from adapter_manager.runtime.model.projection import LoRALinear
 from scripts.harness import StepSetup, adapter_bytes, decode_step_parser, engine_workload, write_json
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))

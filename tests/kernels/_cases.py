@@ -6,10 +6,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, LoRAKernelMeta, apply_parts, expand, select_backend, shrink
-from kernels.dispatch_table import DispatchEntry, TorchDispatchTable
-from kernels.torch_eager import TorchEagerBackend
-from kernels.xla_laned import XlaLanedBackend
+from adapter_manager.kernels import (
+    BackendKind,
+    KernelConfig,
+    LoRAForm,
+    LoRAKernelMeta,
+    apply_parts,
+    expand,
+    select_backend,
+    shrink,
+)
+from adapter_manager.kernels.dispatch_table import DispatchEntry, TorchDispatchTable
+from adapter_manager.kernels.torch_eager import TorchEagerBackend
+from adapter_manager.kernels.xla_laned import XlaLanedBackend
 
 MIXES = ("none", "single", "single_with_none", "distinct", "uniform", "zipf", "skewed", "empty_slots")
 TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}

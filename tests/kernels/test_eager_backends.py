@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import expand, select_backend, shrink
-from kernels.reference import ReferenceBackend
+from adapter_manager.kernels import expand, select_backend, shrink
+from adapter_manager.kernels.reference import ReferenceBackend
 from tests.kernels._cases import (
     BACKENDS,
     MIXES,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import LinearWeight, WeightLayout, layer_reference
-from kernels.cpu import load, unavailable_reason
+from adapter_manager import kernels
+from adapter_manager.kernels import LinearWeight, WeightLayout, layer_reference
+from adapter_manager.kernels.cpu import load, unavailable_reason
 
 
 def _plain(w: torch.Tensor) -> LinearWeight:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import AdapterRows, LoRAKernelMeta, Segment
-from kernels.reference import ReferenceBackend
-from kernels.torch_eager import TorchEagerBackend
-from kernels.xla_laned import XlaLanedBackend
+from adapter_manager.kernels import AdapterRows, LoRAKernelMeta, Segment
+from adapter_manager.kernels.reference import ReferenceBackend
+from adapter_manager.kernels.torch_eager import TorchEagerBackend
+from adapter_manager.kernels.xla_laned import XlaLanedBackend
 from tests.kernels._cases import ALWAYS_GROUPED, ALWAYS_LANED
 
 

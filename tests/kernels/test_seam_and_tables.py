@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import (
+from adapter_manager import kernels
+from adapter_manager.kernels import (
     BackendKind,
     DispatchEntry,
     KernelConfig,
@@ -23,11 +23,11 @@ from kernels import (
     select_backend,
     shrink,
 )
-from kernels.cpu.backend import CpuFusedBackend
-from kernels.pallas.block_sizes import BlockSizes, BlockSizeTable
-from kernels.reference import ReferenceBackend
-from kernels.torch_eager import TorchEagerBackend
-from kernels.xla_laned import XlaLanedBackend
+from adapter_manager.kernels.cpu.backend import CpuFusedBackend
+from adapter_manager.kernels.pallas.block_sizes import BlockSizes, BlockSizeTable
+from adapter_manager.kernels.reference import ReferenceBackend
+from adapter_manager.kernels.torch_eager import TorchEagerBackend
+from adapter_manager.kernels.xla_laned import XlaLanedBackend
 from tests.kernels._cases import ALWAYS_GROUPED
 
 
@@ -92,7 +92,7 @@ def test_seam_picks_by_device_and_config():
     ],
 )
 def test_the_form_is_chosen_per_step_or_forced_and_recorded(slots, auto, forced, caplog):
-    with caplog.at_level("DEBUG", logger="kernels.meta"):
+    with caplog.at_level("DEBUG", logger="adapter_manager.kernels.meta"):
         assert prepared(slots, backend=select_backend("cpu", KernelConfig(backend=BackendKind.TORCH))).form is auto
     assert f"LoRA form {auto.value} for steps of {len(slots)} tokens" in caplog.text
     backend = select_backend("cpu", KernelConfig(torch_form=LoRAForm.GROUPED))
@@ -155,7 +155,7 @@ def test_block_size_table_loads_and_looks_up():
 def test_every_block_size_entry_fits_the_scoped_vmem_and_one_over_budget_fails_the_load(tmp_path):
     """Each entry's VMEM (blocks double-buffered, accumulator) against v5e's and v6e's scoped VMEM: the shipped table
     fits; a table with an entry over the smallest budget is refused at load, naming the entry and its MiB."""
-    from kernels.pallas.block_sizes import SCOPED_VMEM
+    from adapter_manager.kernels.pallas.block_sizes import SCOPED_VMEM
 
     table = BlockSizeTable.load()
     assert max(e.vmem_bytes() for e in table.entries) <= min(SCOPED_VMEM.values())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, select_backend, shrink, shrink_parts
-from kernels.reference import ReferenceBackend
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAForm, select_backend, shrink, shrink_parts
+from adapter_manager.kernels.reference import ReferenceBackend
 from tests.kernels._cases import BACKENDS, MIXES, PAD_LEFT, TOLERANCE, PartsPool, collapse_laned, parts_pool
 
 FUSED_TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: TOLERANCE[torch.bfloat16]}

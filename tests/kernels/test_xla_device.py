@@ -12,8 +12,8 @@ pytest.importorskip("torchax")
 
 import torch_xla.debug.metrics as metrics  # noqa: E402
 
-from kernels import BackendKind, KernelConfig, expand, select_backend, shrink, shrink_parts  # noqa: E402
-from kernels.config import PallasInterpret  # noqa: E402
+from adapter_manager.kernels import BackendKind, KernelConfig, expand, select_backend, shrink, shrink_parts  # noqa: E402
+from adapter_manager.kernels.config import PallasInterpret  # noqa: E402
 from tests.kernels._cases import (  # noqa: E402
     STALE,
     TOLERANCE,

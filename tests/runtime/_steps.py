@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from adapter_manager import AdapterRegistry, RegistryConfig
+from adapter_manager.kernels import LoRAKernelMeta
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.llama import Llama
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
-from kernels import LoRAKernelMeta
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.checkpoint import load_model
-from runtime.model.llama import Llama
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import ADAPTERS, MAX_RANK, ROWS, SLOTTED, slots_of
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model
-from runtime.model.llama import Llama
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY_NAME, make_tiny_llama
 from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ENGINE_REQUESTS, write_adapter
 

@@ -15,7 +15,7 @@ import pytest
 from huggingface_hub import snapshot_download
 
 from adapter_manager import write_synthetic_adapter
-from runtime.cli import main
+from adapter_manager.runtime.cli import main
 
 
 def _ignore_sigint() -> None:
@@ -27,7 +27,7 @@ def test_hub_serve_serves_a_folder_to_huggingface_hub(tmp_path, tiny_spec):
     """Stopped by SIGTERM, although started ignoring SIGINT: exit 0."""
     write_synthetic_adapter(tmp_path / "hub" / "org" / "a", tiny_spec, r=2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "hub", "serve", str(tmp_path / "hub"), "--port", "0"],
+        [sys.executable, "-m", "adapter_manager.runtime.cli", "hub", "serve", str(tmp_path / "hub"), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -54,7 +54,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
 
 def test_hub_serve_refuses_a_non_loopback_host(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "hub", "serve", str(tmp_path), "--host", "0.0.0.0"],
+        [sys.executable, "-m", "adapter_manager.runtime.cli", "hub", "serve", str(tmp_path), "--host", "0.0.0.0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -64,7 +64,11 @@ def test_hub_serve_refuses_a_non_loopback_host(tmp_path):
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True, timeout=timeout, env=_env()
+        [sys.executable, "-m", "adapter_manager.runtime.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
     )
 
 
@@ -102,14 +106,14 @@ def test_help_explains_every_command():
 def test_serve_then_register_list_metrics_unregister(tmp_path, capsys):
     """The server runs as a subprocess (started ignoring SIGINT, stopped by SIGTERM: exit 0); the client commands run
     in-process through `main` (same exit codes)."""
-    from runtime.model.config import LlamaConfig
+    from adapter_manager.runtime.model.config import LlamaConfig
 
     adapter = write_synthetic_adapter(tmp_path / "my-adapter", LlamaConfig.tiny().to_spec("random-tiny"), r=4)
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "adapter_manager.runtime.cli",
             "serve",
             "--random",
             "tiny",
@@ -194,8 +198,8 @@ def test_demo_small_run_prints_its_table(tmp_path):
 def test_serve_sizes_the_engine_from_the_command_line(tmp_path):
     """--token-budget (vLLM's --max-num-batched-tokens), --max-batch and --max-seq-len reach the engine's config, for
     `serve` and for every replica of `cluster serve`."""
-    from runtime.cli import _parser
-    from runtime.options import ServeOptions
+    from adapter_manager.runtime.cli import _parser
+    from adapter_manager.runtime.options import ServeOptions
 
     sizes = ["--token-budget", "64", "--max-batch", "3", "--max-seq-len", "96"]
     (tmp_path / "config.json").write_text("{}")  # a checkpoint naming no dtype: auto serves float32
@@ -212,10 +216,10 @@ def test_serve_dtype_auto_is_the_checkpoints(tmp_path):
     overrides it; auto without a checkpoint to read is refused."""
     import torch
 
-    from runtime.cli import _parser
-    from runtime.model.checkpoint import write_random_checkpoint
-    from runtime.model.config import LlamaConfig
-    from runtime.options import ServeOptions
+    from adapter_manager.runtime.cli import _parser
+    from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
+    from adapter_manager.runtime.model.config import LlamaConfig
+    from adapter_manager.runtime.options import ServeOptions
 
     write_random_checkpoint(LlamaConfig.tiny(), tmp_path / "bf16", dtype=torch.bfloat16)
     write_random_checkpoint(LlamaConfig.tiny(), tmp_path / "fp32")
@@ -238,12 +242,12 @@ def test_serve_quantize_int8_serves_an_int8_base(tmp_path, capsys):
     dtype) and it answers; the default keeps the weights as loaded; an unknown choice is a usage error."""
     import torch
 
-    from runtime.cli import _parser
-    from runtime.engine.sampling import SamplingParams
-    from runtime.model.checkpoint import write_random_checkpoint
-    from runtime.model.config import LlamaConfig
-    from runtime.options import ServeOptions
-    from runtime.server.launch import build_serving
+    from adapter_manager.runtime.cli import _parser
+    from adapter_manager.runtime.engine.sampling import SamplingParams
+    from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
+    from adapter_manager.runtime.model.config import LlamaConfig
+    from adapter_manager.runtime.options import ServeOptions
+    from adapter_manager.runtime.server.launch import build_serving
 
     folder = write_random_checkpoint(LlamaConfig.tiny(), tmp_path / "fp32")
 
@@ -271,7 +275,18 @@ def test_sigterm_while_the_model_loads_stops_serve_with_exit_0(tmp_path):
     """SIGTERM is a stop from the moment `serve` starts, not only once it listens: sent as soon as it says it is
     loading, the process exits 0 (not -15) and leaves no scratch folder behind in its --workdir."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "serve", "--random", "tiny", "--port", "0", "--workdir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "adapter_manager.runtime.cli",
+            "serve",
+            "--random",
+            "tiny",
+            "--port",
+            "0",
+            "--workdir",
+            str(tmp_path),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -283,4 +298,3 @@ def test_sigterm_while_the_model_loads_stops_serve_with_exit_0(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert _wait(proc, 60) == 0, proc.stderr.read()
-

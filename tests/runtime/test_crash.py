@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from adapter_manager import LocalHub, write_synthetic_adapter
-from runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.config import LlamaConfig
 
 httpx = pytest.importorskip("httpx")
 
@@ -27,9 +27,9 @@ def _serve(tmp_path: Path, endpoint: str) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ADAPTER_MANAGER_", "HF_"))}
     env.update(PYTHONUNBUFFERED="1", HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="0")
     command = [
-        sys.executable, "-m", "runtime.cli", "serve", "--random", "tiny", "--port", "0", "--max-rank", "8",
-        "--host-cache-bytes", "16MiB", "--workdir", str(tmp_path), "--state-dir", str(tmp_path / "state"),
-        "--disk-cache-bytes", "64MiB",
+        sys.executable, "-m", "adapter_manager.runtime.cli", "serve", "--random", "tiny", "--port", "0",
+        "--max-rank", "8", "--host-cache-bytes", "16MiB", "--workdir", str(tmp_path),
+        "--state-dir", str(tmp_path / "state"), "--disk-cache-bytes", "64MiB",
     ]  # fmt: skip
     log = tmp_path / f"server-{time.monotonic_ns()}.log"  # a file: a full stderr pipe would block the server
     with log.open("w") as stderr:
@@ -136,11 +136,11 @@ def test_registrations_survive_sigkill_in_a_burst(tmp_path):
 
 def test_an_adapter_that_cannot_be_restored_is_listed_counted_and_removable(tmp_path):
     from adapter_manager import AdapterManagerConfig
-    from runtime.engine.engine import EngineConfig
-    from runtime.model.checkpoint import write_random_checkpoint
-    from runtime.server.app import BackgroundServer
-    from runtime.server.launch import build_serving
-    from runtime.server.state import ServerConfig
+    from adapter_manager.runtime.engine.engine import EngineConfig
+    from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
+    from adapter_manager.runtime.server.app import BackgroundServer
+    from adapter_manager.runtime.server.launch import build_serving
+    from adapter_manager.runtime.server.state import ServerConfig
 
     config = LlamaConfig.tiny()
     write_random_checkpoint(config, tmp_path / "model")

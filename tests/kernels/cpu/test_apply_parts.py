@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, select_backend
-from kernels.cpu import lora_apply
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, select_backend
+from adapter_manager.kernels.cpu import lora_apply
 from tests.kernels._cases import BACKENDS, MIXES, OUTS, bt_parts, check_apply_parts, parts_pool
 
 EAGER = [name for name in BACKENDS if not BACKENDS[name]().traced]

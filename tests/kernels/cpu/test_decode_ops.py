@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import layer_reference
-from kernels.cpu import decode_ops, load, unavailable_reason
+from adapter_manager.kernels import layer_reference
+from adapter_manager.kernels.cpu import decode_ops, load, unavailable_reason
 
 pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
 

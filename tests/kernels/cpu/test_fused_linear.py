@@ -8,9 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import KernelConfig, LinearWeight, LoRAForm, LoRAGroups, WeightLayout, fused_linear, select_backend
-from kernels.config import BackendKind
-from kernels.cpu import LINEAR_MAX_TOKENS, block_weight, load, unavailable_reason
+from adapter_manager.kernels import (
+    KernelConfig,
+    LinearWeight,
+    LoRAForm,
+    LoRAGroups,
+    WeightLayout,
+    fused_linear,
+    select_backend,
+)
+from adapter_manager.kernels.config import BackendKind
+from adapter_manager.kernels.cpu import LINEAR_MAX_TOKENS, block_weight, load, unavailable_reason
 from tests.kernels._cases import MIXES, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import WeightLayout
-from kernels.cpu import layout_choice, library
+from adapter_manager.kernels import WeightLayout
+from adapter_manager.kernels.cpu import layout_choice, library
 
 SHAPES = [(96, 32, 3), (64, 48, 2)]
 

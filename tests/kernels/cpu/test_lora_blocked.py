@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import BLOCK, block_weight, load, lora_blocked, unavailable_reason, unblock_weight
+from adapter_manager.kernels.cpu import BLOCK, block_weight, load, lora_blocked, unavailable_reason, unblock_weight
 from tests.kernels._cases import MIXES, bench_qkv_case, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")

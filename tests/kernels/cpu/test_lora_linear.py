@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import LINEAR_MAX_TOKENS, load, lora_linear, unavailable_reason
+from adapter_manager.kernels.cpu import LINEAR_MAX_TOKENS, load, lora_linear, unavailable_reason
 from tests.kernels._cases import MIXES, bench_qkv_case, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import load, lora_apply, lora_onednn, unavailable_reason
+from adapter_manager.kernels.cpu import load, lora_apply, lora_onednn, unavailable_reason
 from tests.kernels._cases import MIXES, linear_case, reference_apply_parts
 
 pytestmark = pytest.mark.skipif(

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import LinearWeight, WeightLayout, base_linear, quantize_weight, unpack_weight
-from kernels.cpu import load, unavailable_reason
-from kernels.cpu.linear_ops import Q8_BLOCK, q8_block, q8_linear, q8_unblock
-from kernels.cpu.weights import dequantize, int8_linear
-from kernels.quantize import int8_matmul, quantize_int8
+from adapter_manager.kernels import LinearWeight, WeightLayout, base_linear, quantize_weight, unpack_weight
+from adapter_manager.kernels.cpu import load, unavailable_reason
+from adapter_manager.kernels.cpu.linear_ops import Q8_BLOCK, q8_block, q8_linear, q8_unblock
+from adapter_manager.kernels.cpu.weights import dequantize, int8_linear
+from adapter_manager.kernels.quantize import int8_matmul, quantize_int8
 
 needs_library = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
 

@@ -15,10 +15,10 @@ pytest.importorskip("jax.experimental.pallas.tpu")
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
-from kernels.config import PallasInterpret  # noqa: E402
-from kernels.pallas.block_sizes import BlockSizeTable  # noqa: E402
-from kernels.pallas.kernels import lora_expand, lora_shrink  # noqa: E402
-from kernels.pallas.lowering import MosaicLoweringError, lower_for_tpu  # noqa: E402
+from adapter_manager.kernels.config import PallasInterpret  # noqa: E402
+from adapter_manager.kernels.pallas.block_sizes import BlockSizeTable  # noqa: E402
+from adapter_manager.kernels.pallas.kernels import lora_expand, lora_shrink  # noqa: E402
+from adapter_manager.kernels.pallas.lowering import MosaicLoweringError, lower_for_tpu  # noqa: E402
 
 # per model: shrink's input features (hidden, intermediate) and expand's output features (q/o, k/v, gate/up)
 MODELS = {"bench": ((1024, 2816), (1024, 256, 2816)), "llama3-8b": ((4096, 14336), (4096, 1024, 14336))}

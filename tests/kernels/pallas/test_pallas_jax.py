@@ -15,9 +15,9 @@ pytest.importorskip("jax.experimental.pallas.tpu")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.config import PallasInterpret  # noqa: E402
-from kernels.pallas.block_sizes import BlockSizes, BlockSizeTable  # noqa: E402
-from kernels.pallas.kernels import lora_expand, lora_shrink, weight_fetches  # noqa: E402
+from adapter_manager.kernels.config import PallasInterpret  # noqa: E402
+from adapter_manager.kernels.pallas.block_sizes import BlockSizes, BlockSizeTable  # noqa: E402
+from adapter_manager.kernels.pallas.kernels import lora_expand, lora_shrink, weight_fetches  # noqa: E402
 from tests.kernels._cases import (  # noqa: E402
     TOLERANCE,
     collapse_laned,

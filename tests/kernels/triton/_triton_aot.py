@@ -13,9 +13,9 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import attention as triton_attention
-from kernels.triton import kernels as triton_kernels
-from kernels.triton.block_sizes import TritonBlockTable
+from adapter_manager.kernels.triton import attention as triton_attention
+from adapter_manager.kernels.triton import kernels as triton_kernels
+from adapter_manager.kernels.triton.block_sizes import TritonBlockTable
 
 POINTERS = {"h_ptr": "*fp32", "tok_ptr": "*i32", "runs_ptr": "*i32", "tab_ptr": "*i64", "rows_ptr": "*i64",
             "pos_ptr": "*i64"}  # fmt: skip

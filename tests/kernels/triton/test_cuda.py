@@ -11,7 +11,16 @@ import importlib.util
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, expand, select_backend, shrink, shrink_parts
+from adapter_manager.kernels import (
+    BackendKind,
+    KernelConfig,
+    LoRAForm,
+    apply_parts,
+    expand,
+    select_backend,
+    shrink,
+    shrink_parts,
+)
 from tests.kernels._cases import (
     MIXES,
     OUTS,
@@ -99,7 +108,7 @@ TRITON = {"bgmv": KernelConfig(), "sgmv": KernelConfig(bgmv_max_tokens=0)}
 def test_triton_kernels_on_cuda_equal_the_loop(kind, mix, parts, dtype, pool):
     """The compiled BGMV / SGMV kernels (one shrink and one expand launch per call) against the fp32 loop on CPU;
     slot -1 rows and the columns around y bit for bit."""
-    from kernels.triton.backend import TritonBackend
+    from adapter_manager.kernels.triton.backend import TritonBackend
 
     pp = parts_pool(parts, *pool, in_f=48, seed=1).to(dtype)
     bts = bt_parts(pp, OUTS[:parts], 1, dtype)
@@ -128,7 +137,7 @@ def test_triton_kernels_on_cuda_equal_the_loop(kind, mix, parts, dtype, pool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention_compiled_equals_the_gathered_sdpa_on_cpu(dtype) -> None:
     """kernels.paged_attention on CUDA (the compiled Triton kernel) against the torch form on CPU, same operands."""
-    from kernels import paged_attention
+    from adapter_manager.kernels import paged_attention
     from tests.kernels.triton.test_paged_attention import _case
 
     cache, q, tables, rows, positions = _case(8, 2, 64, 16, dtype)

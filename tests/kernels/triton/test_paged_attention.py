@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model.kv_cache import KVCache
+from adapter_manager.runtime.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("triton_interpret")
 
@@ -37,7 +37,7 @@ def _case(heads: int, kv_heads: int, dim: int, block_size: int, dtype, seed: int
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, dim, block_size, dtype) -> None:
-    from kernels.triton.attention import PagedAttention
+    from adapter_manager.kernels.triton.attention import PagedAttention
 
     cache, q, tables, rows, positions = _case(heads, kv_heads, dim, block_size, dtype)
     ours = PagedAttention()(q, cache.k, cache.v, tables, rows, positions)
@@ -51,7 +51,7 @@ def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, dim, block_si
 
 
 def test_paged_attention_refuses_mismatched_operands() -> None:
-    from kernels.triton.attention import PagedAttention
+    from adapter_manager.kernels.triton.attention import PagedAttention
 
     cache, q, tables, rows, positions = _case(4, 2, 16, 4, torch.float32)
     attention = PagedAttention()

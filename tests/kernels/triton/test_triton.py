@@ -11,9 +11,18 @@ import sys
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAForm, apply_parts, expand, select_backend, shrink, shrink_parts
-from kernels.triton.backend import token_table
-from kernels.triton.block_sizes import OPS, TritonBlockEntry, TritonBlockTable
+from adapter_manager.kernels import (
+    BackendKind,
+    KernelConfig,
+    LoRAForm,
+    apply_parts,
+    expand,
+    select_backend,
+    shrink,
+    shrink_parts,
+)
+from adapter_manager.kernels.triton.backend import token_table
+from adapter_manager.kernels.triton.block_sizes import OPS, TritonBlockEntry, TritonBlockTable
 from tests.kernels._cases import (
     MIXES,
     OUTS,
@@ -221,8 +230,8 @@ def test_operands_the_kernels_do_not_take_fall_back_to_the_torch_forms():
 
 def test_the_seam_picks_triton_on_cuda_and_never_on_cpu(monkeypatch):
     """Forced onto a CPU device only in interpret mode, and only in the mode triton was imported in."""
-    from kernels.triton.backend import TritonBackend
-    from kernels.triton.kernels import InterpretModeError
+    from adapter_manager.kernels.triton.backend import TritonBackend
+    from adapter_manager.kernels.triton.kernels import InterpretModeError
 
     assert isinstance(select_backend("cuda"), TritonBackend), "AUTO on cuda: the Triton kernels"
     assert not isinstance(select_backend("cpu"), TritonBackend), "AUTO on cpu: the cpu backend, even interpreting"
@@ -248,9 +257,9 @@ def test_first_contact_keeps_working_kernels_and_falls_back_from_broken_ones(tri
     numbers leaves the torch forms, with one warning naming why."""
     import warnings
 
-    from kernels.backend import first_contact
-    from kernels.torch_eager import TorchEagerBackend
-    from kernels.triton.backend import TritonBackend
+    from adapter_manager.kernels.backend import first_contact
+    from adapter_manager.kernels.torch_eager import TorchEagerBackend
+    from adapter_manager.kernels.triton.backend import TritonBackend
 
     config = KernelConfig(backend=BackendKind.TRITON)
     triton = select_backend("cpu", config)

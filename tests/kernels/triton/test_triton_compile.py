@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.triton.block_sizes import TritonBlockTable
+from adapter_manager.kernels.triton.block_sizes import TritonBlockTable
 
 ROOT = Path(__file__).resolve().parents[3]
 

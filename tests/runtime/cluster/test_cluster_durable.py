@@ -13,11 +13,11 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 httpx = pytest.importorskip("httpx")
 
 from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter  # noqa: E402
-from runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
-from runtime.engine.engine import EngineConfig  # noqa: E402
-from runtime.model.checkpoint import write_random_checkpoint  # noqa: E402
-from runtime.model.config import LlamaConfig  # noqa: E402
-from runtime.server.state import ServerConfig  # noqa: E402
+from adapter_manager.runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
+from adapter_manager.runtime.engine.engine import EngineConfig  # noqa: E402
+from adapter_manager.runtime.model.checkpoint import write_random_checkpoint  # noqa: E402
+from adapter_manager.runtime.model.config import LlamaConfig  # noqa: E402
+from adapter_manager.runtime.server.state import ServerConfig  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
 from adapter_manager import AdapterManagerConfig  # noqa: E402
-from runtime.cluster import ClusterConfig  # noqa: E402
+from adapter_manager.runtime.cluster import ClusterConfig  # noqa: E402
 
 
 def test_models_per_replica_leave_out_spare_and_pinned_slots(tmp_path):
@@ -20,7 +20,7 @@ def test_models_per_replica_leave_out_spare_and_pinned_slots(tmp_path):
 
 
 def test_cluster_serve_refuses_pinned_slots_that_leave_serve_nothing_before_starting_ray(capsys):
-    from runtime.cli import USAGE_ERROR, main
+    from adapter_manager.runtime.cli import USAGE_ERROR, main
 
     assert main(["cluster", "serve", "--random", "tiny", "--max-slots", "2", "--pinned-slots", "1"]) == USAGE_ERROR
     assert "pinned_slots (1)" in capsys.readouterr().err

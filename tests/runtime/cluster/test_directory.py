@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
-from runtime.cluster.directory import ORPHAN_S, AdapterDirectory, DirectoryEntry, reconcile_plan  # noqa: E402
+from adapter_manager.runtime.cluster.directory import ORPHAN_S, AdapterDirectory, DirectoryEntry, reconcile_plan  # noqa: E402
 
 
 def test_a_restarted_directory_gets_its_entries_back_from_the_replicas():

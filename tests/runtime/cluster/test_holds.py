@@ -18,7 +18,7 @@ from adapter_manager import (  # noqa: E402
     SlotsExhaustedError,
     write_synthetic_adapter,
 )
-from runtime.cluster.holds import Holds, Resident  # noqa: E402
+from adapter_manager.runtime.cluster.holds import Holds, Resident  # noqa: E402
 
 
 def test_first_hold_pins_last_drop_unpins_and_a_failed_pin_holds_nothing(tiny_spec, tmp_path):

@@ -18,7 +18,7 @@ from ray.serve._private.common import (  # noqa: E402
 )
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
-from runtime.cluster import AdapterRouter  # noqa: E402
+from adapter_manager.runtime.cluster import AdapterRouter  # noqa: E402
 
 DEPLOYMENT = DeploymentID("EngineReplica", "test")
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
 from adapter_manager import Move, SwapMetrics, Tier  # noqa: E402
-from runtime.cluster.snapshots import merge_snapshots  # noqa: E402
+from adapter_manager.runtime.cluster.snapshots import merge_snapshots  # noqa: E402
 
 
 def _snapshot(latencies: list[float], hits: int, misses: int) -> dict:

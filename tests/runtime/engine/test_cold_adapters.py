@@ -16,10 +16,10 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.file_download import repo_folder_name
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, HubFault, LocalHub, Move
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import ADAPTERS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import SamplingParams
-from runtime.model import load_model
+from adapter_manager.runtime.engine import SamplingParams
+from adapter_manager.runtime.model import load_model
 from tests.runtime._oracle import ADAPTERS, ENGINE_REQUESTS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 

@@ -13,10 +13,10 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir, snapshot_download
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub, Move
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.checkpoint import load_model
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import ADAPTERS, ENGINE_REQUESTS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from adapter_manager import AdapterNotFoundError
-from runtime.engine import Engine, EngineConfig
-from runtime.engine.request import RequestFailedError
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.request import RequestFailedError
+from adapter_manager.runtime.engine.sampling import SamplingParams
 from tests.runtime._oracle import ADAPTERS, ENGINE_REQUESTS, ROWS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from adapter_manager import SlotsExhaustedError
-from runtime.engine.request import RequestFailedError
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.request import RequestFailedError
+from adapter_manager.runtime.engine.sampling import SamplingParams
 from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS
 
 

@@ -3,7 +3,7 @@ its slot through a burst of cold ones, and every output still equals PEFT's."""
 
 from __future__ import annotations
 
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.sampling import SamplingParams
 from tests.runtime._oracle import ADAPTERS
 from tests.runtime._oracle import ENGINE_NEW_TOKENS as NEW_TOKENS
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from kernels import BackendKind, KernelConfig
-from runtime.engine import SamplingParams
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model import load_model
+from adapter_manager.kernels import BackendKind, KernelConfig
+from adapter_manager.runtime.engine import SamplingParams
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS
 
@@ -49,7 +49,7 @@ def test_engine_on_the_triton_backend_matches_peft(written, expected):
 def test_where_decode_graphs_cannot_be_captured_the_engine_decodes_eagerly_and_says_why(written, expected, monkeypatch):
     """The engine's first contact with graph capture fails (here: a CPU model, as a GPU that refuses to capture
     would): one warning naming why, decode_mode "eager", and the same answers."""
-    import runtime.engine.engine as engine_module
+    import adapter_manager.runtime.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "can_capture", lambda meta: True)  # as on a cuda device with triton
 

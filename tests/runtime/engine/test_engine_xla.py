@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from kernels import LoRAKernelMeta, select_backend
-from runtime.engine.engine import Engine, EngineConfig
-from runtime.engine.kv_space import block_bytes
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding
-from runtime.model.checkpoint import load_model
+from adapter_manager.kernels import LoRAKernelMeta, select_backend
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.kv_space import block_bytes
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk, StaticPadding
+from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import (
     ADAPTERS,

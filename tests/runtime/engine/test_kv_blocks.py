@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.engine.kv_blocks import BlockPool, block_names
+from adapter_manager.runtime.engine.kv_blocks import BlockPool, block_names
 
 
 def test_names_chain_full_blocks_per_namespace():

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from runtime.engine.kv_space import block_bytes
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.kv_space import block_bytes
+from adapter_manager.runtime.engine.sampling import SamplingParams
 
 BLOCK = 4
 PREFIX = [5, 17, 3, 9, 60, 2, 41, 7, 8, 13, 22, 31, 4]  # 13 tokens: 3 full blocks of 4, and one more token

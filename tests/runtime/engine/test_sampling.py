@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from runtime.engine.sampling import (
+from adapter_manager.runtime.engine.sampling import (
     MAX_LOGPROBS,
     PromptRow,
     SampleRow,
@@ -273,7 +273,7 @@ def test_top_p_from_the_candidates_picks_what_the_full_sort_picks():
     """CPU top-p draws sort only the NUCLEUS_CANDIDATES most likely tokens where they hold the nucleus: peaked rows
     (a nucleus of a few tokens), flat rows (most of the vocabulary: the full sort) and both in one batch must pick
     exactly the token the full sort picks, for every uniform."""
-    from runtime.engine.sampling import NUCLEUS_CANDIDATES
+    from adapter_manager.runtime.engine.sampling import NUCLEUS_CANDIDATES
 
     vocab = 32000
     assert vocab > NUCLEUS_CANDIDATES

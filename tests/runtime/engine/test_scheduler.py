@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.kv_blocks import BlockPool
-from runtime.engine.kv_space import KVSpace
-from runtime.engine.request import Request
-from runtime.engine.sampling import SamplingParams
-from runtime.engine.scheduler import SchedulerConfig, plan_step
+from adapter_manager.runtime.engine.kv_blocks import BlockPool
+from adapter_manager.runtime.engine.kv_space import KVSpace
+from adapter_manager.runtime.engine.request import Request
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig, plan_step
 
 
 def kv(seats: int, blocks: int = 100_000, block_size: int = 16, reserve: int = 0) -> KVSpace:

@@ -10,10 +10,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from adapter_manager import AdapterRegistry, RegistryConfig, write_synthetic_adapter
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 
 SLOTS, RANK, SEQUENCES = 16, 8, 16

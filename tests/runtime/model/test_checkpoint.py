@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.model.checkpoint import (
+from adapter_manager.runtime.model.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
@@ -19,8 +19,8 @@ from runtime.model.checkpoint import (
     resolve_dtype,
     write_random_checkpoint,
 )
-from runtime.model.config import LlamaConfig, RopeScaling
-from runtime.model.cpu_features import warn_if_slow_bf16
+from adapter_manager.runtime.model.config import LlamaConfig, RopeScaling
+from adapter_manager.runtime.model.cpu_features import warn_if_slow_bf16
 from tests.conftest import TINY, make_tiny_llama
 from tests.runtime._steps import prefill_logits
 
@@ -163,7 +163,7 @@ def test_config_reads_both_rope_layouts(tmp_path: Path) -> None:
 )
 def test_dtype_auto_is_the_checkpoints_own(tmp_path: Path, config: dict, expected: torch.dtype, caplog) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with caplog.at_level("INFO", logger="runtime.model.checkpoint"):
+    with caplog.at_level("INFO", logger="adapter_manager.runtime.model.checkpoint"):
         assert resolve_dtype(tmp_path) == expected == resolve_dtype(config, "auto")
     assert f"dtype auto: serving in {str(expected).removeprefix('torch.')}" in caplog.text
     assert resolve_dtype(tmp_path, "float32") == torch.float32 == resolve_dtype(None, torch.float32)
@@ -190,7 +190,7 @@ def test_load_model_serves_a_bf16_checkpoint_in_bf16_by_default(tmp_path: Path) 
 
 
 def test_bf16_warns_once_where_the_cpu_emulates_it(caplog) -> None:
-    import runtime.model.cpu_features as features
+    import adapter_manager.runtime.model.cpu_features as features
 
     features._warned = False
     with caplog.at_level("WARNING", logger=features.__name__):

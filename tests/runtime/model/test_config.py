@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from adapter_manager import BaseModelSpec
-from runtime.model.config import LlamaConfig, RopeScaling
-from runtime.model.rope import inv_frequencies
+from adapter_manager.runtime.model.config import LlamaConfig, RopeScaling
+from adapter_manager.runtime.model.rope import inv_frequencies
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 
-from kernels import KernelConfig, LoRAKernelMeta, select_backend
-from runtime.model.cuda_graphs import DecodeGraphConfig, can_capture
+from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.runtime.model.cuda_graphs import DecodeGraphConfig, can_capture
 from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS
 from tests.runtime._steps import decode_replays_vs_eager, slotted_model
 

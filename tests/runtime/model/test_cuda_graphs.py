@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
-from runtime.model.config import LlamaConfig
-from runtime.model.cuda_graphs import DecodeGraphConfig, DecodeGraphs, can_capture, use_decode_graphs
-from runtime.model.llama import Llama
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.cuda_graphs import DecodeGraphConfig, DecodeGraphs, can_capture, use_decode_graphs
+from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY
 from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS
 from tests.runtime._steps import decode_replays_vs_eager, slotted_model

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.model.batch import SeqSpan
-from runtime.model.kv_cache import KVCache, plan_attention, slot_index
+from adapter_manager.runtime.model.batch import SeqSpan
+from adapter_manager.runtime.model.kv_cache import KVCache, plan_attention, slot_index
 
 ROWS, POSITIONS, KV, D = 6, 20, 2, 8
 

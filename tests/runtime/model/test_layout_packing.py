@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import WeightLayout
-from kernels.cpu import layout_choice, library
-from runtime.model.checkpoint import load_model
-from runtime.model.projection import LoRALinear
+from adapter_manager.kernels import WeightLayout
+from adapter_manager.kernels.cpu import layout_choice, library
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.projection import LoRALinear
 from tests.runtime._oracle import ROWS
 from tests.runtime._steps import prefill_logits
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.model.batch import ForwardBatch, SequenceChunk
-from runtime.model.checkpoint import load_model
-from runtime.model.llama import Llama
+from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY, make_tiny_llama
 from tests.runtime._steps import greedy, prefill_logits, step
 

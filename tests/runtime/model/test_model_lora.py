@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from adapter_manager import ModuleKey
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
-from kernels.cpu import backend as cpu_backend
-from runtime.model import projection
-from runtime.model.checkpoint import load_model
-from runtime.model.llama import Llama
-from runtime.model.projection import LoRALinear
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
+from adapter_manager.kernels.cpu import backend as cpu_backend
+from adapter_manager.runtime.model import projection
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.llama import Llama
+from adapter_manager.runtime.model.projection import LoRALinear
 from tests.runtime._oracle import (
     BF16_ATOL,
     BF16_RTOL,

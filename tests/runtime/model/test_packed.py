@@ -8,10 +8,10 @@ import pickle
 import pytest
 import torch
 
-from kernels.cpu import weights as packing
-from runtime.engine.sampling import SamplingParams
-from runtime.model.checkpoint import load_model
-from runtime.model.projection import LoRALinear
+from adapter_manager.kernels.cpu import weights as packing
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.projection import LoRALinear
 from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS, FP32_TOL, ROWS, max_diff, oracle_logits
 from tests.runtime._steps import greedy, prefill_logits
 
@@ -105,8 +105,8 @@ def test_cpu_decode_ops_equal_the_torch_forms_step_by_step(written, dtype, pack_
     idle, and a mixed step (a new prompt's prefill beside decodes). fp32: every step's logits and every cache equal;
     bf16: both forms' distance from the fp32 model, and ours is no larger than the torch forms' (rounding apart: one
     bf16 ulp of the entry's largest value, a KV cache value rounded the other way after the prefill's attention)."""
-    from kernels import KernelConfig, LoRAKernelMeta, cpu, select_backend
-    from runtime.model.batch import SequenceChunk
+    from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, cpu, select_backend
+    from adapter_manager.runtime.model.batch import SequenceChunk
     from tests.runtime._oracle import SLOTTED, slots_of
     from tests.runtime._steps import slotted_model, step
 

@@ -11,10 +11,10 @@ import pickle
 import pytest
 import torch
 
-from kernels import WeightLayout
-from runtime.engine.sampling import SamplingParams
-from runtime.model.checkpoint import load_model
-from runtime.model.projection import LoRALinear
+from adapter_manager.kernels import WeightLayout
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.projection import LoRALinear
 from tests.runtime._oracle import (
     BF16_ATOL,
     BF16_RTOL,
@@ -115,7 +115,7 @@ def test_mixed_adapter_rows_on_an_int8_base_equal_peft_per_row(written, device: 
     """A ragged batch of the oracle's rows, 4 adapters in slots beside base rows, prefilled then decoded greedily on an
     int8 base (CPU: q8_linear; CUDA: dequantized inside the matmul): every row's logits equal PEFT's with that row's
     adapter alone on the dequantized base."""
-    from kernels import KernelConfig, LoRAKernelMeta, select_backend
+    from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, select_backend
     from tests.runtime._oracle import MAX_RANK, SLOTTED, slots_of
     from tests.runtime._steps import slotted_model
 

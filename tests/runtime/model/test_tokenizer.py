@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from adapter_manager.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -156,12 +156,12 @@ def test_the_byte_fallback_says_at_load_which_bytes_cannot_round_trip(tmp_path: 
     import logging
 
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    with caplog.at_level(logging.WARNING, logger="runtime.model.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="adapter_manager.runtime.model.tokenizer"):
         tok = load_tokenizer(tmp_path, vocab_size=300)
     assert "0x01, 0x02" in caplog.text and "no round trip" in caplog.text
     assert tok.decode(tok.encode("a\x01b\x03", add_bos=False)) == "ab\x03"
     caplog.clear()
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
-    with caplog.at_level(logging.WARNING, logger="runtime.model.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="adapter_manager.runtime.model.tokenizer"):
         load_tokenizer(tmp_path, vocab_size=300)
     assert caplog.text == ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS, SLOTTED, max_diff, oracle_logits, slots_of
 from tests.runtime._steps import prefill_logits, slotted_model
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from adapter_manager import AdapterManagerConfig
-from runtime.engine.engine import EngineConfig
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.real_model._prepare import prepared
 from tests.runtime.server.conftest import serving_on
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from adapter_manager import AdapterManagerConfig
-from runtime.engine.engine import EngineConfig
-from runtime.model.checkpoint import write_random_checkpoint
-from runtime.model.config import LlamaConfig
-from runtime.server.app import BackgroundServer
-from runtime.server.launch import Serving, build_serving
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
+from adapter_manager.runtime.model.config import LlamaConfig
+from adapter_manager.runtime.server.app import BackgroundServer
+from adapter_manager.runtime.server.launch import Serving, build_serving
+from adapter_manager.runtime.server.state import ServerConfig
 
 NAME = "tiny-base"  # the served base model
 CONFIG = LlamaConfig.tiny()

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from adapter_manager import AdapterManagerConfig, BaseModelMismatchError
-from runtime.engine.engine import EngineConfig
-from runtime.server.launch import build_serving, checkpoint_aliases
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.server.launch import build_serving, checkpoint_aliases
+from adapter_manager.runtime.server.state import ServerConfig
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from adapter_manager import AdapterManagerConfig
-from runtime.engine.engine import EngineConfig
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.server.conftest import serving_on
 
 EOS = ord("x")  # a plain byte token for the byte-level tokenizer: special only to the engine

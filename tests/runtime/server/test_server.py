@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from adapter_manager import AdapterManagerConfig, HubConfig, HubFault, LocalHub, write_synthetic_adapter
-from runtime.engine.engine import EngineConfig
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.server.conftest import CONFIG, NAME, serving_on
 
 openai = pytest.importorskip("openai")
@@ -357,6 +357,6 @@ def test_load_2000_requests_over_200_adapters_with_churn(files):
 
 
 def _greedy(max_tokens: int):
-    from runtime.engine.sampling import SamplingParams
+    from adapter_manager.runtime.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from adapter_manager import AdapterManagerConfig, write_synthetic_adapter
-from runtime.engine.engine import EngineConfig
-from runtime.engine.sampling import SamplingParams
-from runtime.model.tokenizer import ByteTokenizer
-from runtime.server.generation import TextDecoder
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.tokenizer import ByteTokenizer
+from adapter_manager.runtime.server.generation import TextDecoder
+from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.server.conftest import CONFIG, NAME, serving_on
 
 openai = pytest.importorskip("openai")

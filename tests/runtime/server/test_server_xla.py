@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from adapter_manager import AdapterManagerConfig
-from runtime.engine.engine import EngineConfig
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.server.state import ServerConfig
+from adapter_manager.runtime.engine.engine import EngineConfig
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.server.conftest import NAME, serving_on
 
 pytestmark = pytest.mark.xla

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.sampling import SamplingParams
 from tests.runtime.server.conftest import CONFIG, NAME
 
 openai = pytest.importorskip("openai")

@@ -1,0 +1,70 @@
+"""Shrink/expand LoRA kernels, their batch metadata, and the model's other ops: the model names an op, the step's
+backend (or the room of the tensors' device) picks its implementation."""
+
+from adapter_manager.kernels.active_table import bucket_for
+from adapter_manager.kernels.backend import select_backend
+from adapter_manager.kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
+from adapter_manager.kernels.cpu.machine import cpu_flags, cpu_model, has_fast_bf16
+from adapter_manager.kernels.dispatch_table import DispatchEntry, TorchDispatchTable
+from adapter_manager.kernels.grouping import AdapterRows, Segment, SlotGrouping
+from adapter_manager.kernels.layer_ops import (
+    base_linear,
+    choose_weight_layout,
+    decode_ops,
+    pack_weight,
+    packs_by_default,
+    paged_attention,
+    plain_matmul,
+    quantize_weight,
+    unpack_weight,
+)
+from adapter_manager.kernels.meta import LoRAKernelMeta
+from adapter_manager.kernels.ops import apply_parts, expand, fused_linear, shrink, shrink_parts
+from adapter_manager.kernels.protocol import (
+    DecodeCapture,
+    DecodeOps,
+    EagerBackend,
+    KernelBackend,
+    LinearWeight,
+    LoRAGroups,
+    WeightLayout,
+)
+
+__all__ = [
+    "AdapterRows",
+    "BackendKind",
+    "DecodeCapture",
+    "DecodeOps",
+    "DispatchEntry",
+    "EagerBackend",
+    "KernelBackend",
+    "KernelConfig",
+    "LinearWeight",
+    "LoRAForm",
+    "LoRAGroups",
+    "LoRAKernelMeta",
+    "PallasInterpret",
+    "Segment",
+    "SlotGrouping",
+    "TorchDispatchTable",
+    "WeightLayout",
+    "apply_parts",
+    "base_linear",
+    "choose_weight_layout",
+    "cpu_flags",
+    "cpu_model",
+    "bucket_for",
+    "decode_ops",
+    "expand",
+    "fused_linear",
+    "has_fast_bf16",
+    "pack_weight",
+    "packs_by_default",
+    "paged_attention",
+    "plain_matmul",
+    "quantize_weight",
+    "select_backend",
+    "shrink",
+    "shrink_parts",
+    "unpack_weight",
+]

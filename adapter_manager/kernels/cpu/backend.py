@@ -1,0 +1,108 @@
+"""The cpu backend: the torch forms, plus one C++ kernel call per fused linear for steps of few tokens.
+
+At decode the LoRA work of a step is a few tokens against each active adapter's rows: bandwidth-bound, but as MKL
+matmuls per run of tokens it is one small call per (run, part, layer), each far from the memory bound (measured:
+2.5–2.8× the byte floor with 8 adapters). The FUSED form applies a fused linear's whole LoRA (every part: q/k/v or
+gate/up; every run of equal slots) in one call of ``torch.ops.adapter_manager.lora_apply``
+(:mod:`kernels.cpu.linear_ops`), which reads each active adapter's pool rows once, in place: the call count per step
+does not grow with the number of distinct adapters, and its bytes are the active adapters' bytes. Steps of more tokens
+(prefill) take the torch forms, whose matmuls per run are compute-efficient there, except in a layer held in our
+blocked fp32 layout: every step with an adapter carries the runs table on this backend
+(:attr:`kernels.meta.LoRAKernelMeta.runs`), and such a layer takes any step in one ``lora_blocked`` call, a
+prefill's long runs with their LoRA inside its GEMM (csrc/lora_blocked.cpp).
+
+Which one-call kernel a linear takes is this backend's choice (:meth:`CpuFusedBackend.fused_linear`, reached
+through :func:`kernels.ops.fused_linear`): the model only says how its weight is held (:class:`LinearWeight`).
+
+``shrink`` / ``expand`` on a FUSED step run the torch segments path over the same runs (the metadata sets both), so
+every op keeps its semantics whichever form the step took.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adapter_manager.kernels.config import LoRAForm
+from adapter_manager.kernels.cpu.library import load, unavailable_reason
+from adapter_manager.kernels.cpu.linear_ops import LINEAR_MAX_TOKENS, lora_apply, lora_blocked, lora_linear, lora_onednn
+from adapter_manager.kernels.dispatch_table import TorchDispatchTable
+from adapter_manager.kernels.meta import LoRAKernelMeta
+from adapter_manager.kernels.ops import compose_parts
+from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups, WeightLayout
+from adapter_manager.kernels.torch_eager import TorchEagerBackend
+
+
+class CpuFusedBackend(TorchEagerBackend):
+    """:class:`TorchEagerBackend` whose steps of ≤ ``fused_max_tokens`` tokens take the FUSED form."""
+
+    fused = True
+    """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
+    runs_every_step = True
+    """Every step with an adapter carries the C++ kernels' runs table (:attr:`kernels.meta.LoRAKernelMeta.runs`)."""
+
+    def __init__(
+        self,
+        table: TorchDispatchTable,
+        max_segment_runs: int = 16,
+        form: LoRAForm = LoRAForm.AUTO,
+        fused_max_tokens: int = 128,
+    ) -> None:
+        """``form``: AUTO, or a forced FUSED / SEGMENTS / GROUPED / LANED for every step with an adapter.
+        ``fused_max_tokens``: AUTO takes FUSED for steps of at most this many tokens (0: never); the default 128 is
+        where MKL's matmul per run caught up with one adapter on the bench model (8 adapters: still 2x apart)."""
+        if fused_max_tokens < 0:
+            raise ValueError(f"fused_max_tokens must be >= 0, got {fused_max_tokens}")
+        if not load():
+            raise ValueError(f"the CPU LoRA kernel cannot be built here: {unavailable_reason()}")
+        super().__init__(table, max_segment_runs, LoRAForm.AUTO if form is LoRAForm.FUSED else form)
+        self.form = form
+        self.fused_max_tokens = fused_max_tokens
+
+    def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
+        if self.form is LoRAForm.FUSED or (self.form is LoRAForm.AUTO and num_tokens <= self.fused_max_tokens):
+            return LoRAForm.FUSED
+        return super().choose_form(num_tokens, active_slots, rank, runs)
+
+    def apply_parts(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        a_parts: torch.Tensor,
+        bt_parts: Sequence[torch.Tensor],
+        meta: LoRAKernelMeta,
+    ) -> torch.Tensor:
+        """Semantics: :func:`kernels.ops.apply_parts`. FUSED steps: one kernel call; other forms: shrink_parts, then
+        one expand per part. Shape: y [T, sum(out)] (updated in place, returned); x [T, in]; a_parts [N, P, in];
+        bt_parts P × [N, out_p]."""
+        unit = a_parts.stride(2) == 1 and y.stride(1) == 1 and all(bt.stride(1) == 1 for bt in bt_parts)
+        if meta.form is LoRAForm.FUSED and unit:
+            assert meta.runs is not None
+            lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, bt_parts, meta.runs)
+            return y
+        return compose_parts(y, x, a_parts, bt_parts, meta)
+
+    def fused_linear(
+        self, x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
+    ) -> torch.Tensor | None:
+        """Semantics: :func:`kernels.ops.fused_linear`. One C++ call for the base matmul and the step's LoRA:
+        ``lora_blocked`` for our blocked layout on any step with an adapter (a prefill's runs of 16+ tokens take
+        their LoRA inside its GEMM), and on FUSED steps ``lora_onednn`` for oneDNN's layout and ``lora_linear`` for a
+        plain fp32 weight of at most ``LINEAR_MAX_TOKENS`` tokens. None otherwise (x without unit inner stride, a
+        step without the runs table, a plain weight at prefill). Shape: x [T, in]; returns a new [T, out] or None."""
+        runs = meta.runs
+        if runs is None or x.stride(1) != 1:  # runs: set on every step with an adapter on this backend
+            return None
+        a_groups, bts, offsets = groups
+        w = weight.tensor
+        if weight.layout is WeightLayout.INT8:  # its matmul, then the LoRA (kernels.base_linear, apply_parts)
+            return None
+        if weight.layout is WeightLayout.BLOCKED:  # any step with an adapter: prefill too
+            return lora_blocked(x, w, weight.out_features, a_groups, bts, offsets, runs)
+        if meta.form is not LoRAForm.FUSED:
+            return None
+        if weight.layout is WeightLayout.ONEDNN:
+            return lora_onednn(x, w, a_groups, bts, offsets, runs)
+        fits = x.shape[0] <= LINEAR_MAX_TOKENS and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
+        return lora_linear(x, w, a_groups, bts, offsets, runs) if fits else None

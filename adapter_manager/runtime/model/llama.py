@@ -1,0 +1,400 @@
+"""The batched Llama: RMSNorm, RoPE (Llama 3 scaling), GQA attention over a KV cache, SwiGLU, LoRA linears.
+
+One forward is one engine step over a flat, ragged token batch (:class:`ForwardBatch`): prefill chunks and decode
+tokens of many sequences together, each with its own KV cache row and its own adapter slot. Build it on the ``meta``
+device and load weights into it (:func:`runtime.model.checkpoint.load_checkpoint`), then size the caches with
+:meth:`Llama.setup_caches` (gpt-fast).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adapter_manager import PROJECTIONS, ModuleKey
+from adapter_manager.base_model import PROJECTION_PARENT
+from adapter_manager.kernels import DecodeOps, LinearWeight, LoRAKernelMeta, WeightLayout, base_linear, decode_ops
+
+from .batch import ForwardBatch
+from .config import LlamaConfig
+from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
+from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
+from .norm import RMSNorm
+from .projection import LoRALinear, Stacks, pack_linears
+from .rope import apply_rope, rope_factors, rope_table
+
+_HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
+
+
+class _Step(NamedTuple):
+    """What every block of one eager forward shares."""
+
+    batch: ForwardBatch
+    meta: LoRAKernelMeta | None
+    tables: torch.Tensor
+    """[R, MB] the step's block tables (the batch's, or the model's dense ones)."""
+    slots: torch.Tensor | None
+    """[T] each token's place in the caches' flat positions (:func:`slot_index`); None when the decode op writes."""
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    """cos, sin [T, 1, D/2] for the torch attention; None on a step the CPU decode op attends."""
+    plan: AttentionPlan | None
+    """The batched attention plan (eager steps with spans); None: per-sequence calls, or the CPU decode op."""
+    rope_table: torch.Tensor | None
+    """The model's [P, 2, D/2] table, set when ``ops.decode_attention`` runs the step's attention (a decode-only
+    step)."""
+    ops: DecodeOps | None
+    """The kernels' fused decode glue (:func:`kernels.decode_ops`: norms, residual adds, SwiGLU's activation, and
+    attention on a decode-only step); None: the torch layers."""
+
+
+def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's columns follow a's in one eager tensor (the fused q/k/v output's views), same rows and strides."""
+    return (
+        a.device.type != "xla"
+        and a.dim() == 2
+        and a.stride() == b.stride()
+        and a.stride(1) == 1
+        and a.shape[0] == b.shape[0]
+        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.element_size()
+    )
+
+
+class Attention(nn.Module):
+    """GQA self-attention: fused q/k/v base matmul, per-projection LoRA, RoPE, cached causal attention, o_proj."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width))
+        self.wo = LoRALinear(q_width, (config.hidden_size,))
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Shape: x [T, H]; returns [T, H]. Writes the step's keys/values into the cache.
+
+        ``step.rope_table`` set: RoPE, the cache write and attention in one ``step.ops.decode_attention`` call;
+        otherwise ``step.rope`` (cos, sin [T, 1, D/2] each) and ``step.plan`` (the step's batched attention
+        plan; None with spans runs one call per sequence).
+        """
+        assert self.kv_cache is not None, "setup_caches() first"
+        batch, meta = step.batch, step.meta
+        if step.rope_table is not None:
+            assert step.ops is not None
+            qkv = self.wqkv.output(x, meta, kernel=True)  # [T, (H + 2·KV)·D]
+            cache = self.kv_cache
+            out = step.ops.decode_attention(
+                qkv,
+                step.rope_table,
+                cache.k,
+                cache.v,
+                step.tables,
+                batch.cache_rows,
+                batch.positions,
+                self.num_heads,
+                self.num_kv_heads,
+            )  # [T, H·D]
+            return self.wo.output(out, meta, kernel=True)
+        assert step.rope is not None
+        q, k, v = self.wqkv(x, meta)
+        tokens, cos, sin = x.shape[0], step.rope[0], step.rope[1]
+        if _adjacent_columns(q, k):  # q|k side by side in the fused output: one rotation for every head
+            heads = self.num_heads + self.num_kv_heads
+            qk = q.as_strided((tokens, heads * self.head_dim), q.stride())
+            qk = apply_rope(qk.view(tokens, heads, self.head_dim), cos, sin)  # [T, heads + KV, D]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = apply_rope(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)  # [T, heads, D]
+            k = apply_rope(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        assert step.slots is not None
+        self.kv_cache.update(step.slots, k, v)
+        if batch.spans is None:
+            out = self.kv_cache.attend_static(q, step.tables, batch.cache_rows, batch.positions)
+        elif step.plan is not None:
+            out = self.kv_cache.attend(q, step.plan, step.tables, k, v)  # [T, heads, D]
+        else:
+            out = self.kv_cache.attend_spans(q, batch.spans, step.tables)  # [T, heads, D]
+        return self.wo(out.reshape(tokens, -1), meta)[0]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))`` with gate/up fused into one base matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        width = config.intermediate_size
+        self.w13 = LoRALinear(config.hidden_size, (width, width))
+        self.w2 = LoRALinear(width, (config.hidden_size,))
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Shape: x [T, H]; returns [T, H]."""
+        if step.ops is not None:
+            gate_up = self.w13.output(x, step.meta, kernel=True)
+            return self.w2.output(step.ops.silu_mul(gate_up), step.meta, kernel=True)
+        gate, up = self.w13(x, step.meta)  # [T, I] each
+        return self.w2(F.silu(gate) * up, step.meta)[0]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        ops = step.ops
+        if ops is not None:  # the same math, the residual adds fused with the norms or done in place
+            h = self.attention(ops.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step)
+            out = self.feed_forward(ops.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
+            return out.add_(h)  # h: x + attention, written by add_rms_norm
+        h = x + self.attention(self.attention_norm(x), step)
+        return h + self.feed_forward(self.ffn_norm(h), step)
+
+
+class Llama(nn.Module):
+    """A Llama causal LM whose every projection is a :class:`LoRALinear` fed by the slot pool's stacks.
+
+    Lifetime: ``Llama(config)`` under ``torch.device("meta")`` -> weights loaded (``to_empty`` + copies, or
+    :func:`runtime.model.checkpoint.load_checkpoint`) -> :meth:`setup_caches` -> optionally :meth:`attach_lora` ->
+    :meth:`forward` once per step.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
+        self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
+        self.cpu_ops = True
+        """Eager steps run the kernels' fused decode glue where the device has it (:func:`kernels.decode_ops`: the
+        CPU library's C++ ops; False: the torch layers only)."""
+        self.rope_table: torch.Tensor | None
+        self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
+        self.dense_tables: torch.Tensor | None
+        self.register_buffer("dense_tables", None, persistent=False)  # [max_batch + 1, MB], made by setup_caches
+        self.max_batch = 0
+        """The sequences of the dense tables (set by :meth:`setup_caches`); their row ``max_batch`` is the spare."""
+        self.decode_graphs: DecodeGraphs | None = None
+        self.layout_choice = None  # how pack_weights chose the weights' layout (kernels.choose_weight_layout)
+        """Set by :meth:`enable_decode_graphs`: the decode steps :meth:`forward` replays from CUDA graphs."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def max_seq_len(self) -> int:
+        return 0 if self.rope_table is None else self.rope_table.shape[0]
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        """Every layer's KV cache (after :meth:`setup_caches`)."""
+        caches = [layer.attention.kv_cache for layer in self.layers]
+        assert all(cache is not None for cache in caches), "setup_caches() first"
+        return caches
+
+    @property
+    def spare_block(self) -> int:
+        """The caches' last block: padding tokens write it and padded tables name it; no sequence owns it."""
+        return self.kv_caches[0].num_blocks - 1
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_caches[0].block_size
+
+    def setup_caches(
+        self, max_batch: int, max_seq_len: int, num_blocks: int | None = None, block_size: int = 16
+    ) -> None:
+        """Allocate every layer's KV cache, ``num_blocks`` blocks of ``block_size`` positions plus one spare block
+        (:attr:`spare_block`: padding tokens write it, padded tables name it), and the RoPE table of ``max_seq_len``.
+
+        ``num_blocks`` None: ``max_batch · MB`` (MB = ⌈max_seq_len / block_size⌉: every sequence at its longest).
+        When the blocks cover that, batches without block tables use the dense ones (:attr:`dense_tables`: row r <
+        ``max_batch`` owns blocks ``r·MB .. r·MB + MB - 1``, row ``max_batch`` only the spare block). Calling it again
+        replaces the caches (their contents are lost).
+        """
+        if self.device.type == "meta":
+            raise ValueError("the model is still on the meta device: load its weights before setup_caches()")
+        if max_seq_len <= 0 or max_batch <= 0 or block_size <= 0:
+            raise ValueError(
+                f"max_batch ({max_batch}), max_seq_len ({max_seq_len}) and block_size ({block_size}) must be positive"
+            )
+        config, width = self.config, -(-max_seq_len // block_size)
+        num_blocks = max_batch * width if num_blocks is None else num_blocks
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) must be positive")
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(
+                num_blocks + 1, block_size, config.num_kv_heads, config.head_dim, self.dtype, self.device
+            )
+        self.max_batch = max_batch
+        self.dense_tables = None
+        if num_blocks >= max_batch * width:
+            dense = torch.full((max_batch + 1, width), num_blocks, dtype=torch.long)
+            dense[:max_batch] = torch.arange(max_batch * width).view(max_batch, width)
+            self.dense_tables = dense.to(self.device)
+        self.rope_table = rope_table(config, max_seq_len, self.device)
+        if self.cpu_ops:
+            decode_ops(self.rope_table)  # builds the CPU library now (first use on a machine), not in a step
+
+    def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
+        """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
+        most the largest bucket's tokens from a CUDA graph (:mod:`runtime.model.cuda_graphs`); call it after
+        :meth:`setup_caches`. ``config`` None: buckets up to the most decode tokens a step can have.
+        ``decode_graphs = None`` turns it off."""
+        self.decode_graphs = DecodeGraphs(self, meta, config)
+        return self.decode_graphs
+
+    @property
+    def packed(self) -> bool:
+        """Whether the projections' base weights are held packed or int8 (see :meth:`pack_weights`)."""
+        return any(module.packed for module in self.modules() if isinstance(module, LoRALinear))
+
+    @property
+    def weight_layout(self) -> str:  # the first projection's: plain, blocked, onednn or int8
+        return next((m.layout.value for m in self.modules() if isinstance(m, LoRALinear)), "plain")
+
+    def pack_weights(self, layout: WeightLayout | None = None) -> bool:
+        """Pack every projection's (and an untied lm_head's) base weight (:func:`kernels.pack_weight`) in ``layout``,
+        in place of the plain one, where it applies (CPU, fp32 / supported bf16); returns whether any was packed.
+        ``layout`` None: the one :func:`kernels.choose_weight_layout` measures fastest on this machine for these
+        shapes (cached; kept in :attr:`layout_choice`). A no-op on CUDA and XLA. Call after loading;
+        :meth:`unpack_weights` undoes it."""
+        packed, choice = pack_linears([m for m in self.modules() if isinstance(m, LoRALinear)], layout)
+        self.layout_choice = choice or self.layout_choice
+        return packed
+
+    def unpack_weights(self) -> None:
+        """Plain weights again (same values)."""
+        for module in (m for m in self.modules() if isinstance(m, LoRALinear)):
+            module.unpack()
+
+    def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
+        """Route every module's LoRA through the slot pool's rows (by reference: later slot loads are seen).
+
+        Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [N, in], .bt [N, out].
+        """
+        for key, module_stacks in stacks.items():
+            linear, part = self._lora_target(key)
+            linear.attach(part, module_stacks)
+
+    def detach_lora(self) -> None:
+        """Back to exactly the base model."""
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.detach()
+
+    def _lora_target(self, key: ModuleKey) -> tuple[LoRALinear, int]:
+        if not 0 <= key.layer < len(self.layers):
+            raise ValueError(f"{key} names layer {key.layer}; the model has {len(self.layers)} layers")
+        block = self.layers[key.layer]
+        targets = {
+            "q_proj": (block.attention.wqkv, 0),
+            "k_proj": (block.attention.wqkv, 1),
+            "v_proj": (block.attention.wqkv, 2),
+            "o_proj": (block.attention.wo, 0),
+            "gate_proj": (block.feed_forward.w13, 0),
+            "up_proj": (block.feed_forward.w13, 1),
+            "down_proj": (block.feed_forward.w2, 0),
+        }
+        if key.proj not in targets:
+            raise ValueError(f"unknown projection {key.proj!r}; expected one of {sorted(targets)}")
+        return targets[key.proj]
+
+    def hf_target(self, name: str) -> tuple[torch.Tensor, slice | None]:
+        """The parameter (and its row slice for fused weights) that HF tensor ``name`` loads into.
+
+        Example: ``model.layers.1.self_attn.k_proj.weight`` -> (layers[1].attention.wqkv.weight, rows q..q+kv).
+        Raises KeyError for a name this model has no place for.
+        """
+        parts = name.split(".")
+        if self.packed:
+            raise ValueError(f"{name}: the model's weights are packed; unpack_weights() before loading into it")
+        if name == "model.embed_tokens.weight":
+            return self.tok_embeddings.weight, None
+        if name == "model.norm.weight":
+            return self.norm.weight, None
+        if name == "lm_head.weight":
+            if self.output is None:
+                raise KeyError(f"{name}: the config ties word embeddings, the model has no separate lm_head")
+            return self.output.weight, None
+        if len(parts) in (5, 6) and parts[:2] == ["model", "layers"] and parts[-1] == "weight" and parts[2].isdigit():
+            layer, parent, proj = int(parts[2]), parts[3], parts[-2]
+            if layer < len(self.layers):
+                block = self.layers[layer]
+                if len(parts) == 5 and parent == "input_layernorm":
+                    return block.attention_norm.weight, None
+                if len(parts) == 5 and parent == "post_attention_layernorm":
+                    return block.ffn_norm.weight, None
+                if len(parts) == 6 and (parent, proj) in _HF_PROJECTIONS:
+                    linear, part = self._lora_target(ModuleKey(layer, proj))
+                    start = sum(linear.out_features[:part])
+                    return linear.weight, slice(start, start + linear.out_features[part])
+        raise KeyError(f"{name}: not a tensor of a Llama checkpoint with {len(self.layers)} layers")
+
+    def forward(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None = None) -> torch.Tensor:
+        """One step: embed, run every block (writing the KV cache), and return the requested tokens' logits.
+
+        Semantics::
+
+            h = embed(tokens); for each block: h = block(h)     # LoRA per token through lora_meta's slots
+            logits = lm_head(norm(h[logits_index]))             # all tokens when logits_index is None
+
+        Shape: batch of T tokens; returns [N, vocab] in the model dtype (N = len(logits_index), or T).
+        ``lora_meta`` must have been prepared for this step's T tokens; None (or a step with no adapter token, or
+        no stacks attached) runs exactly the base model. A decode step :attr:`decode_graphs` covers replays its CUDA
+        graph (same semantics, static attention over the whole cache row). Eager CPU steps with :attr:`cpu_ops` run
+        the norms, residual adds and SwiGLU's activation, and on decode-only steps RoPE, the cache write and
+        attention, through :mod:`kernels.cpu.decode_ops` (same semantics, fp32 accumulation).
+        """
+        if self.rope_table is None:
+            raise ValueError("setup_caches(max_batch, max_seq_len) first")
+        if batch.spans is not None and max(span.end_pos for span in batch.spans) > self.max_seq_len:
+            raise ValueError(
+                f"a sequence reaches position {max(span.end_pos for span in batch.spans)}, beyond the cache's "
+                f"max_seq_len {self.max_seq_len}"
+            )
+        if lora_meta is not None and lora_meta.num_tokens != batch.num_tokens:
+            raise ValueError(
+                f"lora_meta was prepared for {lora_meta.num_tokens} tokens, the batch has {batch.num_tokens}"
+            )
+        if self.decode_graphs is not None and self.decode_graphs.covers(batch, lora_meta):
+            return self.decode_graphs.replay(batch, lora_meta)
+        tables = batch.block_tables if batch.block_tables is not None else self.dense_tables
+        if tables is None:
+            raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")
+        h = self.tok_embeddings(batch.tokens)  # [T, H]
+        ops = decode_ops(h) if self.cpu_ops and batch.spans is not None else None
+        if ops is not None and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
+            step = _Step(batch, lora_meta, tables, None, None, None, self.rope_table, ops)
+        else:
+            rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
+            batched = batch.spans is not None and self.batched_attention
+            block_size = self.block_size
+            plan = plan_attention(batch.spans, tables, block_size, self.device) if batched else None
+            slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
+            step = _Step(batch, lora_meta, tables, slots, rope, plan, None, ops)
+        for layer in self.layers:
+            h = layer(h, step)
+        if batch.logits_index is not None:
+            h = h[batch.logits_index]  # [N, H]
+        h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if ops is not None else self.norm(h)
+        if self.output is None:
+            embeddings = LinearWeight(WeightLayout.PLAIN, self.tok_embeddings.weight, self.config.vocab_size)
+            return base_linear(h, embeddings, fast=ops is not None, reorder=False)  # [N, vocab]
+        return self.output.output(h, kernel=ops is not None)  # [N, vocab]
