@@ -6,11 +6,14 @@ from adapter_manager.kernels.backend import select_backend
 from adapter_manager.kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from adapter_manager.kernels.cpu.machine import cpu_flags, cpu_model, has_fast_bf16
 from adapter_manager.kernels.dispatch_table import DispatchEntry, TorchDispatchTable
+from adapter_manager.kernels.executor import CpuExecutor, LinearExecutor, LinearStep, TracedExecutor
 from adapter_manager.kernels.grouping import AdapterRows, Segment, SlotGrouping
+from adapter_manager.kernels.layer_kernels import LayerKernels
 from adapter_manager.kernels.layer_ops import (
     base_linear,
     choose_weight_layout,
     decode_ops,
+    layer_kernels,
     pack_weight,
     packs_by_default,
     paged_attention,
@@ -18,6 +21,7 @@ from adapter_manager.kernels.layer_ops import (
     quantize_weight,
     unpack_weight,
 )
+from adapter_manager.kernels.linear_lora import LinearLoRA, Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, fused_linear, shrink, shrink_parts
 from adapter_manager.kernels.protocol import (
@@ -33,12 +37,17 @@ from adapter_manager.kernels.protocol import (
 __all__ = [
     "AdapterRows",
     "BackendKind",
+    "CpuExecutor",
     "DecodeCapture",
     "DecodeOps",
     "DispatchEntry",
     "EagerBackend",
     "KernelBackend",
     "KernelConfig",
+    "LayerKernels",
+    "LinearExecutor",
+    "LinearLoRA",
+    "LinearStep",
     "LinearWeight",
     "LoRAForm",
     "LoRAGroups",
@@ -46,6 +55,8 @@ __all__ = [
     "PallasInterpret",
     "Segment",
     "SlotGrouping",
+    "Stacks",
+    "TracedExecutor",
     "TorchDispatchTable",
     "WeightLayout",
     "apply_parts",
@@ -57,6 +68,7 @@ __all__ = [
     "decode_ops",
     "expand",
     "fused_linear",
+    "layer_kernels",
     "has_fast_bf16",
     "pack_weight",
     "packs_by_default",

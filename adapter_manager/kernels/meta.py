@@ -92,6 +92,9 @@ class LoRAKernelMeta:
     form: LoRAForm | None = field(init=False, default=None)
     """Eager only: the form this step takes (none, single, segments, grouped, laned); None on traced devices, whose
     backend has one static form. Each new (token count, form) pair is logged once at DEBUG."""
+    executor: object = field(init=False, repr=False)
+    """The backend's linear executor (``backend.executor_type``: :mod:`kernels.executor`), made once with the
+    metadata: what every linear of a step calls."""
     _lane_owners: dict[int, torch.Tensor] = field(init=False, default_factory=dict, repr=False)
     _logged_forms: set[tuple[int, LoRAForm]] = field(init=False, default_factory=set, repr=False)
 
@@ -116,6 +119,9 @@ class LoRAKernelMeta:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         buckets = default_active_buckets(num_slots) if active_buckets is None else check_active_buckets(active_buckets)
         return cls(backend, num_slots, rank, max_tokens, torch.device(device), granule, buckets)
+
+    def __post_init__(self) -> None:
+        self.executor = self.backend.executor_type(self.backend)
 
     @property
     def num_rows(self) -> int:
@@ -247,7 +253,7 @@ class LoRAKernelMeta:
                 self.grouping = group_by_slot(self.token_slots, adapters, counts_by_slot, self.num_slots)
                 if self.grouping.padded:
                     self._build_table(compact_ids(np.asarray(slots, dtype=np.int32))[2], adapters)
-            if form is LoRAForm.FUSED or getattr(self.backend, "runs_every_step", False):  # the C++ kernels' runs table
+            if form is LoRAForm.FUSED or cast(EagerBackend, self.backend).runs_every_step:  # the C++ kernels' runs
                 rows = {a.slot: a for a in adapters}
                 table = [(start, count, rows[slot].first, rows[slot].rank) for slot, start, count in runs]
                 self.runs = torch.tensor(table, dtype=torch.int64)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.meta import LoRAKernelMeta
-from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups
+from adapter_manager.kernels.protocol import EagerBackend, LinearWeight, LoRAGroups
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -132,8 +133,9 @@ def fused_linear(
     few tokens on its FUSED steps (``lora_onednn``, ``lora_linear``). Eager backends only. Shape: x [T, in];
     returns a new [T, weight.out_features] or None.
     """
-    fn = getattr(meta.backend, "fused_linear", None)
-    return None if fn is None else fn(x, weight, groups, meta)
+    if meta.backend.traced:
+        return None
+    return cast(EagerBackend, meta.backend).fused_linear(x, weight, groups, meta)
 
 
 def apply_parts(
@@ -155,8 +157,7 @@ def apply_parts(
     if meta.form is LoRAForm.FUSED and tokens_match and a_parts.dim() == 3 and a_parts.shape[1] == len(bt_parts):
         # the hot path (a step only takes FUSED on a backend with apply_parts): its kernel checks shapes, dtypes,
         # strides and every run's rows and tokens against the operands
-        return meta.backend.apply_parts(y, x, a_parts, bt_parts, meta)  # type: ignore[attr-defined]
-    fused = getattr(meta.backend, "apply_parts", None)
+        return cast(EagerBackend, meta.backend).apply_parts(y, x, a_parts, bt_parts, meta)
     _check_tokens("y", y, meta)
     _check_parts(x, a_parts, meta)
     if meta.backend.traced:
@@ -174,9 +175,7 @@ def apply_parts(
             )
     if meta.no_adapter:
         return y
-    if fused is not None:
-        return fused(y, x, a_parts, tuple(bt_parts), meta)
-    return compose_parts(y, x, a_parts, bt_parts, meta)
+    return cast(EagerBackend, meta.backend).apply_parts(y, x, a_parts, tuple(bt_parts), meta)
 
 
 def compose_parts(

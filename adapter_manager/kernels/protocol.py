@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -17,16 +18,15 @@ class KernelBackend(Protocol):
     is the step's :class:`kernels.meta.LoRAKernelMeta`; it is typed ``object`` here because meta.py imports this
     module (the arrows run backends -> meta -> protocol, never back).
 
-    A backend may also provide ``apply_parts(y, x, a_parts, bt_parts, meta)``: a fused linear's whole LoRA in one
-    call (the cpu backend's FUSED form); :func:`kernels.ops.apply_parts` composes ``shrink_parts`` and ``expand``
-    for a backend that does not. And ``fused_linear(x, weight, groups, meta) -> Tensor | None``: the base matmul of
-    a :class:`LinearWeight` and every one of its :class:`LoRAGroups` in one call where it has such a form for that
-    weight's layout and that step, None otherwise (:func:`kernels.ops.fused_linear`; the caller then composes its
-    base matmul and ``apply_parts``). Which form a step takes is the backend's choice, never the model's.
+    Eager backends (:class:`EagerBackend`) also apply a fused linear's whole LoRA (``apply_parts``) and offer a
+    one-call form of the base matmul and its LoRA (``fused_linear``). Which form a step takes is the backend's
+    choice, never the model's.
     """
 
     traced: bool
     """True when the ops trace into a graph (XLA): static shapes, no host sync, expand returns a new tensor."""
+    executor_type: type
+    """Its linear executor's class (:mod:`kernels.executor`): how a layer's base matmul and LoRA run on it."""
     laned_output: bool
     """True when shrink's h is laned ``[T, A·R]`` (over the compact active table) rather than ``[T, R]``."""
 
@@ -47,6 +47,24 @@ class EagerBackend(KernelBackend, Protocol):
     def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
         """The form for a step of ``num_tokens`` tokens using ``active_slots`` ≥ 1 distinct slots (of padded rank
         ``rank``) in ``runs`` runs of equal slots (token order); never AUTO or NONE."""
+        ...
+
+    runs_every_step: bool
+    """Every step with an adapter carries the C++ kernels' runs table (:attr:`LoRAKernelMeta.runs`), not only FUSED
+    steps."""
+
+    def apply_parts(
+        self, y: torch.Tensor, x: torch.Tensor, a_parts: torch.Tensor, bt_parts: Sequence[torch.Tensor], meta: object
+    ) -> torch.Tensor:
+        """Semantics: :func:`kernels.ops.apply_parts` (operands checked): a fused linear's whole LoRA, in one call
+        on FUSED steps where the backend has a kernel for it, else ``shrink_parts`` then one ``expand`` per part."""
+        ...
+
+    def fused_linear(
+        self, x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: object
+    ) -> torch.Tensor | None:
+        """The base matmul of ``weight`` and every one of its ``groups`` in one call where the backend has such a
+        form for that weight's layout and that step, None otherwise (:func:`kernels.ops.fused_linear`)."""
         ...
 
 
@@ -91,6 +109,10 @@ class LoRAGroups(NamedTuple):
 class DecodeOps(Protocol):
     """A backend's fused decode glue (:func:`kernels.layer_ops.decode_ops`: the cpu room's C++ ops); the torch forms
     with the same signatures are :mod:`kernels.layer_reference`."""
+
+    compiled: bool
+    """The device's compiled glue (its decode-only attention beats the model's batched attention); False: the torch
+    forms."""
 
     def decode_attention(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from adapter_manager.kernels.executor import TracedExecutor
 from adapter_manager.kernels.meta import LoRAKernelMeta
 
 
@@ -24,6 +25,7 @@ class XlaLanedBackend:
 
     traced = True
     laned_output = True
+    executor_type = TracedExecutor
 
     def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::

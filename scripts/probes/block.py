@@ -20,7 +20,7 @@ import torch
 
 from adapter_manager import ModuleKey
 from adapter_manager.base_model import BaseModelSpec
-from adapter_manager.kernels import LoRAKernelMeta, select_backend
+from adapter_manager.kernels import LinearStep, LoRAKernelMeta, layer_kernels, select_backend
 from adapter_manager.runtime.model.projection import LoRALinear
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 from scripts.harness import samples_ms, write_json
@@ -45,11 +45,12 @@ BLOCK_LIMIT = 1.5
 
 
 def _call(linear: LoRALinear, x: torch.Tensor, meta: LoRAKernelMeta | None, fuse: bool) -> Callable[[], object]:
-    """``linear(x, meta)`` as the model calls it, with the fused shrink allowed or not."""
+    """``linear(x, step)`` as the model calls it, with the fused shrink allowed or not."""
+    step = LinearStep.make(meta, layer_kernels(x.device), fast=False)
 
     def call() -> object:
         linear.fuse_shrink = fuse
-        return linear(x, meta)
+        return linear(x, step)
 
     return call
 

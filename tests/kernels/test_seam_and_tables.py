@@ -182,7 +182,7 @@ def test_without_a_compiler_cpu_keeps_the_torch_forms(tmp_path):
     """A machine with no C++ compiler: one warning naming why, the torch backend, and a forced cpu backend refused."""
     script = (
         "import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
-        "from kernels import BackendKind, KernelConfig, select_backend\n"
+        "from adapter_manager.kernels import BackendKind, KernelConfig, select_backend\n"
         "print(type(select_backend('cpu')).__name__)\n"
         "try:\n    select_backend('cpu', KernelConfig(backend=BackendKind.CPU))\n"
         "except ValueError as err:\n    print('refused:', err)\n"

@@ -28,6 +28,7 @@ from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.cpu.library import load, unavailable_reason
 from adapter_manager.kernels.cpu.linear_ops import LINEAR_MAX_TOKENS, lora_apply, lora_blocked, lora_linear, lora_onednn
 from adapter_manager.kernels.dispatch_table import TorchDispatchTable
+from adapter_manager.kernels.executor import CpuExecutor
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import compose_parts
 from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups, WeightLayout
@@ -39,6 +40,7 @@ class CpuFusedBackend(TorchEagerBackend):
 
     fused = True
     """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
+    executor_type = CpuExecutor
     runs_every_step = True
     """Every step with an adapter carries the C++ kernels' runs table (:attr:`kernels.meta.LoRAKernelMeta.runs`)."""
 

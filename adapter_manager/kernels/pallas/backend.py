@@ -7,6 +7,7 @@ import torch
 from torch_xla.core.xla_builder import call_jax
 
 from adapter_manager.kernels.config import PallasInterpret
+from adapter_manager.kernels.executor import TracedExecutor
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.pallas.block_sizes import BlockSizeTable
 from adapter_manager.kernels.pallas.kernels import lora_expand, lora_shrink
@@ -23,6 +24,7 @@ class PallasBackend:
 
     traced = True
     laned_output = True
+    executor_type = TracedExecutor
 
     def __init__(self, table: BlockSizeTable, *, interpret: PallasInterpret) -> None:
         self._table = table

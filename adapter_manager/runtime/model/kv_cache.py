@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapter_manager.kernels import paged_attention
+from adapter_manager.kernels import layer_kernels
 
 from .batch import SeqSpan
 
@@ -83,6 +83,7 @@ class KVCache(nn.Module):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)  # [NB, BS, KV, D]
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)  # [NB, BS, KV, D]
+        self._kernels = layer_kernels(device)  # the device's paged attention, where it has one
 
     @property
     def num_blocks(self) -> int:
@@ -162,11 +163,9 @@ class KVCache(nn.Module):
         """Shape: q [B, H, D], one token per row; returns [B, H, D]. Where the device has a paged kernel
         (:func:`kernels.paged_attention`: CUDA) it reads the blocks in place instead of gathering them."""
         assert plan.blocks is not None and plan.positions is not None
-        if q.is_cuda:
-            rows = torch.arange(q.shape[0], device=q.device)
-            out = paged_attention(q, self.k, self.v, plan.blocks, rows, plan.positions)
-            if out is not None:
-                return out
+        out = self._kernels.paged_attention(q, self.k, self.v, plan.blocks, None, plan.positions)
+        if out is not None:
+            return out
         ks, vs = self.gather(plan.blocks)  # [B, nb·BS, KV, D]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=plan.mask, enable_gqa=True
@@ -186,7 +185,7 @@ class KVCache(nn.Module):
         shape: the form a traced (XLA) step and a captured CUDA graph use, padding tokens pointed at a spare block.
         On CUDA the paged kernel (:func:`kernels.paged_attention`) reads the blocks in place, its grid T alone.
         """
-        out = paged_attention(q, self.k, self.v, tables, rows, positions)
+        out = self._kernels.paged_attention(q, self.k, self.v, tables, rows, positions)
         if out is not None:
             return out
         ks, vs = self.gather(tables.index_select(0, rows))  # [T, MB·BS, KV, D]

@@ -12,19 +12,27 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from adapter_manager import PROJECTIONS, ModuleKey
 from adapter_manager.base_model import PROJECTION_PARENT
-from adapter_manager.kernels import DecodeOps, LinearWeight, LoRAKernelMeta, WeightLayout, base_linear, decode_ops
+from adapter_manager.kernels import (
+    DecodeOps,
+    LayerKernels,
+    LinearStep,
+    LinearWeight,
+    LoRAKernelMeta,
+    Stacks,
+    WeightLayout,
+    layer_kernels,
+)
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
 from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
 from .norm import RMSNorm
-from .projection import LoRALinear, Stacks, pack_linears
+from .projection import LoRALinear, pack_linears
 from .rope import apply_rope, rope_factors, rope_table
 
 _HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
@@ -34,7 +42,8 @@ class _Step(NamedTuple):
     """What every block of one eager forward shares."""
 
     batch: ForwardBatch
-    meta: LoRAKernelMeta | None
+    linear: LinearStep
+    """What every linear of the step shares: its executor, LoRA metadata and the device's base matmuls."""
     tables: torch.Tensor
     """[R, MB] the step's block tables (the batch's, or the model's dense ones)."""
     slots: torch.Tensor | None
@@ -45,22 +54,10 @@ class _Step(NamedTuple):
     """The batched attention plan (eager steps with spans); None: per-sequence calls, or the CPU decode op."""
     rope_table: torch.Tensor | None
     """The model's [P, 2, D/2] table, set when ``ops.decode_attention`` runs the step's attention (a decode-only
-    step)."""
-    ops: DecodeOps | None
-    """The kernels' fused decode glue (:func:`kernels.decode_ops`: norms, residual adds, SwiGLU's activation, and
-    attention on a decode-only step); None: the torch layers."""
-
-
-def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether b's columns follow a's in one eager tensor (the fused q/k/v output's views), same rows and strides."""
-    return (
-        a.device.type != "xla"
-        and a.dim() == 2
-        and a.stride() == b.stride()
-        and a.stride(1) == 1
-        and a.shape[0] == b.shape[0]
-        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.element_size()
-    )
+    step with the compiled glue)."""
+    ops: DecodeOps
+    """The device's decode glue (norms with the residual adds, SwiGLU's activation, and attention on a decode-only
+    step where compiled): the C++ ops on CPU, the torch forms elsewhere."""
 
 
 class Attention(nn.Module):
@@ -82,10 +79,9 @@ class Attention(nn.Module):
         plan; None with spans runs one call per sequence).
         """
         assert self.kv_cache is not None, "setup_caches() first"
-        batch, meta = step.batch, step.meta
+        batch = step.batch
+        qkv = self.wqkv.output(x, step.linear)  # [T, (H + 2·KV)·D]
         if step.rope_table is not None:
-            assert step.ops is not None
-            qkv = self.wqkv.output(x, meta, kernel=True)  # [T, (H + 2·KV)·D]
             cache = self.kv_cache
             out = step.ops.decode_attention(
                 qkv,
@@ -98,19 +94,13 @@ class Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
             )  # [T, H·D]
-            return self.wo.output(out, meta, kernel=True)
+            return self.wo.output(out, step.linear)
         assert step.rope is not None
-        q, k, v = self.wqkv(x, meta)
-        tokens, cos, sin = x.shape[0], step.rope[0], step.rope[1]
-        if _adjacent_columns(q, k):  # q|k side by side in the fused output: one rotation for every head
-            heads = self.num_heads + self.num_kv_heads
-            qk = q.as_strided((tokens, heads * self.head_dim), q.stride())
-            qk = apply_rope(qk.view(tokens, heads, self.head_dim), cos, sin)  # [T, heads + KV, D]
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        else:
-            q = apply_rope(q.reshape(tokens, self.num_heads, self.head_dim), cos, sin)  # [T, heads, D]
-            k = apply_rope(k.reshape(tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        tokens, cos, sin, dim = x.shape[0], step.rope[0], step.rope[1], self.head_dim
+        heads = self.num_heads + self.num_kv_heads  # q|k side by side in the fused output: one rotation for all
+        qk = apply_rope(qkv[:, : heads * dim].view(tokens, heads, dim), cos, sin)  # [T, H + KV, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, heads * dim :].view(tokens, self.num_kv_heads, dim)
         assert step.slots is not None
         self.kv_cache.update(step.slots, k, v)
         if batch.spans is None:
@@ -119,7 +109,7 @@ class Attention(nn.Module):
             out = self.kv_cache.attend(q, step.plan, step.tables, k, v)  # [T, heads, D]
         else:
             out = self.kv_cache.attend_spans(q, batch.spans, step.tables)  # [T, heads, D]
-        return self.wo(out.reshape(tokens, -1), meta)[0]
+        return self.wo.output(out.reshape(tokens, -1), step.linear)
 
 
 class FeedForward(nn.Module):
@@ -133,11 +123,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""
-        if step.ops is not None:
-            gate_up = self.w13.output(x, step.meta, kernel=True)
-            return self.w2.output(step.ops.silu_mul(gate_up), step.meta, kernel=True)
-        gate, up = self.w13(x, step.meta)  # [T, I] each
-        return self.w2(F.silu(gate) * up, step.meta)[0]
+        gate_up = self.w13.output(x, step.linear)  # [T, 2·I]
+        return self.w2.output(step.ops.silu_mul(gate_up), step.linear)
 
 
 class TransformerBlock(nn.Module):
@@ -151,13 +138,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        ops = step.ops
-        if ops is not None:  # the same math, the residual adds fused with the norms or done in place
-            h = self.attention(ops.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step)
-            out = self.feed_forward(ops.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
-            return out.add_(h)  # h: x + attention, written by add_rms_norm
-        h = x + self.attention(self.attention_norm(x), step)
-        return h + self.feed_forward(self.ffn_norm(h), step)
+        ops = step.ops  # the residual adds fused with the norms or done in place
+        h = self.attention(ops.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step)
+        out = self.feed_forward(ops.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
+        return out.add_(h)  # h: x + attention, written by add_rms_norm
 
 
 class Llama(nn.Module):
@@ -177,8 +161,10 @@ class Llama(nn.Module):
         self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
         self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
         self.cpu_ops = True
-        """Eager steps run the kernels' fused decode glue where the device has it (:func:`kernels.decode_ops`: the
-        CPU library's C++ ops; False: the torch layers only)."""
+        """Eager steps run the device's compiled decode glue where it has one (the CPU library's C++ ops; False: the
+        torch forms only)."""
+        self.kernels: LayerKernels | None = None
+        """The device's base matmuls and decode glue (:func:`kernels.layer_kernels`), set by :meth:`setup_caches`."""
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
         self.dense_tables: torch.Tensor | None
@@ -249,8 +235,8 @@ class Llama(nn.Module):
             dense[:max_batch] = torch.arange(max_batch * width).view(max_batch, width)
             self.dense_tables = dense.to(self.device)
         self.rope_table = rope_table(config, max_seq_len, self.device)
-        if self.cpu_ops:
-            decode_ops(self.rope_table)  # builds the CPU library now (first use on a machine), not in a step
+        self.kernels = layer_kernels(self.device)
+        self.kernels.decode_ops(self.rope_table, self.cpu_ops)  # builds the CPU library now (first use), not in a step
 
     def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
         """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
@@ -378,23 +364,25 @@ class Llama(nn.Module):
         tables = batch.block_tables if batch.block_tables is not None else self.dense_tables
         if tables is None:
             raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")
+        assert self.kernels is not None
         h = self.tok_embeddings(batch.tokens)  # [T, H]
-        ops = decode_ops(h) if self.cpu_ops and batch.spans is not None else None
-        if ops is not None and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
-            step = _Step(batch, lora_meta, tables, None, None, None, self.rope_table, ops)
+        ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
+        linear = LinearStep.make(lora_meta, self.kernels, ops.compiled)
+        if ops.compiled and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
+            step = _Step(batch, linear, tables, None, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
             batched = batch.spans is not None and self.batched_attention
             block_size = self.block_size
             plan = plan_attention(batch.spans, tables, block_size, self.device) if batched else None
             slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
-            step = _Step(batch, lora_meta, tables, slots, rope, plan, None, ops)
+            step = _Step(batch, linear, tables, slots, rope, plan, None, ops)
         for layer in self.layers:
             h = layer(h, step)
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
-        h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps) if ops is not None else self.norm(h)
+        h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps)
         if self.output is None:
             embeddings = LinearWeight(WeightLayout.PLAIN, self.tok_embeddings.weight, self.config.vocab_size)
-            return base_linear(h, embeddings, fast=ops is not None, reorder=False)  # [N, vocab]
-        return self.output.output(h, kernel=ops is not None)  # [N, vocab]
+            return self.kernels.linear(h, embeddings, fast=ops.compiled, reorder=False)  # [N, vocab]
+        return self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]

@@ -3,95 +3,21 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from adapter_manager.kernels import (
+    LinearLoRA,
+    LinearStep,
     LinearWeight,
-    LoRAGroups,
-    LoRAKernelMeta,
+    Stacks,
     WeightLayout,
-    apply_parts,
-    base_linear,
     choose_weight_layout,
-    expand,
-    fused_linear,
     pack_weight,
-    plain_matmul,
     quantize_weight,
-    shrink,
-    shrink_parts,
     unpack_weight,
 )
-
-
-class Stacks(Protocol):
-    """One module's LoRA rows (``adapter_manager.tiers.slot_pool.SlotStacks``)."""
-
-    @property
-    def a(self) -> torch.Tensor: ...  # Shape: [N, in]
-
-    @property
-    def bt(self) -> torch.Tensor: ...  # Shape: [N, out]
-
-
-class _FusedParts(NamedTuple):
-    """Consecutive parts whose A rows are adjacent column blocks of one pool tensor: one fused shrink for all."""
-
-    first: int
-    """The first part's index."""
-    a_parts: torch.Tensor
-    """Shape: [N, P, in], a view of the pool (no copy): ``a_parts[:, i]`` is part ``first + i``'s A rows."""
-
-    @property
-    def parts(self) -> range:
-        return range(self.first, self.first + self.a_parts.shape[1])
-
-
-class _Group(NamedTuple):
-    """Consecutive parts with LoRA that one :func:`kernels.apply_parts` call serves (a fused run, or one part)."""
-
-    columns: slice
-    """The group's columns of the layer's output [T, sum(out)]."""
-    a_parts: torch.Tensor
-    """Shape: [N, P, in], a view of the pool."""
-    bt_parts: tuple[torch.Tensor, ...]
-    """P views [N, out_p] of the pool."""
-    whole: bool
-    """The group covers every column of the output (no slice to take)."""
-
-
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether b's columns start where a's end in the same storage, with the same shape and strides."""
-    return (
-        a.device == b.device
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size()
-    )
-
-
-def _fused_runs(a_rows: list[torch.Tensor | None]) -> tuple[_FusedParts, ...]:
-    """The runs of ≥ 2 consecutive parts whose A rows (``[N, in]`` each, None = no LoRA) are adjacent column blocks
-    of one tensor, each as one ``[N, P, in]`` view. Eager devices only: on XLA the pool hands out fresh views per
-    step, and a view kept across steps would be materialised as a copy of its own."""
-    runs, part = [], 0
-    while part < len(a_rows):
-        first = last = a_rows[part]
-        end = part + 1
-        if first is not None and first.device.type != "xla":
-            while end < len(a_rows) and (nxt := a_rows[end]) is not None and _adjacent(last, nxt):
-                last, end = nxt, end + 1
-        if first is not None and end - part >= 2:
-            count, (rows, features), (row_stride, col_stride) = end - part, first.shape, first.stride()
-            view = first.as_strided((rows, count, features), (row_stride, features * col_stride, col_stride))
-            runs.append(_FusedParts(part, view))
-        part = end
-    return tuple(runs)
 
 
 class LoRALinear(nn.Module):
@@ -102,14 +28,11 @@ class LoRALinear(nn.Module):
     the pool's row tensor. They are attached by reference: a slot load, which writes the pool in place, is seen by
     the next forward without re-attaching.
 
-    Fused shrink: when consecutive parts' A rows are adjacent column blocks of one tensor (the pool's row layout puts
-    A_q|A_k|A_v, and A_gate|A_up, side by side), attach records one ``[N, P, in]`` view of them and an eager forward
-    runs one :func:`kernels.shrink_parts` for those parts instead of one shrink each. ``fuse_shrink = False`` forces
-    the per-part path (benchmarks compare the two); traced backends always take it.
-
-    Fused apply: on a step whose metadata is ``fused`` (the cpu backend's FUSED form) the base matmul writes the
-    output and each group of parts (a fused run, or one part alone) gets its whole LoRA from one
-    :func:`kernels.apply_parts` call, whatever the number of distinct adapters in the step.
+    How a step runs the layer is its executor's business (:mod:`kernels.executor`: the step's backend's): the layer
+    hands it the weight in its layout and its LoRA (:class:`kernels.LinearLoRA`: each part's rows, the runs of
+    adjacent A rows one fused shrink serves, the groups one ``apply_parts`` or one-call form takes), and never
+    branches on the device or the form. ``fuse_shrink = False`` forces one shrink per part and ``one_call = False``
+    the base matmul before the step's own LoRA form (benchmarks compare them).
 
     Packed weight: :meth:`pack` replaces the plain ``weight`` by the copy its device's kernels read fastest
     (:func:`kernels.pack_weight`; CPU only, one copy in memory: ``weight`` becomes None): on CPU fp32 in our blocked
@@ -137,19 +60,35 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_features = tuple(out_features)
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
-        self._lora: list[Stacks | None] = [None] * len(out_features)
-        self._fused: tuple[_FusedParts, ...] = ()
-        self._groups: tuple[_Group, ...] = ()
-        self._kernel_groups = LoRAGroups((), (), ())
-        self._unit_groups = False  # every group's rows have unit inner stride (what the C++ kernels read)
-        self._has_lora = False
+        self._parts: list[Stacks | None] = [None] * len(out_features)
+        self._lora: LinearLoRA | None = None  # built from _parts at each attach
         self._packed: LinearWeight | None = None  # the packed weight (kernels.pack_weight) once packed
-        self.fuse_shrink = True
-        self.one_call = True
-        """Offer the step's backend the base matmul and the LoRA as one call (:func:`kernels.fused_linear`, where
-        the backend has a form for the weight's layout and the step); False forces the base matmul, then the
-        step's form (one ``apply_parts`` per group, or the torch forms at prefill: the same values within fp32
+        self._fuse_shrink = True
+        self._one_call = True
+
+    @property
+    def fuse_shrink(self) -> bool:
+        """Shrink adjacent parts (q/k/v, gate/up) in one call on eager steps (False: one shrink per part)."""
+        return self._fuse_shrink
+
+    @fuse_shrink.setter
+    def fuse_shrink(self, value: bool) -> None:
+        if value != self._fuse_shrink:
+            self._fuse_shrink = value
+            self._rebuild()
+
+    @property
+    def one_call(self) -> bool:
+        """Offer the step's backend the base matmul and the LoRA as one call where it has a form for the weight's
+        layout and the step; False forces the base matmul, then the step's form (the same values within fp32
         rounding; benchmarks compare the two)."""
+        return self._one_call
+
+    @one_call.setter
+    def one_call(self, value: bool) -> None:
+        if value != self._one_call:
+            self._one_call = value
+            self._rebuild()
 
     @property
     def out_total(self) -> int:
@@ -222,24 +161,11 @@ class LoRALinear(nn.Module):
             raise RuntimeError(f"{prefix or 'layer'}: the weight is packed; unpack() before loading a state dict")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def base(self, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
-        """Semantics: ``x @ W.T``, whichever layout W is held in (:func:`kernels.base_linear`). ``kernel``: the model's
-        fused decode ops are on, so the kernels may take their decode linear for a plain weight. Shape: x [T, in];
-        returns a new [T, sum(out)]."""
-        return base_linear(x, self._weight(), kernel)
-
     def _weight(self) -> LinearWeight:
         """The base weight in its layout."""
         if self._packed is not None:
             return self._packed
         return LinearWeight(WeightLayout.PLAIN, self.weight, self.out_total)
-
-    def _one_call_weight(self, kernel: bool) -> LinearWeight | None:
-        """The weight as the backend's one-call form reads it: packed always, plain only with the model's fused
-        decode ops on (``kernel``)."""
-        if self._packed is not None:
-            return self._packed  # the backend takes the layouts it has a form for (never INT8 today)
-        return self._weight() if kernel and self.weight is not None else None
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
@@ -252,124 +178,43 @@ class LoRALinear(nn.Module):
             raise ValueError(f"bt_rows must have shape [{a_rows.shape[0]}, {out}], got {tuple(bt_rows.shape)}")
         if a_rows.dtype != self.weight_dtype or bt_rows.dtype != self.weight_dtype:
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
-        self._lora[part] = stacks
-        self._has_lora = True
-        self._fused = _fused_runs([None if s is None else s.a for s in self._lora])
-        self._groups = self._apply_groups()
-        groups = self._groups
-        self._kernel_groups = LoRAGroups(
-            tuple(g.a_parts for g in groups),
-            tuple(bt for g in groups for bt in g.bt_parts),
-            tuple(g.columns.start for g in groups),
-        )
-        self._unit_groups = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
+        self._parts[part] = stacks
+        self._rebuild()
 
-    def _apply_groups(self) -> tuple[_Group, ...]:
-        """The fused runs, and every other part with stacks on its own as a one-part view (eager devices)."""
-        runs = {run.first: run for run in self._fused}
-        groups, part, starts = [], 0, [sum(self.out_features[:p]) for p in range(len(self.out_features) + 1)]
-        while part < len(self._lora):
-            stacks = self._lora[part]
-            if part in runs:
-                run = runs[part]
-                bts = tuple(self._lora[p].bt for p in run.parts)  # type: ignore[union-attr]
-                columns = slice(starts[part], starts[run.parts.stop])
-                groups.append(_Group(columns, run.a_parts, bts, columns == slice(0, starts[-1])))
-                part = run.parts.stop
-                continue
-            if stacks is not None and stacks.a.device.type != "xla":
-                columns = slice(starts[part], starts[part + 1])
-                groups.append(_Group(columns, stacks.a.unsqueeze(1), (stacks.bt,), columns == slice(0, starts[-1])))
-            part += 1
-        return tuple(groups)
+    def _rebuild(self) -> None:
+        if any(stacks is not None for stacks in self._parts):
+            self._lora = LinearLoRA.build(self.out_features, tuple(self._parts), self._fuse_shrink, self._one_call)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
-        self._lora = [None] * len(self.out_features)
-        self._has_lora = False
-        self._fused = ()
-        self._groups = ()
-        self._kernel_groups = LoRAGroups((), (), ())
-        self._unit_groups = False
+        self._parts = [None] * len(self.out_features)
+        self._lora = None
 
     @property
     def fused_parts(self) -> tuple[tuple[int, ...], ...]:
         """The groups of parts an eager forward shrinks with one fused call, e.g. ``((0, 1, 2),)`` for q/k/v."""
-        return tuple(tuple(run.parts) for run in self._fused)
+        return () if self._lora is None else tuple(tuple(run.parts) for run in self._lora.fused)
 
     @property
     def has_lora(self) -> bool:
-        return self._has_lora
+        return self._lora is not None
 
-    def forward(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None) -> list[torch.Tensor]:
-        """The base projection(s) plus each token's adapter.
+    def forward(self, x: torch.Tensor, step: LinearStep) -> list[torch.Tensor]:
+        """:meth:`output` split into one ``[T, out_p]`` per part (views of it)."""
+        y = self.output(x, step)
+        return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
+
+    def output(self, x: torch.Tensor, step: LinearStep) -> torch.Tensor:
+        """The base projection(s) plus each token's adapter, run by the step's executor.
 
         Semantics::
 
             y = x @ W.T                                        # all parts in one matmul
-            for each part p with rows (A_p, Bt_p), unless meta is None or meta.no_adapter (eager fast path):
-                y_p = expand(y_p, shrink(x, A_p, meta), Bt_p, meta)  # y_p[t] += x[t] @ A_p[rows of slot[t]].T @ ...
-            return [y_p for each part]
+            for each part p with rows (A_p, Bt_p), unless the step has no LoRA metadata or no adapter token:
+                y_p += shrink / expand of x through A_p, Bt_p   # y_p[t] += x[t] @ A_p[rows of slot[t]].T @ ...
 
-        On eager backends with a plain weight the LoRA terms are written first (``expand(accumulate=False)``) and the
-        base matmul is added on top by one ``addmm_``, so the output is never read back by a separate pass; with a
-        packed weight the packed matmul writes the base output and each expand accumulates onto its part in place. The
-        parts of a fused run share one ``shrink_parts`` call (its ``h[p]`` is part p's shrink); traced backends add
-        the LoRA term to the base matmul's result, one shrink per part.
-
-        Shape: x [T, in]; returns one [T, out_p] per part (views of one [T, sum(out)] on eager backends; new tensors
-        on traced backends).
-        """
-        if meta is not None and not meta.no_adapter and self._has_lora and meta.backend.traced:
-            y = self.base(x)
-            parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
-            for index, stacks in enumerate(self._lora):
-                if stacks is not None:
-                    parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
-            return parts
-        y = self.output(x, meta)
-        return list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
-
-    def output(self, x: torch.Tensor, meta: LoRAKernelMeta | None = None, kernel: bool = False) -> torch.Tensor:
-        """:meth:`forward`'s parts as the one ``[T, sum(out)]`` tensor they are views of on eager backends (traced
-        backends: their concatenation). Shape: x [T, in]; returns a new [T, sum(out)].
-
-        ``kernel`` (the model's fused decode ops are on): a plain weight is offered to the backend's one-call form
-        too, and its base matmul may take the kernels' decode linear. With an adapter in the step the layer first
-        offers the step's backend its weight (:class:`LinearWeight`: our blocked layout, oneDNN's, or plain) and its
-        LoRA groups: :func:`kernels.fused_linear` runs the base matmul and every group's LoRA in one call where the
-        backend has a form for them; otherwise the base matmul, then one :func:`kernels.apply_parts` per group
-        (FUSED steps) or shrink / expand per part."""
-        if meta is None or meta.no_adapter or not self._has_lora:
-            return self.base(x, kernel)  # [T, sum(out)]
-        if meta.backend.traced:
-            return torch.cat(self.forward(x, meta), dim=-1)
-        if self.one_call and self._unit_groups:
-            weight = self._one_call_weight(kernel)
-            y = None if weight is None else fused_linear(x, weight, self._kernel_groups, meta)
-            if y is not None:
-                return y
-        if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
-            y = self.base(x)
-            for group in self._groups:
-                apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
-            return y
-        packed = not plain_matmul(x, self._weight())  # a packed / oneDNN matmul writes y, the LoRA adds onto it
-        y = self.base(x) if packed else x.new_empty(x.shape[0], sum(self.out_features))  # [T, sum(out)]
-        parts = list(y.split(self.out_features, dim=-1)) if len(self.out_features) > 1 else [y]
-        h: dict[int, torch.Tensor] = {}  # part -> its shrink output [T, R]
-        for run in self._fused if self.fuse_shrink else ():
-            h.update(zip(run.parts, shrink_parts(x, run.a_parts, meta), strict=True))  # [P, T, R]
-        for index, stacks in enumerate(self._lora):
-            if stacks is None:
-                if not packed:
-                    parts[index].zero_()
-            else:
-                part_h = h[index] if index in h else shrink(x, stacks.a, meta)
-                expand(parts[index], part_h, stacks.bt, meta, accumulate=packed)  # packed: onto the base output
-        if not packed:
-            y.addmm_(x, self.weight.t())  # y = LoRA terms + x @ W.T, one pass
-        return y
+        Shape: x [T, in]; returns a new [T, sum(out)]."""
+        return step.executor.linear(x, self._weight(), self._lora, step)
 
     def extra_repr(self) -> str:
         extra = f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"

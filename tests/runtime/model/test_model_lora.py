@@ -19,7 +19,7 @@ import torch
 from adapter_manager import ModuleKey
 from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
 from adapter_manager.kernels.cpu import backend as cpu_backend
-from adapter_manager.runtime.model import projection
+from adapter_manager.kernels import executor
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.llama import Llama
 from adapter_manager.runtime.model.projection import LoRALinear
@@ -150,8 +150,8 @@ def test_fused_shrink_is_taken_for_wqkv_and_w13_on_a_real_pool(written, monkeypa
 
         return call
 
-    monkeypatch.setattr(projection, "shrink_parts", counted("shrink_parts", projection.shrink_parts))
-    monkeypatch.setattr(projection, "shrink", counted("shrink", projection.shrink))
+    monkeypatch.setattr(executor, "shrink_parts", counted("shrink_parts", executor.shrink_parts))
+    monkeypatch.setattr(executor, "shrink", counted("shrink", executor.shrink))
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     fused = prefill_logits(model, prompts, slots_of(adapters, SLOTTED), meta, slot_rows=rows)
     assert calls == {"shrink_parts": 2 * len(model.layers), "shrink": 2 * len(model.layers)}
@@ -170,7 +170,7 @@ def count_linear_calls(monkeypatch) -> Counter[str]:  # noqa: ANN001
     """Count, by name, the LoRA calls a linear makes: the model's own (apply_parts, shrink_parts, shrink, expand) and
     the one-call kernels the cpu backend's ``fused_linear`` chooses (lora_blocked, lora_onednn, lora_linear)."""
     calls: Counter[str] = Counter()
-    targets = [(projection, n) for n in ("apply_parts", "shrink_parts", "shrink", "expand")]
+    targets = [(executor, n) for n in ("apply_parts", "shrink_parts", "shrink", "expand")]
     targets += [(cpu_backend, n) for n in ("lora_blocked", "lora_onednn", "lora_linear")]
     for module, name in targets:
         op = getattr(module, name)

@@ -1,0 +1,122 @@
+"""Linear executors: how one backend runs a linear's base matmul and its LoRA for a step (vLLM's ``PunicaWrapper``).
+
+Each backend names its executor (``executor_type``); the step's metadata holds the one of its backend
+(:attr:`LoRAKernelMeta.executor`), so a layer calls ``step.executor.linear(x, weight, lora, step)`` and never branches
+on the device or the form:
+
+- :class:`LinearExecutor` (torch forms, reference, triton): the base matmul, then the step's form — one
+  ``apply_parts`` per group on FUSED steps (the triton backend's BGMV / SGMV), else shrink / expand per part (fused
+  shrink for adjacent parts), the LoRA written first and the base matmul added by one ``addmm_`` on a plain weight.
+- :class:`CpuExecutor`: first the cpu backend's one-call form (base matmul and LoRA in one C++ call for the weight's
+  layout), else as above.
+- :class:`TracedExecutor` (laned XLA, Pallas): the base matmul plus one laned shrink / expand per part, new tensors
+  (static shapes, no in-place update).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from adapter_manager.kernels.linear_lora import LinearLoRA
+from adapter_manager.kernels.meta import LoRAKernelMeta
+from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
+from adapter_manager.kernels.protocol import LinearWeight, WeightLayout
+
+if TYPE_CHECKING:
+    from adapter_manager.kernels.layer_kernels import LayerKernels
+
+
+class LinearStep(NamedTuple):
+    """What every linear of one forward step shares."""
+
+    executor: LinearExecutor
+    meta: LoRAKernelMeta | None
+    """The step's LoRA metadata; None: the base model only."""
+    kernels: LayerKernels
+    """The device's base matmuls (:func:`kernels.layer_ops.layer_kernels`)."""
+    fast: bool
+    """The device's compiled decode glue is on: a plain weight may take the decode linear and the one-call forms."""
+
+    @classmethod
+    def make(cls, meta: LoRAKernelMeta | None, kernels: LayerKernels, fast: bool) -> LinearStep:
+        return cls(LinearExecutor() if meta is None else meta.executor, meta, kernels, fast)
+
+
+class LinearExecutor:
+    """The eager composition (torch forms, reference, triton); also the base-only executor of a step without LoRA."""
+
+    def __init__(self, backend: object | None = None) -> None:
+        self.backend = backend
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA | None, step: LinearStep) -> torch.Tensor:
+        """Semantics::
+
+            y = x @ W.T                                         # all parts in one matmul, W in its layout
+            for each part p with rows (A_p, Bt_p), unless step.meta is None or meta.no_adapter:
+                y[:, part p] += x[t] @ A_p[rows of slot[t]].T @ Bt_p[rows of slot[t]]  per token t
+
+        Shape: x [T, in]; returns a new [T, sum(out)]."""
+        meta = step.meta
+        if lora is None or meta is None or meta.no_adapter:
+            return step.kernels.linear(x, weight, step.fast)
+        return self._with_lora(x, weight, lora, meta, step)
+
+    def _with_lora(
+        self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
+    ) -> torch.Tensor:
+        if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
+            y = step.kernels.linear(x, weight)
+            for group in lora.groups:
+                apply_parts(y if group.whole else y[:, group.columns], x, group.a_parts, group.bt_parts, meta)
+            return y
+        packed = not step.kernels.plain_matmul(x, weight)  # a packed / oneDNN matmul writes y, the LoRA adds onto it
+        y = step.kernels.linear(x, weight) if packed else x.new_empty(x.shape[0], sum(lora.out_features))
+        parts = list(y.split(lora.out_features, dim=-1)) if len(lora.out_features) > 1 else [y]
+        h: dict[int, torch.Tensor] = {}  # part -> its shrink output [T, R]
+        for run in lora.fused if lora.fuse_shrink else ():
+            h.update(zip(run.parts, shrink_parts(x, run.a_parts, meta), strict=True))  # [P, T, R]
+        for index, stacks in enumerate(lora.parts):
+            if stacks is None:
+                if not packed:
+                    parts[index].zero_()
+            else:
+                part_h = h[index] if index in h else shrink(x, stacks.a, meta)
+                expand(parts[index], part_h, stacks.bt, meta, accumulate=packed)  # packed: onto the base output
+        if not packed:
+            y.addmm_(x, weight.tensor.t())  # y = LoRA terms + x @ W.T, one pass
+        return y
+
+
+class CpuExecutor(LinearExecutor):
+    """The cpu backend's: the base matmul and the step's LoRA in one C++ call where its backend has a form for the
+    weight's layout and the step (``fused_linear``), else the eager composition."""
+
+    def _with_lora(
+        self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
+    ) -> torch.Tensor:
+        offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
+        if lora.one_call and lora.unit_groups and offered:
+            y = self.backend.fused_linear(x, weight, lora.kernel_groups, meta)  # type: ignore[union-attr]
+            if y is not None:
+                return y
+        return super()._with_lora(x, weight, lora, meta, step)
+
+
+class TracedExecutor(LinearExecutor):
+    """The traced backends' (laned XLA, Pallas): the base matmul plus one laned shrink / expand per part, each a new
+    tensor; the graph depends only on (token bucket, active bucket)."""
+
+    def _with_lora(
+        self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
+    ) -> torch.Tensor:
+        y = step.kernels.linear(x, weight)
+        if len(lora.out_features) == 1:
+            stacks = lora.parts[0]
+            return y if stacks is None else expand(y, shrink(x, stacks.a, meta), stacks.bt, meta)
+        parts = list(y.split(lora.out_features, dim=-1))
+        for index, stacks in enumerate(lora.parts):
+            if stacks is not None:
+                parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
+        return torch.cat(parts, dim=-1)

@@ -1,0 +1,138 @@
+"""A linear's LoRA as the executors read it: each part's pool rows, the runs of parts one fused shrink serves, and
+the groups one ``apply_parts`` (or one-call) form takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from adapter_manager.kernels.protocol import LoRAGroups
+
+
+class Stacks(Protocol):
+    """One module's LoRA rows (``adapter_manager.tiers.slot_pool.SlotStacks``)."""
+
+    @property
+    def a(self) -> torch.Tensor: ...  # Shape: [N, in]
+
+    @property
+    def bt(self) -> torch.Tensor: ...  # Shape: [N, out]
+
+
+class FusedParts(NamedTuple):
+    """Consecutive parts whose A rows are adjacent column blocks of one pool tensor: one fused shrink for all."""
+
+    first: int
+    """The first part's index."""
+    a_parts: torch.Tensor
+    """Shape: [N, P, in], a view of the pool (no copy): ``a_parts[:, i]`` is part ``first + i``'s A rows."""
+
+    @property
+    def parts(self) -> range:
+        return range(self.first, self.first + self.a_parts.shape[1])
+
+
+class PartGroup(NamedTuple):
+    """Consecutive parts with LoRA that one :func:`kernels.apply_parts` call serves (a fused run, or one part)."""
+
+    columns: slice
+    """The group's columns of the layer's output [T, sum(out)]."""
+    a_parts: torch.Tensor
+    """Shape: [N, P, in], a view of the pool."""
+    bt_parts: tuple[torch.Tensor, ...]
+    """P views [N, out_p] of the pool."""
+    whole: bool
+    """The group covers every column of the output (no slice to take)."""
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's columns start where a's end in the same storage, with the same shape and strides."""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.stride(1) * a.element_size()
+    )
+
+
+def _fused_runs(a_rows: list[torch.Tensor | None]) -> tuple[FusedParts, ...]:
+    """The runs of ≥ 2 consecutive parts whose A rows (``[N, in]`` each, None = no LoRA) are adjacent column blocks
+    of one tensor, each as one ``[N, P, in]`` view. Eager devices only: on XLA the pool hands out fresh views per
+    step, and a view kept across steps would be materialised as a copy of its own."""
+    runs, part = [], 0
+    while part < len(a_rows):
+        first = last = a_rows[part]
+        end = part + 1
+        if first is not None and first.device.type != "xla":
+            while end < len(a_rows) and (nxt := a_rows[end]) is not None and _adjacent(last, nxt):
+                last, end = nxt, end + 1
+        if first is not None and end - part >= 2:
+            count, (rows, features), (row_stride, col_stride) = end - part, first.shape, first.stride()
+            view = first.as_strided((rows, count, features), (row_stride, features * col_stride, col_stride))
+            runs.append(FusedParts(part, view))
+        part = end
+    return tuple(runs)
+
+
+@dataclass
+class LinearLoRA:
+    """The LoRA of one linear of ``out_features`` parts (q/k/v, gate/up; one part for o, down), attached by reference
+    to the pool's rows: a slot load, which writes the pool in place, is seen by the next step.
+
+    Example, q/k/v with every part attached from the pool's row layout (A_q|A_k|A_v adjacent): ``fused`` is one
+    run (0, [N, 3, in]), ``groups`` one group over every column, so an eager step shrinks q, k and v in one call.
+    """
+
+    out_features: tuple[int, ...]
+    parts: tuple[Stacks | None, ...]
+    """Each part's rows, None where the part has no LoRA."""
+    fused: tuple[FusedParts, ...]
+    groups: tuple[PartGroup, ...]
+    """The fused runs, and every other part with rows on its own as a one-part view (eager devices)."""
+    kernel_groups: LoRAGroups
+    """``groups`` as the one-call forms take them."""
+    unit_groups: bool
+    """Every group's rows have unit inner stride (what the C++ kernels read)."""
+    fuse_shrink: bool = True
+    """Shrink a fused run's parts in one call (False: one shrink per part; benchmarks compare the two)."""
+    one_call: bool = True
+    """Offer the backend the base matmul and the LoRA as one call (False: the base matmul, then the step's form)."""
+
+    @classmethod
+    def build(
+        cls, out_features: tuple[int, ...], parts: tuple[Stacks | None, ...], fuse_shrink: bool, one_call: bool
+    ) -> LinearLoRA:
+        fused = _fused_runs([None if s is None else s.a for s in parts])
+        groups = _groups(out_features, parts, fused)
+        kernel_groups = LoRAGroups(
+            tuple(g.a_parts for g in groups),
+            tuple(bt for g in groups for bt in g.bt_parts),
+            tuple(g.columns.start for g in groups),
+        )
+        unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, fuse_shrink, one_call)
+
+
+def _groups(
+    out_features: tuple[int, ...], parts: tuple[Stacks | None, ...], fused: tuple[FusedParts, ...]
+) -> tuple[PartGroup, ...]:
+    runs = {run.first: run for run in fused}
+    groups, part, starts = [], 0, [sum(out_features[:p]) for p in range(len(out_features) + 1)]
+    while part < len(parts):
+        stacks = parts[part]
+        if part in runs:
+            run = runs[part]
+            bts = tuple(parts[p].bt for p in run.parts)  # type: ignore[union-attr]
+            columns = slice(starts[part], starts[run.parts.stop])
+            groups.append(PartGroup(columns, run.a_parts, bts, columns == slice(0, starts[-1])))
+            part = run.parts.stop
+            continue
+        if stacks is not None and stacks.a.device.type != "xla":
+            columns = slice(starts[part], starts[part + 1])
+            groups.append(PartGroup(columns, stacks.a.unsqueeze(1), (stacks.bt,), columns == slice(0, starts[-1])))
+        part += 1
+    return tuple(groups)
