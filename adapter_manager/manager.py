@@ -1,6 +1,6 @@
 """The `AdapterManager` facade: registry, host tier, slot pool, allocator, prefetcher and metrics behind one object.
 
-The runtime's engine uses it per step:
+Runtime calls the facade's methods, never its components (tests/test_layout.py checks). The engine uses it per step:
 
     lease = manager.acquire(adapter_id_per_request)     # pins the batch's slots, loading missing adapters
     indices = lease.slot_indices(adapter_id_per_token)  # [T] int32, -1 = no adapter
@@ -15,6 +15,7 @@ tiers and the prefetcher act on, and the per-adapter request counts of the metri
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +24,13 @@ from typing import Literal
 import torch
 
 from .base_model import BaseModelSpec, ModuleKey
-from .metrics import AdapterResidency, MetricsSnapshot, SwapMetrics
+from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, SwapMetrics
 from .policy.admission import FrequencySketch, SketchConfig
 from .policy.prefetch import PrefetchConfig, Prefetcher
-from .registry.registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig
+from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig, UnrestoredAdapter
 from .sources.hub import HubConfig
 from .tiers.allocator import SlotAllocator, SlotLease
+from .tiers.lease import SlotState
 from .tiers.slot_pool import SlotPool, SlotPoolConfig, SlotStacks
 
 log = logging.getLogger(__name__)
@@ -125,12 +127,44 @@ class AdapterManager:
 
     @property
     def num_units(self) -> int:
+        """Pool units in all: what the scheduler shares out between the adapters of running requests."""
         return self.pool.num_units
+
+    @property
+    def max_rank(self) -> int:
+        """R: the highest rank accepted, and the most pool rows one adapter takes."""
+        return self.pool.max_rank
+
+    @property
+    def granule(self) -> int:
+        """G: pool rows per unit; slot s starts at row s * G."""
+        return self.pool.granule
 
     @property
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
         """`A [N, in]` and `Bt [N, out]` row views of every module, for the LoRA linears."""
         return self.pool.stacks
+
+    @property
+    def device_lock(self) -> threading.Lock:
+        """The pool's XLA device lock: a traced step holds it while it traces and syncs, keeping slot loads out."""
+        return self.pool.device_lock
+
+    def record(self, adapter_id: str) -> AdapterRecord:
+        """A registered adapter's record; `AdapterNotFoundError` if it is not registered."""
+        return self.registry.get(adapter_id)
+
+    def records(self) -> list[AdapterRecord]:
+        """Every registered adapter's record, sorted by id."""
+        return self.registry.list()
+
+    def is_registered(self, adapter_id: str) -> bool:
+        """Whether `adapter_id` is registered now (a registration that could not be restored is not)."""
+        return adapter_id in self.registry
+
+    def unrestored(self) -> list[UnrestoredAdapter]:
+        """Durable registrations that could not be restored at start-up, sorted by id."""
+        return self.registry.unrestored()
 
     def rank_of(self, adapter_id: str) -> int:
         """A registered adapter's rank (its highest module rank): the pool rows it takes."""
@@ -189,6 +223,10 @@ class AdapterManager:
             self.popularity.record(adapter_id)
         self.swap_metrics.requested(adapter_id)
 
+    def note_adapter_wait(self, seconds: float) -> None:
+        """One request's adapter wait ended: `seconds` from its submit until its adapter was ready."""
+        self.swap_metrics.adapter_waited(seconds)
+
     def is_ready(self, adapter_id: str) -> bool:
         """Whether a batch could place the adapter now without waiting for a move: resident in a slot, or prepared
         in the host tier (a host -> slot copy away) and not being copied into a slot by a prefetch worker (whose copy
@@ -216,7 +254,16 @@ class AdapterManager:
         return self.allocator.acquire(adapter_ids, prepared_only, wait_s)
 
     def release(self, lease: SlotLease) -> None:
+        """Unpin the slots of a batch's lease (its adapters become evictable once no batch holds them)."""
         self.allocator.release(lease)
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        """The adapter's slot if it is resident (its copy published), else None."""
+        return self.allocator.slot_of(adapter_id)
+
+    def slot_states(self) -> list[SlotState]:
+        """Every occupied pool range now: adapter, slot, units, rank, state, in-flight pins and operator pin."""
+        return self.allocator.states()
 
     def pin(self, adapter_id: str, wait_s: float = 0.0) -> int:
         """Operator pin: keep the adapter in its slot until `unpin`. Returns the slot. `wait_s`: how long to wait
@@ -227,6 +274,7 @@ class AdapterManager:
         return slot
 
     def unpin(self, adapter_id: str) -> None:
+        """Drop an operator pin: the adapter stays in its slot until evicted."""
         self.allocator.unpin(adapter_id)
         self.registry.set_pinned(adapter_id, False)
 
@@ -234,6 +282,27 @@ class AdapterManager:
         """Hand over the engine's waiting queue, in order; returns the prefetch jobs started. `to_slot` False: the
         queue's adapters go no further than the host tier (see `Prefetcher.prefetch`)."""
         return self.prefetcher.prefetch(adapter_ids, to_slot)
+
+    def prepare(self, adapter_id: str) -> None:
+        """Bring a registered adapter into the host tier now (downloaded and prepared as needed), placing no slot."""
+        self.registry.prepared(adapter_id)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether prefetch workers run (`prefetch_workers` > 0): admission is then gated on `is_ready`."""
+        return self.prefetcher.enabled
+
+    def on_prefetched(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(adapter_id)` (on a prefetch thread) whenever a prefetch job ends: moved, no room, failed."""
+        self.prefetcher.on_done(listener)
+
+    def off_prefetched(self, listener: Callable[[str], None]) -> None:
+        """Stop calling a listener given to :meth:`on_prefetched` (a no-op for one not listening)."""
+        self.prefetcher.off_done(listener)
+
+    def take_prefetch_errors(self) -> dict[str, BaseException]:
+        """Every pending prefetch failure by adapter, once (the next request for each retries)."""
+        return self.prefetcher.take_errors()
 
     def residency(self) -> dict[str, AdapterResidency]:
         """Where every registered adapter lives now (device slot, host, disk only) and when it was last used."""
@@ -255,7 +324,12 @@ class AdapterManager:
         per-adapter residency (`.to_dict()` for JSON)."""
         return self.swap_metrics.snapshot(self.residency())
 
+    def moves(self, adapter_id: str) -> list[AdapterMove]:
+        """The adapter's most recent tier moves, oldest first."""
+        return self.swap_metrics.moves(adapter_id)
+
     def close(self) -> None:
+        """Stop the prefetch workers and close the durable store."""
         self.prefetcher.close()
         self.registry.close()
 

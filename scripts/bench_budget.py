@@ -1,13 +1,12 @@
 """Speculative moves on a budget: what prefetching costs when the tiers are smaller than the adapters in use.
 
-A server-sized setting from issue 23: 8 hub adapters (ranks 8-64, all seven projections, on the bench model) served
+A server-sized setting: 8 hub adapters (ranks 8-64, all seven projections, on the bench model) served
 by the local hub; a host tier and a bounded disk tier each holding about 3 of them; popularity prefetch on
 (`--popular`); `--requests` requests cycling through all 8 from `--clients` concurrent clients while the engine steps
 in its own thread. Counted: hub downloads and preparations during serving, per request and per miss of the tier
 they fill (the floor is 1: one move per miss), the prefetch outcomes (no room = nothing downloaded or prepared), and
 the disk tier's bytes sampled every millisecond from the cache folder itself (partial downloads included) against
-its bound; also the engine's stall. Before issue 23 this setting did 219 downloads and 1001 preparations for 40
-requests, and the disk went 14 % over its bound.
+its bound; also the engine's stall.
 
     .venv/bin/python -m scripts.bench_budget [--requests 40] [--out out/bench_budget.json]
 """

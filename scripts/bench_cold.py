@@ -4,7 +4,7 @@ The bench model (fp32, CPU) decodes 8 requests on 8 resident rank-16 adapters; m
 adapters arrive, one every 2 steps. Their adapters are registered (local PEFT folders: on disk) but
 - ``cold``: not prepared in the host tier (prefetching on: they are prepared on the workers),
 - ``host``: already prepared in the host tier (the reference: only host -> slot copies are left),
-- ``cold_sync``: not prepared, prefetching off (the engine prepares them inside its step, as before issue 23).
+- ``cold_sync``: not prepared, prefetching off (the engine prepares them inside its step).
 Each variant runs ``--repeats`` times, interleaved in a seeded random order; medians are reported. Figures: the 8
 decoding requests' time in all (first step to last token) and the largest single step, each as a ratio of the
 ``host`` run's (targets: <= 1.02x in all, no step above 1.25x the host run's largest), and the engine's stall.

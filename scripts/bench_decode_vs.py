@@ -4,13 +4,13 @@
 Each round runs one process per checkout (this one first, then the baseline: a ``git worktree`` of the commit, given
 as ``--baseline DIR``), each timing :func:`scripts.harness.engine_step_ms` (scheduler, lease, forward, sampling; 20
 decode steps of ``--batch`` sequences, default 8) for base and lora_8 at each ``--context``, with the weight layout
-forced the same in both (``ADAPTER_MANAGER_WEIGHT_LAYOUT``, default onednn: a commit before the measured choice had no
+forced the same in both (``ADAPTER_MANAGER_WEIGHT_LAYOUT``, default onednn: a baseline may have no measured choice,
 ``auto``). Prints each side's median step over the rounds and their ratio (and with ``--prefill`` one prompt of each
 length alone, submit to first token, median of 3, without and with an adapter: the prefill path's cost); writes
-out/bench_decode_vs.json. A baseline must have ``scripts.harness.engine_workload`` and ``engine_step_ms`` (845377c
-on has).
+out/bench_decode_vs.json. A baseline must have ``scripts.harness.engine_workload`` and ``engine_step_ms`` (the
+baseline the figures use: docs/benchmarks.md).
 
-  git worktree add /tmp/before 845377c
+  git worktree add /tmp/before COMMIT
   .venv/bin/python -m scripts.bench_decode_vs --baseline /tmp/before [--rounds 3] [--context 144 768]
 """
 

@@ -53,7 +53,7 @@ from scripts.harness import (
 )
 
 FORMS = {
-    "torch": KernelConfig(backend=BackendKind.TORCH),  # the torch forms' own choice: the default before the cpu backend
+    "torch": KernelConfig(backend=BackendKind.TORCH),  # the torch forms' own choice per step
     "segments": KernelConfig(torch_form=LoRAForm.SEGMENTS),
     "grouped": KernelConfig(torch_form=LoRAForm.GROUPED),
     "laned": KernelConfig(torch_form=LoRAForm.LANED),

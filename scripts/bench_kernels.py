@@ -5,14 +5,15 @@
     .venv/bin/python -m scripts.bench_kernels --device cuda [--quick] [--tune]   # the Triton kernels (bench_triton)
 
 Base and LoRA are timed side by side in one run (median of interleaved repeats). ``lora %`` is the in-layer cost: the
-layer as runtime.LoRALinear runs it (shrink, expand writing the LoRA term, then one ``addmm_`` adding the base matmul)
+layer as LoRALinear runs it (shrink, expand writing the LoRA term, then one ``addmm_`` adding the base matmul)
 minus the base matmul alone; ``alone %`` times shrink+expand by themselves, both over the base matmul. The metadata
 is prepared once per step and shared by every layer, so its cost is reported separately (``meta %``).
 
 The pool figure: one LoRA layer (1024 -> 2816, rank 16, base matmul included) with 8 active adapters in a pool of 8
 and of 256 slots; ``ratio`` = time with 256 / time with 8 (target ≤ 1.25: no cost may grow with the pool). Eager
 CPU always; the torch_xla CPU device when torch_xla is importable. ``A`` is the traced compact table's width.
-``--write-table`` also times the grouped and the laned forms per (k, R) and rewrites kernels/torch_dispatch.json.
+``--write-table`` also times the grouped and the laned forms per (k, R) and rewrites
+adapter_manager/kernels/torch_dispatch.json.
 
 The block figure (fused shrink of q/k/v and gate/up vs one shrink per part, beside its floor) is the probe
 ``python -m scripts.probes.block``.
@@ -103,7 +104,7 @@ class Layer:
         return cls(to(x), to(weight), to(a), to(bt), y, meta, indices, slot_rows, backend.traced)
 
     def layer(self) -> torch.Tensor:
-        """As runtime.LoRALinear: the LoRA term written first, the base matmul added by one addmm_."""
+        """As LoRALinear: the LoRA term written first, the base matmul added by one addmm_."""
         if self.traced:
             h = shrink(self.x, self.a_rows, self.meta)
             return expand(self.y, h, self.bt_rows, self.meta, accumulate=False) + self.x @ self.weight.t()

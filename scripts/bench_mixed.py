@@ -57,11 +57,12 @@ def main() -> None:
             prefill = [SequenceChunk(row, 0, tuple(p.tolist())) for row, p in enumerate(prompts)]
             with torch.inference_mode():
                 model(ForwardBatch.from_chunks(prefill, device="cpu"))
-            pool = manager.pool
 
             def step(distinct: int | None, kernel: KernelConfig):
                 backend = select_backend("cpu", kernel)
-                meta = LoRAKernelMeta.make(backend, pool.num_slots, pool.max_rank, SEQS, "cpu", granule=pool.granule)
+                meta = LoRAKernelMeta.make(
+                    backend, manager.num_slots, manager.max_rank, SEQS, "cpu", granule=manager.granule
+                )
                 slots = [-1] * SEQS if distinct is None else [lease.slots[ids[i % distinct]] for i in range(SEQS)]
                 # ordered by adapter, as the engine orders a step; cache rows 0..15 in that order for every config,
                 # so the attention plan (one view of the rows) is the same whatever the adapter mix

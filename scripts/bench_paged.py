@@ -1,6 +1,6 @@
 """What paging the KV cache costs a decode step: the bench model's eager decode step (``--seqs`` sequences, one token
-each at ``--context``) with each sequence's blocks contiguous and in order (the dense layout the cache had before it
-was paged: row r owns blocks r·MB ..) against the same step through shuffled block tables of 16-token blocks (the
+each at ``--context``) with each sequence's blocks contiguous and in order (a fresh pool's layout, as dense rows:
+row r owns blocks r·MB ..) against the same step through shuffled block tables of 16-token blocks (the
 layout a long-running server's pool ends up in), side by side in one run, medians of round-robin repeats. Also the
 engine's per-step host cost of building the tables. The floor of the ratio is 1.0 (the same bytes are read).
 

@@ -8,8 +8,8 @@ LoRA), lora_1 (every request on a0) and lora_8 (spread over a0 .. a7), the order
 warmed up first. Throughput = generated tokens / wall time of serving the batch (prefill included). vLLM runs in its
 own venv (never a project dependency) as a subprocess (scripts/harness/vllm_peer.py) with
 VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=2, VLLM_CPU_KVCACHE_SPACE=2 and prefix caching off; this project
-runs here with its defaults (packed weights, the cpu backend, the scheduler's 512-token budget; runs before issue
-21's tenth session used ``--token-budget 2048``). Prints one table (medians) and writes out/bench_peer.json. Target:
+runs here with its defaults (packed weights, the cpu backend, the scheduler's 512-token budget; ``--token-budget``
+sets another). Prints one table (medians) and writes out/bench_peer.json. Target:
 our lora_8 ≥ 3× vLLM's at every shape.
 
 Peer venv, once (~3.4 GB)::

@@ -35,7 +35,7 @@ from adapter_manager.sources.local_hub import LocalHub
 from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
 from scripts.harness import write_json
 
-TARGET_PER_ADAPTER_S = 0.030  # (d): register by hub ID, per adapter (issue 24)
+TARGET_PER_ADAPTER_S = 0.030  # (d): register by hub ID, per adapter
 
 
 def request_kind(method: str, path: str) -> str:

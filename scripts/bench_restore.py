@@ -11,7 +11,7 @@ everything before serving. --baseline DIR times the same restart with DIR's adap
 `git archive HEAD adapter_manager | tar -x -C /tmp/head`), side by side. Writes out/bench_restore.json.
 
   .venv/bin/python -m scripts.bench_restore                        # 1000 registrations
-  .venv/bin/python -m scripts.bench_restore --baseline /tmp/head   # and the earlier tree's restart beside it
+  .venv/bin/python -m scripts.bench_restore --baseline /tmp/head   # and DIR's restart beside it
 """
 
 from __future__ import annotations

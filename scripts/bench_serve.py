@@ -7,8 +7,8 @@ Traces: ``prefix`` (each adapter has a fixed ``--prefix-len``-token prefix befor
 each adapter's prefix is seen once, one request at a time, before the timed trace: that warm-up's TTFT is the
 prefix's first touch), ``plain`` (no shared prefix: ``--input-len`` random tokens; the same warm-up, unshared),
 ``mixed`` (prompts uniform in ``--mixed-range`` tokens, no prefix). KV bytes: ``--kv-tokens`` tokens' worth for ours
-(default: ``--max-batch`` × ``--max-seq-len``, today's reservation before paging; vLLM has its 2 GiB); ``--cap``
-lets ours hold that many sequences at once (``--max-batch``, a cap now that blocks decide); the baseline checkout
+(default: ``--max-batch`` × ``--max-seq-len``, the dense rows' reservation; vLLM has its 2 GiB); ``--cap`` lets
+ours hold that many sequences at once (``--max-batch``, a cap: free blocks decide admission); the baseline checkout
 gets ``--max-batch`` rows of ``--max-seq-len`` (its only form). TTFT, inter-token gap (ITL), TPOT and e2e
 percentiles, output tok/s, requests/s and sequences running (sampled every 0.2 s from each server's metrics).
 ``--rounds N`` runs the servers N times in turn (ours, before, ours, before, ...) and prints each cell's median over

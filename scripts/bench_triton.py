@@ -13,7 +13,7 @@ moving as many bytes (reading half, writing half), timed the same way in the sam
 
 ``--tune`` times candidate block sizes per (op, T, rank, features) and writes the fastest as a block-size table
 (``--table-out``; load it with ``KernelConfig(triton_block_size_table=...)`` or copy it over
-kernels/triton/block_sizes.json).
+adapter_manager/kernels/triton/block_sizes.json).
 """
 
 from __future__ import annotations

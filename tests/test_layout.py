@@ -34,10 +34,11 @@ _RANK = {
     "adapter_manager.registry": 4,  # what is registered (moves records through the tiers)
     "adapter_manager.policy": 4,  # what moves them early, what may be evicted
     "adapter_manager": 5,  # the facade: manager, prometheus, and adapter_manager/__init__
-    "runtime.model": 6,
-    "runtime.engine": 7,
-    "runtime.server": 8,
-    "runtime": 9,  # the door: cli, demo, client, and runtime/__init__
+    f"{RUNTIME}.model": 6,
+    f"{RUNTIME}.engine": 7,
+    f"{RUNTIME}.server": 8,
+    f"{RUNTIME}.cluster": 9,
+    RUNTIME: 10,  # the door: cli, demo, client, options, and runtime/__init__
 }
 MAX_LINES = 400  # a file past this holds more than one concept (the style card's bound)
 
@@ -208,3 +209,70 @@ def test_no_file_past_one_concept() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     ]
     assert not long, f"files over {MAX_LINES} lines (split them by concept):\n" + "\n".join(long)
+
+
+_LIFECYCLE_ROOMS = ("sources", "tiers", "registry", "policy", "metrics")
+_MANAGER_NAMES = ("manager", "_manager")
+
+
+def _component_classes(tree: ast.Module) -> set[str]:
+    """Names manager.py imports from the lifecycle's rooms (registry, tiers, policy, metrics, sources)."""
+    return {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+        if (node.module or "").split(".")[0] in _LIFECYCLE_ROOMS
+        for alias in node.names
+    }
+
+
+def _self_assignments(function: ast.FunctionDef) -> list[tuple[str, ast.expr]]:
+    """(attribute, value) of every ``self.<attribute> = value`` in ``function``."""
+    found = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            pairs = [(target, node.value) for target in node.targets]
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            pairs = [(node.target, node.value)]
+        else:
+            continue
+        for target, value in pairs:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                found.append((target.attr, value))
+    return found
+
+
+def _manager_internals() -> set[str]:
+    """What `AdapterManager.__init__` keeps that is not its face: every attribute it assigns a component built from
+    the lifecycle's rooms, and every private attribute."""
+    tree = ast.parse((ROOT / "adapter_manager" / "manager.py").read_text())
+    components = _component_classes(tree)
+    facade = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AdapterManager")
+    init = next(n for n in facade.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    internals = set()
+    for attribute, value in _self_assignments(init):
+        built = {c.func.id for c in ast.walk(value) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        if attribute.startswith("_") or built & components:
+            internals.add(attribute)
+    return internals
+
+
+def _names_a_manager(node: ast.expr) -> bool:
+    """`manager`, `_manager`, or `<anything>.manager` / `<anything>._manager`."""
+    if isinstance(node, ast.Name):
+        return node.id in _MANAGER_NAMES
+    return isinstance(node, ast.Attribute) and node.attr in _MANAGER_NAMES
+
+
+def test_runtime_calls_the_facade_not_its_internals() -> None:
+    """runtime reaches the lifecycle through `AdapterManager`'s methods, never through the components it holds (a
+    change in the tiers must not break the engine or the server)."""
+    internals = _manager_internals()
+    assert {"registry", "pool", "allocator", "prefetcher", "swap_metrics"} <= internals
+    wrong = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        for path in sorted((ROOT / "adapter_manager" / "runtime").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.Attribute) and node.attr in internals and _names_a_manager(node.value)
+    ]
+    assert not wrong, "runtime reaches into AdapterManager's internals (add a facade method):\n" + "\n".join(wrong)

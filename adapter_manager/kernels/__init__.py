@@ -5,10 +5,10 @@ from adapter_manager.kernels.active_table import bucket_for
 from adapter_manager.kernels.backend import select_backend
 from adapter_manager.kernels.config import BackendKind, KernelConfig, LoRAForm, PallasInterpret
 from adapter_manager.kernels.cpu.machine import cpu_flags, cpu_model, has_fast_bf16
+from adapter_manager.kernels.device_kernels import LayerKernels
 from adapter_manager.kernels.dispatch_table import DispatchEntry, TorchDispatchTable
 from adapter_manager.kernels.executor import CpuExecutor, LinearExecutor, LinearStep, TracedExecutor
 from adapter_manager.kernels.grouping import AdapterRows, Segment, SlotGrouping
-from adapter_manager.kernels.layer_kernels import LayerKernels
 from adapter_manager.kernels.layer_ops import (
     base_linear,
     choose_weight_layout,

@@ -25,7 +25,7 @@ from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_part
 from adapter_manager.kernels.protocol import LinearWeight, WeightLayout
 
 if TYPE_CHECKING:
-    from adapter_manager.kernels.layer_kernels import LayerKernels
+    from adapter_manager.kernels.device_kernels import LayerKernels
 
 
 class LinearStep(NamedTuple):

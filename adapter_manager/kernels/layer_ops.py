@@ -12,7 +12,7 @@ import torch
 
 from adapter_manager.kernels.cpu.layer_kernels import CpuLayerKernels
 from adapter_manager.kernels.cpu.layout_choice import LayoutChoice
-from adapter_manager.kernels.layer_kernels import CudaLayerKernels, LayerKernels
+from adapter_manager.kernels.device_kernels import CudaLayerKernels, LayerKernels
 from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
 
 

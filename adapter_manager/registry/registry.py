@@ -2,6 +2,7 @@
 
 Registered is not resident: a record names the local files (HF cache or a local directory) an adapter can be
 prepared from again at any time; the prepared weights live in the byte-bounded host tier and may be evicted.
+`validation` says what an adapter must be to be accepted; `disk_files` reads its files and keeps the disk tier's books.
 """
 
 from __future__ import annotations
@@ -15,22 +16,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..base_model import BaseModelSpec
-from ..errors import (
-    AdapterConflictError,
-    AdapterNotFoundError,
-    BaseModelMismatchError,
-    DiskTierFullError,
-    InvalidAdapterRefError,
-)
+from ..errors import AdapterConflictError, AdapterNotFoundError, DiskTierFullError
 from ..metrics import Move, SwapMetrics, Tier
 from ..sources.hub import AdapterFiles, AdapterRef, HubResolver
-from ..sources.peft_format import LoraAdapterConfig
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
 from ..tiers.slot_pool import bytes_needed
+from .disk_files import DiskFiles
 from .records import AdapterRecord, RegisterResult, RegistryConfig, check_adapter_id
 from .state_store import Registration, StateStore, UnrestoredAdapter
+from .validation import check_local_root, read_config
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +57,7 @@ class AdapterRegistry:
         if self.config.disk_cache_bytes is not None:
             cache, bound = self._resolver.cache_dir, self.config.disk_cache_bytes
             self.disk = DiskTier(cache, bound, self.metrics, self._needed, self.store)
+        self._disk_files = DiskFiles(self._resolver, self.disk, self.metrics)
 
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
         """Register `ref` under `adapter_id` (default: the repo id, or the local directory's name).
@@ -71,7 +68,7 @@ class AdapterRegistry:
         raises `AdapterConflictError`.
         """
         parsed = AdapterRef.parse(ref)
-        self._check_local_root(parsed, ref)
+        check_local_root(parsed, ref, self.config.allowed_local_roots)
         adapter_id = check_adapter_id(adapter_id or (parsed.repo_id if parsed.repo_id else parsed.path.name))
         with self._id_lock(adapter_id):
             previous = self._records.get(adapter_id)
@@ -82,7 +79,7 @@ class AdapterRegistry:
                     )
                 if previous.ref == parsed and not refresh:
                     return RegisterResult(previous, "unchanged", None, 0.0, 0.0, 0)
-            with self._on_disk(parsed.repo_id):
+            with self._disk_files.on_disk(parsed.repo_id):
                 start = time.perf_counter()
                 files = self._resolver.resolve(parsed, adapter_id)
                 download_s = time.perf_counter() - start
@@ -94,7 +91,7 @@ class AdapterRegistry:
                     self._persist(record)
                     with self._lock:
                         self._records[adapter_id] = record
-                    self._used(record, files.downloaded_bytes > 0)
+                    self._disk_files.used(record, files.downloaded_bytes > 0)
                     return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
                 record, prepared, prepare_s = self._load(adapter_id, parsed, files)
                 self._persist(record, keep_pin=previous is not None)
@@ -105,7 +102,7 @@ class AdapterRegistry:
             if previous is not None:
                 self.host.discard((adapter_id, previous.sha))
                 log.info("adapter %r updated %s -> %s", adapter_id, previous.sha, record.sha)
-        self._used(record, files.downloaded_bytes > 0)
+        self._disk_files.used(record, files.downloaded_bytes > 0)
         action = "registered" if previous is None else "updated"
         return RegisterResult(
             record, action, previous.sha if previous else None, download_s, prepare_s, files.downloaded_bytes
@@ -195,10 +192,10 @@ class AdapterRegistry:
         adapter_id = record.adapter_id
 
         def load() -> PreparedAdapter:
-            with self._on_disk(record.ref.repo_id):
-                files = self._files(record, disk_wait_s)
+            with self._disk_files.on_disk(record.ref.repo_id):
+                files = self._disk_files.files(record, disk_wait_s)
                 prepared = self._prepare(adapter_id, files, record.modules)[0]
-            self._used(record, files.downloaded_bytes > 0)
+            self._disk_files.used(record, files.downloaded_bytes > 0)
             return prepared
 
         return self.host.get_or_load((adapter_id, record.sha), load)
@@ -237,41 +234,18 @@ class AdapterRegistry:
             self.host.unreserve(key)
         return True
 
-    def _files(self, record: AdapterRecord, disk_wait_s: float = 0.0) -> AdapterFiles:
-        """The record's files on disk now: a local dir unchanged since registration, or the hub revision at the
-        recorded sha, fetched again (a disk miss) only if it left the cache, its bytes reserved first in a bounded
-        disk tier (waiting up to `disk_wait_s` for room)."""
-        adapter_id = record.adapter_id
-        if record.ref.is_local:
-            files = self._resolver.resolve(record.ref, adapter_id)
-            if files.sha != record.sha:
-                raise AdapterConflictError(
-                    adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
-                )
-            return files
-        cached = self._resolver.cached(record.ref.repo_id, record.sha)
-        if cached is not None:
-            self.metrics.hit(Tier.DISK)
-            return cached
-        self.metrics.miss(Tier.DISK)
-        start = time.perf_counter()
-        with self._download_room(record, disk_wait_s):
-            files = self._resolver.resolve(AdapterRef(record.ref.repo_id, record.sha, None), adapter_id)
-        self.metrics.record(Move.HUB_TO_DISK, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
-        return files
-
     def _restore(self, row: Registration) -> None:
         if row.is_local:
             ref = AdapterRef(None, None, Path(row.ref))
         else:
             ref = AdapterRef.parse(row.ref + (f"@{row.revision}" if row.revision else ""))
         check_adapter_id(row.adapter_id)
-        with self._id_lock(row.adapter_id), self._on_disk(ref.repo_id):
-            # A stand-in record at the recorded sha: `_files` finds (or fetches) exactly that revision.
+        with self._id_lock(row.adapter_id), self._disk_files.on_disk(ref.repo_id):
+            # A stand-in record at the recorded sha: `DiskFiles.files` finds (or fetches) exactly that revision.
             files = AdapterFiles(Path(), Path(), row.sha, 0)
             stand_in = AdapterRecord(row.adapter_id, ref, files, {}, 0, None, row.registered_at)
-            files = self._files(stand_in)
-            config, warnings, modules = self._read_config(row.adapter_id, files)
+            files = self._disk_files.files(stand_in)
+            config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config)
             check_weights(row.adapter_id, files.weights_path, modules, self.spec)
             nbytes = bytes_needed(self.spec, max(m.rank for m in modules.values()), self.config.dtype)
             base = config.base_model_name_or_path
@@ -281,7 +255,8 @@ class AdapterRegistry:
             with self._lock:
                 self._records[row.adapter_id] = record
                 self._unrestored.pop(row.adapter_id, None)
-        self._used(record, files.downloaded_bytes > 0, enforce=False)  # the bound is enforced once all are restored
+        # the disk bound is enforced once all are restored
+        self._disk_files.used(record, files.downloaded_bytes > 0, enforce=False)
 
     def _persist(self, record: AdapterRecord, keep_pin: bool = True) -> None:
         """Commit the registration to the durable store (before it is published or answered)."""
@@ -299,39 +274,6 @@ class AdapterRegistry:
         with lock:
             yield
 
-    @contextmanager
-    def _download_room(self, record: AdapterRecord, wait_s: float) -> Iterator[None]:
-        """Hold the bytes of the record's files in a bounded disk tier while they are downloaded again."""
-        if self.disk is None or record.ref.repo_id is None:
-            yield
-            return
-        with self.disk.downloading(record.ref.repo_id, record.disk_bytes, record.adapter_id, wait_s):
-            yield
-
-    @contextmanager
-    def _on_disk(self, repo_id: str | None) -> Iterator[None]:
-        """Keep a hub repo's cached files from disk-tier eviction while the block downloads or reads them."""
-        if self.disk is None or repo_id is None:
-            yield
-            return
-        with self.disk.using(repo_id):
-            yield
-
-    def _used(self, record: AdapterRecord, grew: bool, enforce: bool = True) -> None:
-        """A hub adapter's files were just used: refresh their LRU position and, if a download `grew` the cache,
-        count the repo's new size and (`enforce`) bring the disk tier back under its bound (a disk hit reads
-        nothing)."""
-        if self.disk is None or record.ref.repo_id is None:
-            return
-        self.disk.touch(record.ref.repo_id, record.sha)
-        if grew:
-            try:
-                self.disk.landed(record.ref.repo_id)
-                if enforce:
-                    self.disk.enforce()
-            except OSError as err:
-                log.error("disk tier: eviction failed: %s", err)
-
     def _needed(self) -> set[tuple[str, str]]:
         with self._lock:
             return {(r.ref.repo_id, r.sha) for r in self._records.values() if r.ref.repo_id is not None}
@@ -340,15 +282,9 @@ class AdapterRegistry:
         if self.store is not None:
             self.store.close()
 
-    def _read_config(self, adapter_id: str, files: AdapterFiles):
-        """The adapter's validated config, its base-model warnings and the modules it targets."""
-        config = LoraAdapterConfig.from_file(files.config_path, adapter_id)
-        warnings = self._check_base_model(adapter_id, config.base_model_name_or_path)
-        return config, warnings, config.resolve(self.spec, adapter_id, self.config.max_rank)
-
     def _load(self, adapter_id: str, ref: AdapterRef, files: AdapterFiles):
         start = time.perf_counter()
-        config, warnings, modules = self._read_config(adapter_id, files)
+        config, warnings, modules = read_config(adapter_id, files, self.spec, self.config)
         prepared, _ = self._prepare(adapter_id, files, modules, start)
         base = config.base_model_name_or_path
         record = AdapterRecord(
@@ -370,27 +306,3 @@ class AdapterRegistry:
         seconds = time.perf_counter() - start
         self.metrics.record(Move.DISK_TO_HOST, adapter_id, seconds, prepared.nbytes)
         return prepared, seconds
-
-    def _check_base_model(self, adapter_id: str, base: str | None) -> tuple[str, ...]:
-        served = self.spec.identities
-        if not base or not served or any(_same_model(base, name) for name in served):
-            return ()
-        compared = ", ".join(repr(name) for name in served)
-        message = f"trained on base model {base!r}, serving {self.spec.name or served[0]!r} (compared with {compared})"
-        if self.config.base_model_mismatch == "refuse":
-            raise BaseModelMismatchError(adapter_id, message)
-        log.warning("adapter %r: %s", adapter_id, message)
-        return (message,)
-
-    def _check_local_root(self, ref: AdapterRef, raw: str) -> None:
-        roots = self.config.allowed_local_roots
-        if ref.path is None or roots is None:
-            return
-        if not any(ref.path.is_relative_to(Path(root).resolve()) for root in roots):
-            raise InvalidAdapterRefError(raw, f"local path {ref.path} is outside the allowed roots {list(roots)}")
-
-
-def _same_model(a: str, b: str) -> bool:
-    """Same base model: equal names, or equal last path component (a hub id vs a local copy of it)."""
-    a, b = a.rstrip("/"), b.rstrip("/")
-    return a == b or a.rsplit("/", 1)[-1].lower() == b.rsplit("/", 1)[-1].lower()

@@ -1,8 +1,9 @@
 """Servers behind their OpenAI APIs and the client that replays a trace on them (``vllm bench serve``'s measures):
 each request streamed, its TTFT (arrival to the first streamed token), its inter-token gaps, its end-to-end time.
 
-A server is a subprocess (ours: ``python -m runtime.cli serve`` from a checkout, so a baseline commit can run beside
-this one; vLLM: its OpenAI server from the peer venv), started on a free loopback port and stopped with SIGTERM."""
+A server is a subprocess (ours: ``python -m adapter_manager.runtime.cli serve`` from a checkout, so a baseline commit
+can run beside this one; vLLM: its OpenAI server from the peer venv), started on a free loopback port and stopped with
+SIGTERM."""
 
 from __future__ import annotations
 

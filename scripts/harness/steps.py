@@ -37,10 +37,15 @@ class StepSetup:
     def meta_for(self, kernel: KernelConfig) -> LoRAKernelMeta:
         """LoRA metadata of the backend ``kernel`` selects (default: the cpu backend, FUSED at decode)."""
         if kernel not in self.metas:
-            pool = self.manager.pool
+            manager = self.manager
             backend = select_backend(self.model.device, kernel)
             self.metas[kernel] = LoRAKernelMeta.make(
-                backend, pool.num_slots, pool.max_rank, self.max_tokens, self.model.device, granule=pool.granule
+                backend,
+                manager.num_slots,
+                manager.max_rank,
+                self.max_tokens,
+                self.model.device,
+                granule=manager.granule,
             )
         return self.metas[kernel]
 

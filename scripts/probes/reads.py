@@ -202,7 +202,7 @@ def main() -> None:
         model = work.load_model(pack_weights=True)
         setup = StepSetup(work, model, args.seqs, args.context, args.seqs)
         lease = setup.leases[0]
-        first = lease.slots[work.mix("lora_1", 1)[0]] * work.manager.pool.granule
+        first = lease.slots[work.mix("lora_1", 1)[0]] * work.manager.granule
         weights, runs, copies = tables(model, first, RANK, threads)  # the runs point into the copies: keep them
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
         row_bytes = 4 * int(runs["pool"][0][:, 1].sum())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -138,3 +140,36 @@ def test_prefetcher_cancels_jobs_the_queue_no_longer_holds(tiny_spec):
         assert allocator.slot_of("a") == 0 and allocator.slot_of("b") is None and "c" not in catalog.fetches
     finally:
         prefetcher.close()
+
+
+def test_the_facade_answers_what_runtime_asks(folders, tiny_spec):
+    """What runtime reads and does through the facade (never through its components): registrations, slots,
+    prefetch, metrics and the pool's shape."""
+    with manager_for(tiny_spec) as manager:
+        for name in ("a", "b"):
+            manager.register(str(folders[name]))
+        assert [r.adapter_id for r in manager.records()] == ["a", "b"] and manager.unrestored() == []
+        assert manager.is_registered("a") and not manager.is_registered("z")
+        assert manager.record("a").sha == manager.registry.get("a").sha
+        with pytest.raises(AdapterNotFoundError):
+            manager.record("z")
+        assert (manager.max_rank, manager.granule) == (manager.pool.max_rank, manager.pool.granule)
+        assert manager.device_lock is manager.pool.device_lock and manager.prefetching
+        manager.registry.host.discard(("a", manager.record("a").sha))
+        manager.prepare("a")
+        assert manager.registry.is_prepared("a") and manager.slot_of("a") is None
+        moved = threading.Event()
+
+        def listener(adapter_id: str) -> None:
+            if adapter_id == "a":
+                moved.set()
+
+        manager.on_prefetched(listener)
+        manager.prefetch(["a"])
+        assert moved.wait(10) and manager.slot_of("a") is not None and manager.take_prefetch_errors() == {}
+        manager.off_prefetched(listener)
+        states = [(s.adapter_id, s.slot, s.state) for s in manager.slot_states()]
+        assert states == [("a", manager.slot_of("a"), "ready")]
+        assert [m.move for m in manager.moves("a")][-2:] == [Move.DISK_TO_HOST, Move.HOST_TO_SLOT]
+        manager.note_adapter_wait(0.5)
+        assert manager.metrics().adapter_wait.count == 1

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from adapter_manager.kernels.cpu import decode_ops, layout_choice, weights
-from adapter_manager.kernels.layer_kernels import LayerKernels
+from adapter_manager.kernels.device_kernels import LayerKernels
 from adapter_manager.kernels.layer_reference import TorchDecodeOps
 from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
 

@@ -78,7 +78,7 @@ class EngineReplica:
     async def load(self, adapter_id: str) -> Resident:
         """The multiplexed loader: register from the directory if needed, then hold it pinned in the pool."""
         start = time.perf_counter()
-        if adapter_id not in self.manager.registry:  # `handle` registers before queueing for Serve's load lock
+        if not self.manager.is_registered(adapter_id):  # `handle` registers before queueing for Serve's load lock
             await self._register(adapter_id)
         registered = time.perf_counter()
         await self.holds.hold(adapter_id)
@@ -92,9 +92,9 @@ class EngineReplica:
         replica's loads one at a time under a lock, so the hub round trips of registration and the disk -> host
         preparation (30 ms p50, 170 ms p99 on the bench model, against 2 ms for host -> slot) stay out of it."""
         await self._register(adapter_id)
-        if self.manager.allocator.slot_of(adapter_id) is None:  # in a slot already: the load is a pin
+        if self.manager.slot_of(adapter_id) is None:  # in a slot already: the load is a pin
             registrations = self.serving.app.state.server.registrations
-            await asyncio.get_running_loop().run_in_executor(registrations, self.manager.registry.prepared, adapter_id)
+            await asyncio.get_running_loop().run_in_executor(registrations, self.manager.prepare, adapter_id)
 
     async def _register(self, adapter_id: str) -> None:
         async with self._registering.setdefault(adapter_id, asyncio.Lock()):  # one registration per adapter at once
@@ -105,7 +105,7 @@ class EngineReplica:
         if entry is None:
             raise AdapterNotFoundError(adapter_id, "is not registered in the cluster")
         known = self.synced.get(adapter_id)
-        if known is not None and known.version == entry.version and adapter_id in self.manager.registry:
+        if known is not None and known.version == entry.version and self.manager.is_registered(adapter_id):
             return
         loop = asyncio.get_running_loop()
         registrations = self.serving.app.state.server.registrations
@@ -140,7 +140,7 @@ class EngineReplica:
                 if adapter_id not in self.loaded:
                     await self._warm(adapter_id)
                 await self.multiplexed(adapter_id)
-                if adapter_id not in self.manager.registry:  # deleted and registered again since Serve loaded it
+                if not self.manager.is_registered(adapter_id):  # deleted and registered again since Serve loaded it
                     await self._register(adapter_id)
                     await self._pin(adapter_id)
                 await self.holds.hold(adapter_id)  # pinned until the response ends, whatever Serve unloads
@@ -156,7 +156,7 @@ class EngineReplica:
             finally:
                 self.holds.drop(adapter_id)
             return
-        if request.adapter_id and request.adapter_id not in self.manager.registry:
+        if request.adapter_id and not self.manager.is_registered(request.adapter_id):
             try:  # no model id (Serve's default routing): register only; the pool's own LRU decides residency
                 await self._register(request.adapter_id)
             except Exception:  # noqa: BLE001 - the app answers an unknown adapter with its own 404
@@ -171,7 +171,7 @@ class EngineReplica:
         """This replica's report: capacity, what it holds, how hot each adapter is, and its swap metrics."""
         manager, now, taken_at = self.manager, time.monotonic(), time.time()
         # the pool, Serve's loaded models and the holds at one instant: an unload's drop runs on another thread
-        holds, (states, loaded) = self.holds.view(lambda: (manager.allocator.states(), sorted(self.loaded)))
+        holds, (states, loaded) = self.holds.view(lambda: (manager.slot_states(), sorted(self.loaded)))
         used = sum(s.units for s in states)
         metrics = manager.metrics().to_dict()
         metrics.pop("residency", None)
@@ -193,8 +193,8 @@ class EngineReplica:
             "slots": {
                 s.adapter_id: {"slot": s.slot, "rank": s.rank, "pinned": s.manual, "in_flight": s.pins} for s in states
             },
-            "registered": len(manager.registry),
-            "unadopted": [r.adapter_id for r in manager.registry.list() if r.adapter_id not in self.synced],
+            "registered": len(manager.records()),
+            "unadopted": [r.adapter_id for r in manager.records() if r.adapter_id not in self.synced],
             "mirrored": len(self.mirror),
             "in_flight": self.serving.app.state.server.generator.pending,
             "max_batch": self.config.engine.max_batch,
@@ -233,7 +233,7 @@ class EngineReplica:
                     self.mirror[entry.adapter_id] = entry
 
     async def _reconcile(self, versions: dict[str, int], removed: list[str]) -> None:
-        local = {r.adapter_id: (r.registered_at, r.sha) for r in self.manager.registry.list()}
+        local = {r.adapter_id: (r.registered_at, r.sha) for r in self.manager.records()}
         adopt, drop = reconcile_plan(local, self.synced, versions, removed, time.time())
         for adapter_id in adopt:  # registered here by the admin route: adopt the directory's entry if it is ours
             entry: DirectoryEntry | None = await self.directory.get.remote(adapter_id)

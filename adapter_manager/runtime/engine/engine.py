@@ -11,44 +11,41 @@ ready (`AdapterManager.is_ready`: resident, or prepared on the host), and the st
 admitted adapter from the host but never download or prepare one (``prepared_only``; one the host evicted meanwhile
 puts its requests back to wait). A step with nothing ready to run waits for the prefetcher instead of spinning.
 
-On a traced (XLA) device every step has a static shape: its tokens are padded up to a token bucket (padding goes to
-a spare KV cache row, with slot -1), its logits rows to ``max_batch`` (to the bucket in an echo step: prompt_logprobs);
-``warm_up`` compiles each of those graphs once, after which steps, echoes, slot swaps and changing adapter mixes
-compile nothing. Eager devices (cpu, cuda) never pad.
+How a step reaches the device is its step runner's business (:mod:`.step_runner`, chosen once from the backend): on a
+traced (XLA) device static shapes, buckets and padding, and ``warm_up`` compiling each graph once, after which steps,
+echoes, slot swaps and changing adapter mixes compile nothing; on cuda the CUDA graphs of decode steps. The engine
+schedules and hands it a batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from adapter_manager import AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
 from adapter_manager.kernels import select_backend
 
-from ..model.batch import ForwardBatch
-from ..model.cuda_graphs import can_capture, use_decode_graphs
 from ..model.llama import Llama
 from .config import EngineConfig, StepStats
-from .device import device_free_bytes, xla_sync
+from .device import device_free_bytes
 from .kv_blocks import BlockPool
 from .kv_space import KVSpace, block_bytes
 from .kv_stats import KVMetrics, kv_metrics
 from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, StepPlan, plan_step
-from .step_batch import place_chunks, step_batch, step_meta
+from .step_batch import place_chunks
 from .step_lease import acquire_step
 from .step_loop import StepLoop
+from .step_runner import make_runner
 from .step_sampling import plan_sampling, record_sampling
-from .warm_up import echo_logits_rows, warm_up_batches
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +62,6 @@ class Engine:
         self.eos_ids: frozenset[int] = frozenset(eos)  # end every request not submitted with ignore_eos
         backend = select_backend(model.device, self.config.kernels)
         max_batch = self.config.max_batch
-        # Traced: static shapes. Tokens pad up to a bucket, through a spare table row (row max_batch) naming only the
-        # spare block, which no sequence owns; the device lock keeps slot loads (prefetch threads) out of a step's
-        # trace and sync.
-        self._buckets = self.config.buckets() if backend.traced else ()
-        self._padding_row = max_batch if backend.traced else None
-        self._device_lock = manager.pool.device_lock if backend.traced else contextlib.nullcontext()
-        self._sync: Callable[[], None] | None = xla_sync if backend.traced else None
         block_size = self.config.kv_block_size
         per_block = block_bytes(model.config, model.dtype, block_size)
         num_blocks = self.config.kv_blocks(per_block, device_free_bytes(model.device))
@@ -80,16 +70,7 @@ class Engine:
         self._kv = KVSpace(pool, block_size, max_batch, self._sha_of)
         self._kv_bytes = num_blocks * per_block
         model.attach_lora(manager.stacks)
-        max_tokens = self._buckets[-1] if backend.traced else self.config.scheduler.token_budget
-        self._meta = step_meta(backend, manager.pool, max_batch, max_tokens, model.device)
-        # cuda + triton backend: decode steps replay CUDA graphs (padding through the spare block), checked
-        # against the eager step at once; any failure keeps them eager for the process, with one warning
-        model.decode_graphs = None
-        if self.config.cuda_graphs and can_capture(self._meta):
-            use_decode_graphs(model, self._meta)
-        if self._sync is not None:
-            with self._device_lock:
-                self._sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
+        self._runner = make_runner(model, backend, manager, self.config)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the newest is preempted first
         self._ids = itertools.count()
@@ -98,7 +79,7 @@ class Engine:
         self._work = threading.Condition(self._lock)
         self._loop = StepLoop(self.step, self._work, lambda: bool(self._waiting or self._running))
         self._finished_in_step = 0
-        manager.prefetcher.on_done(self._adapter_moved)
+        manager.on_prefetched(self._adapter_moved)
         manager.on_retired(self._adapter_retired)
 
     def submit(
@@ -109,7 +90,7 @@ class Engine:
         params = params or SamplingParams()
         prompt = checked_prompt(prompt, params, self.model.config.vocab_size, self.config.max_seq_len)
         if adapter_id is not None:
-            self.manager.registry.get(adapter_id)
+            self.manager.record(adapter_id)
         self.manager.note_request(adapter_id)
         generator = None
         if params.temperature > 0:
@@ -126,12 +107,12 @@ class Engine:
     @property
     def decode_mode(self) -> str:
         """How decode steps run: ``"cuda_graphs"`` (replayed) or ``"eager"``."""
-        return "eager" if self.model.decode_graphs is None else "cuda_graphs"
+        return self._runner.decode_mode
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
         """The token buckets steps are padded to; empty on eager devices (no padding)."""
-        return self._buckets
+        return self._runner.token_buckets
 
     def warm_up(self) -> int:
         """Compile the step graph of every (token bucket, active-adapter bucket, logits rows) once; returns the
@@ -142,15 +123,8 @@ class Engine:
         traces (see `warm_up_batches`): the graph never depends on which slots or ranks. The pool compiles its load
         graphs when made; afterwards steps, echoes, swaps, ranks and adapter mixes compile nothing.
         """
-        if self._sync is None:
-            return 0
-        runs = 0
-        shapes = (self._buckets, self._meta.active_buckets, self.config.max_batch, self._padding_row)
         tables = self._kv.tables([], self.config.max_batch + 1, self._table_width)
-        for batch, active in warm_up_batches(*shapes, tables, self.model.device):
-            self._run_model(batch, dict.fromkeys(range(active), 1))
-            runs += 1
-        return runs
+        return self._runner.warm_up(tables)
 
     @property
     def has_work(self) -> bool:
@@ -219,7 +193,7 @@ class Engine:
 
         newly_ready: list[str] = []
         with self._lock:
-            pinned = {s.adapter_id: s.units for s in self.manager.allocator.states() if s.manual}
+            pinned = {s.adapter_id: s.units for s in self.manager.slot_states() if s.manual}
             plan = plan_step(
                 self.config.scheduler,
                 self._step,
@@ -237,13 +211,13 @@ class Engine:
                 if request.adapter_ready_at is None and request.adapter_id is not None:
                     if request.adapter_id in ready or request.adapter_id in running:
                         request.adapter_ready_at = now
-                        self.manager.swap_metrics.adapter_waited(now - request.submitted_at)
+                        self.manager.note_adapter_wait(now - request.submitted_at)
         return plan, pinned
 
     def _waiting_for_adapters(self) -> bool:
         """Whether requests wait while nothing runs (each for an adapter that is not ready, or for room)."""
         with self._lock:
-            return bool(self._waiting) and not self._running and self.manager.prefetcher.enabled
+            return bool(self._waiting) and not self._running and self.manager.prefetching
 
     def _adapter_moved(self, adapter_id: str) -> None:
         """A prefetch job ended (prefetcher thread): a step waiting for an adapter looks again."""
@@ -252,7 +226,7 @@ class Engine:
 
     def _fail_prefetch_errors(self) -> None:
         """Fail the waiting requests whose adapter's prefetch failed (the next request for it retries)."""
-        errors = self.manager.prefetcher.take_errors()
+        errors = self.manager.take_prefetch_errors()
         if not errors:
             return
         with self._lock:
@@ -279,7 +253,7 @@ class Engine:
         """Done with the manager: stop the loop and stop listening to its prefetcher (which would otherwise keep
         calling, and keep alive, an engine nobody uses). The manager stays open for its owner to close."""
         self.stop()
-        self.manager.prefetcher.off_done(self._adapter_moved)
+        self.manager.off_prefetched(self._adapter_moved)
         self.manager.off_retired(self._adapter_retired)
 
     def stop(self) -> None:
@@ -293,18 +267,13 @@ class Engine:
 
     def _forward(self, chunks: list[ScheduledChunk], lease: SlotLease) -> None:
         chunks.sort(key=lambda c: lease.slots.get(c.request.adapter_id, -1))  # one token run per slot
-        traced = self._sync is not None
-        # traced: the batch's host -> device transfers must not interleave with a slot load in a prefetch thread
-        with self._device_lock:
+        # a traced step's host -> device transfers must not interleave with a slot load in a prefetch thread
+        with self._runner.device_lock:
             with self._lock:
-                shape = (self.config.max_batch + 1, self._table_width) if traced else (None, None)
-                tables = self._kv.tables([c.request for c in chunks], *shape)
-            padding = (self._buckets, self.config.max_batch, self._padding_row) if traced else None
-            batch = step_batch(chunks, lease.slots, tables, self.model.device, padding)
-            pad_logits = echo_logits_rows(batch.num_tokens, self.config.max_batch) if traced else None
-            device = "cpu" if traced else self.model.device  # traced: the logits come back to the host
+                tables = self._kv.tables([c.request for c in chunks], *self._runner.table_shape(self._table_width))
+            batch, device, pad_logits = self._runner.batch(chunks, lease.slots, tables)
             batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
-            logits = self._run_model(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
+            logits = self._runner.run(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
         finished = record_sampling(chunks, draws, sample_step(logits, sampling))
         with self._lock:
             for chunk in chunks:  # the blocks this step filled join the prefix cache
@@ -316,19 +285,6 @@ class Engine:
     def _table_width(self) -> int:
         """MB: the blocks of a sequence of max_seq_len tokens (a traced step's tables are this wide)."""
         return self._kv.blocks_for(self.config.max_seq_len)
-
-    def _run_model(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
-        """One forward; on a traced device also the sync that runs its graph, and the logits brought to the host.
-        ``slot_rows``: the rank (pool rows) of every slot in the batch."""
-        assert batch.slot_indices is not None
-        with self._device_lock:
-            self._meta.prepare(batch.slot_indices, slot_rows)
-            with torch.no_grad() if self._sync is not None else torch.inference_mode():  # XLA refuses inference mode
-                logits = self.model(batch, self._meta)
-            if self._sync is not None:
-                self._sync()  # one graph: the step's KV cache writes and its logits
-                logits = logits.cpu()
-        return logits
 
     def _finish(self, request: Request, reason: str, error: BaseException | None = None) -> None:
         with self._lock:
@@ -365,7 +321,7 @@ class Engine:
 
     def _sha_of(self, adapter_id: str) -> str:
         try:
-            return self.manager.registry.get(adapter_id).sha
+            return self.manager.record(adapter_id).sha
         except AdapterNotFoundError:
             return "unregistered"  # its acquire fails the request alone; nothing of it is cached under a live name
 

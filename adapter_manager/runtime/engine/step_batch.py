@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from adapter_manager import AdapterManager
 from adapter_manager.kernels import LoRAKernelMeta
 
 from ..model.batch import ForwardBatch, SequenceChunk, StaticPadding
@@ -15,18 +16,20 @@ from .request import Request
 from .scheduler import ScheduledChunk
 
 
-def step_meta(backend, pool, max_batch: int, max_tokens: int, device: torch.device) -> LoRAKernelMeta:
-    """The engine's LoRA metadata: ``max_tokens`` per step, active buckets up to the most distinct adapters a step
-    can have (one per sequence, and no more than the pool holds)."""
-    most_active = min(max_batch, pool.num_slots)
+def step_meta(
+    backend, manager: AdapterManager, max_batch: int, max_tokens: int, device: torch.device
+) -> LoRAKernelMeta:
+    """The engine's LoRA metadata for the manager's row pool: ``max_tokens`` per step, active buckets up to the most
+    distinct adapters a step can have (one per sequence, and no more than the pool holds)."""
+    most_active = min(max_batch, manager.num_slots)
     active_buckets = tuple(b for b in (1, 2, 4, 8, 16, 64, 256, 1024) if b < most_active) + (most_active,)
     return LoRAKernelMeta.make(
         backend,
-        pool.num_slots,
-        pool.max_rank,
+        manager.num_slots,
+        manager.max_rank,
         max_tokens,
         device,
-        granule=pool.granule,
+        granule=manager.granule,
         active_buckets=active_buckets,
     )
 

@@ -31,7 +31,7 @@ def acquire_step(
     prefetching on, only the newcomers' adapters are limited to a copy from the host (``prepared_only``).
     """
     requeueable = [r for r in admitted if r.adapter_id is not None]
-    gated = manager.prefetcher.enabled
+    gated = manager.prefetching
     while True:
         newcomers = {r.adapter_id for r in requeueable} - set(running) if gated else ()
         try:

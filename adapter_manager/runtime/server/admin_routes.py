@@ -73,8 +73,8 @@ def admin_router(state: ServerState) -> APIRouter:
     @router.get("/v1/adapters")
     def list_adapters() -> dict:
         residency = manager.residency()
-        data = [adapter_info(manager, r, residency.get(r.adapter_id)) for r in manager.registry.list()]
-        data += [unrestored_info(u) for u in manager.registry.unrestored()]
+        data = [adapter_info(manager, r, residency.get(r.adapter_id)) for r in manager.records()]
+        data += [unrestored_info(u) for u in manager.unrestored()]
         return {"object": "list", "data": sorted(data, key=lambda a: a["id"])}
 
     @router.post("/v1/adapters/{adapter_id:path}/pin", dependencies=admin)
@@ -94,7 +94,7 @@ def admin_router(state: ServerState) -> APIRouter:
             return unrestored_info(unrestored)
         record = _record(manager, adapter_id)
         info = adapter_info(manager, record)
-        moves = manager.swap_metrics.moves(adapter_id)
+        moves = manager.moves(adapter_id)
         info["moves"] = [{"move": m.move.value, "seconds": m.seconds, "bytes": m.nbytes, "at": m.at} for m in moves]
         return info
 
@@ -107,7 +107,7 @@ def admin_router(state: ServerState) -> APIRouter:
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
         try:
             state.check_ref(body.lora_path)  # before an in-place load drops the adapter it replaces
-            if body.load_inplace and body.lora_name in manager.registry:
+            if body.load_inplace and manager.is_registered(body.lora_name):
                 await off_loop(manager.unregister, body.lora_name)
             await register(body.lora_path, None, body.lora_name, False, False)
         except Exception as err:  # noqa: BLE001
@@ -126,7 +126,7 @@ def adapter_info(manager: AdapterManager, record: AdapterRecord, residency: Adap
     """One adapter as the admin API shows it: source, revision, size, and where it lives now."""
     if residency is None:
         residency = manager.residency().get(record.adapter_id)
-    state = next((s for s in manager.allocator.states() if s.adapter_id == record.adapter_id), None)
+    state = next((s for s in manager.slot_states() if s.adapter_id == record.adapter_id), None)
     return {
         "id": record.adapter_id,
         "object": "adapter",
@@ -173,7 +173,7 @@ def unrestored_info(unrestored: UnrestoredAdapter) -> dict:
 
 
 def _unrestored(manager: AdapterManager, adapter_id: str) -> UnrestoredAdapter | None:
-    return next((u for u in manager.registry.unrestored() if u.registration.adapter_id == adapter_id), None)
+    return next((u for u in manager.unrestored() if u.registration.adapter_id == adapter_id), None)
 
 
 def _known(manager: AdapterManager, adapter_id: str) -> str:
@@ -184,6 +184,6 @@ def _known(manager: AdapterManager, adapter_id: str) -> str:
 
 def _record(manager: AdapterManager, adapter_id: str) -> AdapterRecord:
     try:
-        return manager.registry.get(check_adapter_id(adapter_id))
+        return manager.record(check_adapter_id(adapter_id))
     except Exception as err:  # noqa: BLE001
         raise to_api_error(err) from err

@@ -81,7 +81,7 @@ def create_app(engine: Engine, manager: AdapterManager, tokenizer: Tokenizer, co
         return {
             "status": "ok",
             "model": config.model_name,
-            "adapters": len(manager.registry),
+            "adapters": len(manager.records()),
             "slots": manager.num_slots,
             "in_flight": state.generator.pending,
         }

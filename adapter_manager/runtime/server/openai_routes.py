@@ -54,7 +54,7 @@ def openai_router(state: ServerState) -> APIRouter:
         created = int(state.started_at)
         data = [{"id": state.config.model_name, "object": "model", "created": created, "owned_by": "adapter-manager"}]
         residency = state.manager.residency()
-        for record in state.manager.registry.list():
+        for record in state.manager.records():
             where = residency.get(record.adapter_id)
             data.append(
                 {

@@ -68,7 +68,7 @@ class ServerState:
         """`model` -> adapter id (None = the base model); raises APIError 404 when neither."""
         if model == self.config.model_name:
             return None
-        if model in self.manager.registry:
+        if self.manager.is_registered(model):
             return model
         raise APIError(
             404, f"model {model!r} is neither the base model nor a registered adapter", "model", "model_not_found"

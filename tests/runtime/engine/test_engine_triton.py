@@ -49,7 +49,7 @@ def test_engine_on_the_triton_backend_matches_peft(written, expected):
 def test_where_decode_graphs_cannot_be_captured_the_engine_decodes_eagerly_and_says_why(written, expected, monkeypatch):
     """The engine's first contact with graph capture fails (here: a CPU model, as a GPU that refuses to capture
     would): one warning naming why, decode_mode "eager", and the same answers."""
-    import adapter_manager.runtime.engine.engine as engine_module
+    import adapter_manager.runtime.engine.step_runner as engine_module
 
     monkeypatch.setattr(engine_module, "can_capture", lambda meta: True)  # as on a cuda device with triton
 

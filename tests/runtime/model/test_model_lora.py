@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from adapter_manager import ModuleKey
-from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, executor, select_backend
 from adapter_manager.kernels.cpu import backend as cpu_backend
-from adapter_manager.kernels import executor
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.llama import Llama
 from adapter_manager.runtime.model.projection import LoRALinear

@@ -8,10 +8,9 @@
 // Shrink and expand are both bandwidth-bound at decode's few tokens per adapter: each A row is read once per run
 // and dotted with the run's tokens (8 rows at a time, so x is read once per 8 rows); each Bt row chunk (1024
 // columns, 4 rows at a time) is read once per token and accumulated in fp32 before one add into y. h (the rank-space
-// activations) never leaves the call. Block sizes measured on the bench model's decode (8 adapters, T = 8): 1024
-// columns × 8 rows reached the read pass's bandwidth (44 vs 35-39 GB/s for 512 × 4 or 256 × 4); other forms of
-// these loops measured no faster (docs/cpu.md). The linears that hold their base matmul too call these loops after
-// it (lora_onednn.cpp, lora_blocked.cpp at decode); lora_linear.cpp interleaves its own with the matmul.
+// activations) never leaves the call. The block sizes and the forms measured against these loops: docs/cpu.md. The
+// linears that hold their base matmul too call these loops after it (lora_onednn.cpp, lora_blocked.cpp at decode);
+// lora_linear.cpp interleaves its own with the matmul.
 // One OpenMP region per call (dynamic schedule over (run, part, block) items; its barrier orders shrink before
 // expand); a call with at most two items runs on one thread.
 #include <ATen/ATen.h>

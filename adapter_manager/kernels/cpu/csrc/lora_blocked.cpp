@@ -3,28 +3,11 @@
 //   wb [NB, K, 32]: wb[b, k, c] = W[32·b + c, k] (zero past N);  y = x @ W.T  (y [T, N]), plus for every run and
 //   every part p of every group y[t, off_p : off_p + out_p] += (x[t] @ A_p[first : first + rank].T) @ Bt_p[...].
 //
-// A block's 32 columns are one contiguous stream of K × 128 bytes: per k, two vectors of W times each token's x[t, k]
-// broadcast (8 tokens: 16 FMAs per two loads, no horizontal sums), so a thread streams its blocks in order near the
-// read pass's rate, W prefetched non-temporally a few rows ahead (oneDNN's packed linear takes ~1.25x as long for the
-// decode step's matmuls here, measured side by side: scripts/bench_layout.py). x is packed once per call as [K][TT]
-// tiles of TT tokens (16 × 16 register transposes), so the broadcasts read one line per k. Prefill's many tokens take
-// the same loop in tiles of 12 (24 accumulators): every tile of x passes over a block while it sits in L2 (the other
-// loop orders measured at 1024 tokens were slower: docs/cpu.md). Past 8 MB of packed x (kPanelBytes: 2048 tokens of
-// the down projection's 2816 features are 23 MB, more than L3 holds beside the rest) the tiles pass in panels of that
-// size, each over all of a thread's blocks: x then comes from L3, not memory, at every block (the down projection at
-// 2048 tokens 42–47 -> 28–31 ms; W is read once more per panel).
-//
-// The LoRA of decode's few tokens (and of any run of fewer than kFuseMin tokens) follows the matmul: lora_apply's
-// loops (lora_apply.cpp), as lora_onednn's does. No variant that moved it into or beside the block loop (the expand
-// laned per block, the rows prefetched during the matmul, the LoRA in the GEMM's parallel region, fused shrink and
-// expand tiles) measured better for both one and eight adapters on the bench model's decode step (docs/cpu.md): one
-// adapter's rows come cold from memory in short runs whatever the loop, and reading them alone costs 1.7-2.4x their
-// byte floor in the pool's layout. A work queue after the GEMM without a barrier would be wrong: an expand adds onto
-// columns the other thread's GEMM may not have written yet.
-// A prefill's runs of kFuseMin or more tokens take their LoRA inside the GEMM instead (FusedLoRA below): the shrink
-// is the GEMM's own kernel with the run's A rows as columns, the expand rank more steps of each block's k loop, so
-// neither re-reads y nor runs at less than the GEMM's FLOP rate (after lora_apply's loops, a prefill's LoRA cost 2-4x
-// as much per projection of the bench model; the torch forms' matmuls per run, 4-8x).
+// Each block's 32 columns are one contiguous stream of W, read against tiles of x packed once per call (8 tokens at
+// decode, 12 at prefill, in panels of kPanelBytes past that size). Decode's LoRA (runs under kFuseMin tokens) follows
+// the whole matmul as lora_apply's loops (an expand adds onto columns another thread's GEMM may not have written yet,
+// so no work queue without a barrier); a prefill's long runs take their LoRA inside the GEMM (FusedLoRA below). The
+// layout, the loop orders and the measurements behind them: docs/cpu.md.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -134,8 +117,7 @@ inline void columns16(const float* const* rows, int64_t k0, v16* r) {
   transpose16(r);
 }
 
-// x rows [t0, t0 + tb) as [K][width] (zero past tb; width <= 16): 16 k at a time, transposed in registers (scalar
-// stores, or rows read one by one, were 5x slower at prefill's 1024 tokens).
+// x rows [t0, t0 + tb) as [K][width] (zero past tb; width <= 16): 16 k at a time, transposed in registers.
 void pack_tile(const float* xp, int64_t xs, int64_t K, int64_t t0, int64_t tb, int64_t width, float* out) {
   const float* rows[16];
   for (int64_t t = 0; t < 16; ++t) rows[t] = t < tb ? xp + (t0 + t) * xs : nullptr;
@@ -352,10 +334,9 @@ void gemm(const at::Tensor& x, const float* wp, int64_t N, float* yp, at::Tensor
   }
 }
 
-// An output past glibc's largest mmap threshold (32 MB: a prefill step's gate|up at 2048 tokens is 46 MB) is a fresh
-// mapping at every call, and its first touch took one page fault per 4 KB (11,265 per call, ~14 of a ~60 ms
-// projection); asked for transparent huge pages before the GEMM writes it, it faults once per 2 MB. Where THP is
-// off ("never") the advice is ignored.
+// An output past glibc's largest mmap threshold (32 MB) is a fresh mapping at every call, first touched one 4 KB page
+// fault at a time; advised into transparent huge pages before the GEMM writes it, it faults once per 2 MB. Where THP
+// is off ("never") the advice is ignored. Measured: docs/cpu.md.
 constexpr size_t kHugeMin = size_t{32} << 20;
 constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
 

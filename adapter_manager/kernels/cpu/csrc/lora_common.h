@@ -87,7 +87,7 @@ inline void pair_dots(const float* const* xr, const float* w0, const float* w1, 
     for (int t = 0; t < 8; ++t) out[t] += w0[k] * xr[t][k], out[8 + t] += w1[k] * xr[t][k];
 }
 #else
-// Without AVX-512 the 16 accumulators of 16 floats above are 32 of the 16 vector registers (they spill, ~4× slower):
+// Without AVX-512 the 16 accumulators of 16 floats above are 32 of the 16 vector registers (they spill):
 // one row at a time, 8 token accumulators of 8 floats (one 256-bit register each).
 
 inline void pair_dots(const float* const* xr, const float* w0, const float* w1, int64_t K, const float* ahead0,

@@ -17,7 +17,7 @@ using adapter_manager_cpu::Run;
 // A decode linear on a oneDNN-packed weight with its LoRA, in one call from Python: oneDNN's linear (the op
 // packed_linear calls, reached through the dispatcher: the wheel ships no oneDNN headers) writes y, then each group's
 // lora_apply adds onto its columns. The same work as packed_linear + one lora_apply per group, without a Python layer
-// and a dispatch per group (~4 µs per linear, measured).
+// and a dispatch per group (docs/cpu.md).
 at::Tensor lora_onednn(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
                        at::IntArrayRef offsets, const at::Tensor& runs) {
   static const auto linear =

@@ -1,0 +1,55 @@
+"""What an adapter must be to be accepted: a valid PEFT config for the served base model, from an allowed place.
+
+The weights themselves are checked where they are read (`tiers.prepare`): shapes and dtypes at registration and
+restore, every value finite at preparation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..base_model import BaseModelSpec, ModuleKey
+from ..errors import BaseModelMismatchError, InvalidAdapterRefError
+from ..sources.hub import AdapterFiles, AdapterRef
+from ..sources.peft_format import LoraAdapterConfig, ModuleLora
+from .records import RegistryConfig
+
+log = logging.getLogger(__name__)
+
+
+def read_config(
+    adapter_id: str, files: AdapterFiles, spec: BaseModelSpec, config: RegistryConfig
+) -> tuple[LoraAdapterConfig, tuple[str, ...], dict[ModuleKey, ModuleLora]]:
+    """The adapter's validated config, its base-model warnings and the modules it targets."""
+    adapter_config = LoraAdapterConfig.from_file(files.config_path, adapter_id)
+    warnings = check_base_model(adapter_id, adapter_config.base_model_name_or_path, spec, config)
+    return adapter_config, warnings, adapter_config.resolve(spec, adapter_id, config.max_rank)
+
+
+def check_base_model(adapter_id: str, base: str | None, spec: BaseModelSpec, config: RegistryConfig) -> tuple[str, ...]:
+    """The warning for an adapter trained on another base model than `spec` (none if the same or unknown); with
+    `base_model_mismatch="refuse"`, `BaseModelMismatchError` instead."""
+    served = spec.identities
+    if not base or not served or any(_same_model(base, name) for name in served):
+        return ()
+    compared = ", ".join(repr(name) for name in served)
+    message = f"trained on base model {base!r}, serving {spec.name or served[0]!r} (compared with {compared})"
+    if config.base_model_mismatch == "refuse":
+        raise BaseModelMismatchError(adapter_id, message)
+    log.warning("adapter %r: %s", adapter_id, message)
+    return (message,)
+
+
+def check_local_root(ref: AdapterRef, raw: str, roots: tuple[Path, ...] | None) -> None:
+    """Refuse a local ref outside every allowed root (`InvalidAdapterRefError` naming `raw`); no roots: any."""
+    if ref.path is None or roots is None:
+        return
+    if not any(ref.path.is_relative_to(Path(root).resolve()) for root in roots):
+        raise InvalidAdapterRefError(raw, f"local path {ref.path} is outside the allowed roots {list(roots)}")
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Same base model: equal names, or equal last path component (a hub id vs a local copy of it)."""
+    a, b = a.rstrip("/"), b.rstrip("/")
+    return a == b or a.rsplit("/", 1)[-1].lower() == b.rsplit("/", 1)[-1].lower()
