@@ -1,19 +1,24 @@
 """The demo: a random bench-size Llama and synthetic PEFT adapters served by the local hub, registered by hub id
 through the running server's admin API (huggingface_hub downloads underneath), then Zipf traffic from concurrent
-clients through the OpenAI-compatible API, and a table of what it cost: throughput, hit rates, swap latency."""
+clients through the OpenAI-compatible API, and a table of what it cost: throughput, hit rates, swap latency.
+
+Each long step is said as it starts; where it has a count, a progress bar (on stderr, where it is a terminal) counts
+it and is gone once done."""
 
 from __future__ import annotations
 
 import random
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 from huggingface_hub.utils import disable_progress_bars
+from tqdm import tqdm
 
 from adapter_manager import PROJECTIONS, HubConfig, write_synthetic_adapter
 from adapter_manager.sources.local_hub import LocalHub
@@ -21,11 +26,13 @@ from adapter_manager.sources.local_hub import LocalHub
 from .client import ServerClient, ServerError
 from .model.checkpoint import write_random_checkpoint
 from .model.config import LlamaConfig
+from .model.tokenizer import write_byte_level_tokenizer
 from .options import ServeOptions
 from .server.app import BackgroundServer
 from .server.launch import build_serving
 
 _MB = 1e6
+_T = TypeVar("_T")
 _RANKS = (8, 16, 32, 64)
 _TARGETS = (PROJECTIONS, ("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj"))
 _TOPICS = ("tea", "rain", "maps", "owls", "jazz", "salt", "ice", "kites", "moss", "tides", "bells", "ferns")
@@ -63,14 +70,17 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
         root = Path(workdir or tmp)
         llama = getattr(LlamaConfig, config.model)()
         name = f"random-llama-{config.model}"
+        print(f"writing {name}: random weights and a tokenizer of its own...", flush=True)
         write_random_checkpoint(llama, root / "model", seed=config.seed)
+        write_byte_level_tokenizer(root / "model", llama)
         spec = llama.to_spec(name)
         print(
             f"base model {name}: hidden {llama.hidden_size}, {llama.num_layers} layers, vocab {llama.vocab_size} "
             f"(random weights, written in {time.perf_counter() - start:.1f}s)"
         )
         ids = [f"demo/adapter-{i:02d}" for i in range(config.adapters)]
-        for i, adapter_id in enumerate(ids):
+        print(f"writing {config.adapters} synthetic PEFT adapters (ranks {', '.join(map(str, _RANKS))})...", flush=True)
+        for i, adapter_id in enumerate(_bar(ids, "adapters written")):
             r = _RANKS[i % len(_RANKS)]
             write_synthetic_adapter(
                 root / "hub" / adapter_id, spec, r=r, lora_alpha=2 * r, target_modules=_TARGETS[i % 4], seed=i
@@ -87,6 +97,7 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
         ).configs(root / "model")
         with LocalHub(root / "hub") as hub:
             configs.manager.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)
+            print(f"loading {name} and starting the server...", flush=True)
             serving = build_serving(root / "model", configs.manager, configs.engine, configs.server, configs.dtype)
             try:
                 model = serving.engine.model
@@ -107,7 +118,7 @@ def _drive(config: DemoConfig, url: str, ids: list[str]) -> int:
     client = ServerClient(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
-        registered = list(pool.map(client.register, ids))
+        registered = list(_bar(pool.map(client.register, ids), "adapters registered", total=len(ids)))
     downloaded = sum(a["bytes"] for a in registered)
     print(
         f"registered {len(registered)} adapters by hub id through POST /v1/adapters in "
@@ -133,17 +144,28 @@ def _drive(config: DemoConfig, url: str, ids: list[str]) -> int:
         latencies.append(time.perf_counter() - begin)
         generated += answer["usage"]["completion_tokens"]
 
-    print(f"sending {config.requests} requests, Zipf({config.zipf_alpha}) over {len(ids)} adapters, "
-          f"{config.clients} concurrent clients, {config.slots} slots, max_tokens {config.max_tokens} ...")  # fmt: skip
+    print(
+        f"sending {config.requests} requests, Zipf({config.zipf_alpha}) over {len(ids)} adapters, "
+        f"{config.clients} concurrent clients, {config.slots} slots, max_tokens {config.max_tokens} ...",
+        flush=True,
+    )
     start = time.perf_counter()
     with ThreadPoolExecutor(config.clients) as pool:
-        list(pool.map(one, range(config.requests)))
+        sent = [pool.submit(one, i) for i in range(config.requests)]
+        for done in _bar(as_completed(sent), "requests answered", total=len(sent)):
+            done.result()
     wall = time.perf_counter() - start
     snapshot = client.swaps()
     _print_table(config, snapshot, wall, latencies, generated, len(set(picks)))
     for failure in failures[:5]:
         print(f"failed: {failure}")
     return 0 if not failures else 1
+
+
+def _bar(items: Iterable[_T], what: str, total: int | None = None) -> Iterator[_T]:
+    """``items``, counted by a progress bar on stderr where it is a terminal (none in a pipe or a log), gone once
+    done."""
+    return iter(tqdm(items, desc=what, total=total, unit="", leave=False, disable=None))
 
 
 def _print_table(config: DemoConfig, snapshot: dict, wall: float, latencies: list[float], tokens: int, used: int):

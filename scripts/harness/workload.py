@@ -143,7 +143,8 @@ def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: in
         engine.submit(torch.randint(0, work.config.vocab_size, (context,), generator=gen).tolist(), adapter, params)
     while any(r.in_prefill for r in engine._running) or engine._waiting:  # noqa: SLF001 - bench: reach decode
         engine.step()
-    run_model, forward = engine._run_model, []  # noqa: SLF001 - bench: the forward's share of each step
+    runner = engine._runner  # noqa: SLF001 - bench: the forward's share of each step
+    run_model, forward = runner.run, []
 
     def timed(batch, slot_rows):  # noqa: ANN001, ANN202
         start = time.perf_counter()
@@ -151,7 +152,7 @@ def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: in
         forward.append(time.perf_counter() - start)
         return logits
 
-    engine._run_model = timed  # noqa: SLF001
+    runner.run = timed
     times, forwards = [], []
     for _ in range(steps):
         forward.clear()
@@ -159,7 +160,7 @@ def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: in
         engine.step()
         times.append(time.perf_counter() - start)
         forwards.append(sum(forward))
-    engine._run_model = run_model  # noqa: SLF001
+    runner.run = run_model
     while engine.has_work:
         engine.step()
     return {

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from huggingface_hub import snapshot_download
@@ -189,10 +190,51 @@ def test_demo_small_run_prints_its_table(tmp_path):
         "--workdir", str(tmp_path), timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stderr, done.stderr  # the random model has a tokenizer: no byte-level fallback
     out = done.stdout
     assert "registered 6 adapters by hub id" in out and "40 ok, 0 failed" in out
     for row in ("throughput", "slot tier", "host tier", "stall", "hub_to_disk", "host_to_slot"):
         assert row in out, row
+
+
+def test_a_random_model_is_served_with_a_tokenizer_of_its_own(tmp_path):
+    from adapter_manager.runtime.cli import _parser
+    from adapter_manager.runtime.cli_serve import model_folder
+    from adapter_manager.runtime.model.tokenizer import HFTokenizer, load_tokenizer
+
+    args = _parser().parse_args(["serve", "--random", "tiny"])
+    folder, name = model_folder(args, tmp_path, resolve=Path)
+    assert name == "random-tiny" and (folder / "config.json").is_file()
+    tokenizer = load_tokenizer(folder, vocab_size=512)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.decode(tokenizer.encode("a\x01b")) == "a\x01b"
+
+
+def test_serve_and_demo_say_the_librarys_long_steps_as_they_start(tmp_path, monkeypatch, capsys):
+    """The kernels say a long step (compiling them, measuring the weight layouts) on the logger that `serve`,
+    `cluster serve` and `demo` show: one bare line on stderr."""
+    import logging
+
+    import torch
+
+    from adapter_manager.kernels.cpu import layout_choice
+    from adapter_manager.runtime import cli
+
+    progress = logging.getLogger(cli.PROGRESS_LOGGER)
+    saved = (progress.handlers[:], progress.level, progress.propagate)
+    progress.handlers.clear()
+    monkeypatch.setattr(layout_choice, "_path", lambda: tmp_path / "weight_layouts.json")  # nothing cached: measure
+    monkeypatch.delenv("ADAPTER_MANAGER_WEIGHT_LAYOUT", raising=False)
+    try:
+        cli._show_progress()
+        cli._show_progress()  # one handler, however often main runs in a process
+        capsys.readouterr()
+        layout_choice.choose_layout(torch.float32, [(64, 64, 1)])
+        err = capsys.readouterr().err
+    finally:
+        progress.handlers[:] = saved[0]
+        progress.setLevel(saved[1])
+        progress.propagate = saved[2]
+    assert re.fullmatch(r"measuring the CPU weight layouts \(.*plain; once per machine and model shape\)\.\.\.\n", err)
 
 
 def test_serve_sizes_the_engine_from_the_command_line(tmp_path):

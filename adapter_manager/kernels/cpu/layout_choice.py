@@ -8,7 +8,8 @@ layout ``DROP_BEHIND`` times the best decode chain after two rounds is dropped: 
 weights are held once, so one layout serves both phases: the fastest decode chain wins (decode is where serving
 spends; prefill's times are kept beside it and logged). The choice is cached in the kernel cache
 (``weight_layouts.json`` beside the compiled library), keyed by the CPU (model name and ISA flags), torch, the
-library's build, the thread count, the dtype and the shapes; a later start reads it in microseconds. What was
+library's build, the thread count, the dtype and the shapes; a later start reads it in microseconds. A measurement
+is announced as it starts on the ``adapter_manager.progress`` logger (INFO; the command line shows it); what was
 chosen and why (the times) is logged once per process per key. ``ADAPTER_MANAGER_WEIGHT_LAYOUT`` = ``blocked`` /
 ``onednn`` / ``plain`` forces one (where it applies to the dtype); ``auto`` (the default) measures.
 
@@ -38,6 +39,7 @@ from adapter_manager.kernels.cpu.weights import LAYOUT_ENV, LinearWeight, forced
 from adapter_manager.kernels.protocol import WeightLayout
 
 _log = logging.getLogger(__name__)
+_progress = logging.getLogger("adapter_manager.progress")  # long steps, said as they start; the CLI shows them
 
 CACHE_FILE = "weight_layouts.json"
 DECODE_TOKENS = 8  # rows of the measured decode matmul (the engine's default batch decodes about this many)
@@ -98,6 +100,8 @@ def choose_layout(dtype: torch.dtype, shapes: Sequence[Shape]) -> LayoutChoice:
     with _lock:
         choice = _read_cached(key, options)
         if choice is None:
+            names = ", ".join(layout.value for layout in options)
+            _progress.info("measuring the CPU weight layouts (%s; once per machine and model shape)...", names)
             start = time.perf_counter()
             choice = _measure(dtype, shapes, options)
             _write_cached(key, choice)

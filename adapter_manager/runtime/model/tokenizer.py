@@ -1,25 +1,30 @@
 """Text <-> token ids: the checkpoint's ``tokenizer.json`` through `tokenizers`, or a byte-level fallback.
 
 Both also give one token as logprobs show it: its text decoded alone (a special token's name, as vLLM's logprobs
-show it) and its exact UTF-8 bytes (OpenAI's ``bytes``: a byte token's one byte, where its text alone is U+FFFD)."""
+show it) and its exact UTF-8 bytes (OpenAI's ``bytes``: a byte token's one byte, where its text alone is U+FFFD).
+A random-weight model gets a ``tokenizer.json`` of its own from :func:`write_byte_level_tokenizer`."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from .checkpoint import CONFIG_FILE, GENERATION_CONFIG_FILE
-from .config import eos_ids
+from .config import LlamaConfig, eos_ids
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _BYTES = 256
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback vocabulary's byte tokens
+_FREQUENT = b" etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ0123456789.,'-:;!?()\"\n"  # merged first
 
 
 class Tokenizer(Protocol):
@@ -103,7 +108,7 @@ class HFTokenizer:
         special = _special_tokens(folder)
         self.bos_id = self._id(special.get("bos_token"))
         self.eos_id = self._id(special.get("eos_token"))
-        flags = dict(_fields(folder, ("tokenizer_config.json",), ("add_bos_token", "add_eos_token")))
+        flags = dict(_fields(folder, (TOKENIZER_CONFIG_FILE,), ("add_bos_token", "add_eos_token")))
         self._add_bos: bool | None = flags.get("add_bos_token")
         self._add_eos: bool = bool(flags.get("add_eos_token", False))
 
@@ -203,10 +208,74 @@ def load_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def write_byte_level_tokenizer(folder: str | Path, config: LlamaConfig) -> Path:
+    """Write a byte-level BPE ``tokenizer.json`` of exactly ``config.vocab_size`` ids, and its tokenizer_config.json,
+    into ``folder`` (a random-weight checkpoint's): any text round-trips, as with a real model's tokenizer.
+
+    The config's BOS id is ``<s>`` (added to every text), its first EOS id ``</s>``; the other ids are GPT-2's 256
+    byte symbols, then merges of two symbols (frequent English letters and the space first, then longer merges where
+    the vocabulary is larger). Built, not trained: deterministic, in milliseconds. Returns ``folder``."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as FastTokenizer
+
+    names = {} if config.bos_token_id is None else {config.bos_token_id: "<s>"}
+    for k, eos in enumerate(config.eos_token_ids):
+        names.setdefault(eos, "</s>" if k == 0 else f"<|end_{k}|>")
+    outside = sorted(i for i in names if not 0 <= i < config.vocab_size)
+    if outside or config.vocab_size < _BYTES + len(names):
+        raise ValueError(
+            f"a byte-level tokenizer needs vocab_size ({config.vocab_size}) >= {_BYTES} bytes + {len(names)} special "
+            f"ids, and the special ids inside it (outside: {outside})"
+        )
+    symbols = {b: c for c, b in _gpt2_alphabet().items()}
+    ranked = [symbols[b] for b in dict.fromkeys([*_FREQUENT, *range(_BYTES)])]
+    unnamed = (merge for merge in _merges(ranked) if "".join(merge) not in names.values())
+    merges = list(itertools.islice(unnamed, config.vocab_size - _BYTES - len(names)))
+    pieces = [*(symbols[b] for b in range(_BYTES)), *(a + b for a, b in merges)]
+    free = [i for i in range(config.vocab_size) if i not in names]
+    vocab = {name: i for i, name in names.items()} | dict(zip(pieces, free, strict=True))
+    tokenizer = FastTokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names.values()])
+    if config.bos_token_id is not None:
+        bos = [("<s>", config.bos_token_id)]
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=bos)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / TOKENIZER_FILE))
+    saved = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": names.get(config.bos_token_id),
+        "eos_token": names[config.eos_token_ids[0]] if config.eos_token_ids else None,
+        "add_bos_token": config.bos_token_id is not None,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config.max_position_embeddings,
+    }
+    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(saved, indent=2) + "\n")
+    return folder
+
+
+def _merges(ranked: list[str]) -> Iterator[tuple[str, str]]:
+    """Merges over the symbols ``ranked`` by frequency: every pair, the pairs of frequent symbols first (by the sum
+    of their ranks), then each pair's piece with one more symbol."""
+    n = len(ranked)
+
+    def pairs() -> Iterator[tuple[str, str]]:
+        for total in range(2 * n - 1):
+            for i in range(max(0, total - n + 1), min(total, n - 1) + 1):
+                yield ranked[i], ranked[total - i]
+
+    yield from pairs()
+    for (a, b), c in itertools.product(pairs(), ranked):
+        yield a + b, c
+
+
 def _special_tokens(folder: Path) -> dict[str, str]:
     """bos_token / eos_token strings from tokenizer_config.json or special_tokens_map.json (either may be absent)."""
     found: dict[str, str] = {}
-    for key, value in _fields(folder, ("special_tokens_map.json", "tokenizer_config.json"), ("bos_token", "eos_token")):
+    for key, value in _fields(folder, ("special_tokens_map.json", TOKENIZER_CONFIG_FILE), ("bos_token", "eos_token")):
         content = value.get("content") if isinstance(value, dict) else value
         if isinstance(content, str):
             found[key] = content

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from adapter_manager.runtime.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from adapter_manager.runtime.model.config import LlamaConfig
+from adapter_manager.runtime.model.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    write_byte_level_tokenizer,
+)
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -165,3 +172,39 @@ def test_the_byte_fallback_says_at_load_which_bytes_cannot_round_trip(tmp_path: 
     with caplog.at_level(logging.WARNING, logger="adapter_manager.runtime.model.tokenizer"):
         load_tokenizer(tmp_path, vocab_size=300)
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("size", ["tiny", "bench"])
+def test_a_random_models_tokenizer_round_trips_text_over_exactly_its_vocabulary(tmp_path: Path, size: str) -> None:
+    """The demo's and `serve --random`'s model carries a byte-level BPE of its own: every id below vocab_size is a
+    piece, its BOS / EOS ids are <s> / </s>, any text round-trips, and transformers reads it the same way."""
+    config = getattr(LlamaConfig, size)()
+    start = time.perf_counter()
+    write_byte_level_tokenizer(tmp_path / "a", config)
+    assert time.perf_counter() - start < 1.0
+    write_byte_level_tokenizer(tmp_path / "b", config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    tok = load_tokenizer(tmp_path / "a", config.vocab_size)
+    assert isinstance(tok, HFTokenizer) and (tok.bos_id, tok.eos_id) == (1, 2)
+    saved = tokenizers.Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json"))
+    assert saved.get_vocab_size() == config.vocab_size == len(set(saved.get_vocab().values()))
+    text = "Request 7: a short note on tea.\n\théllo ✓ \x01\x02"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and 2 not in ids and max(ids) < config.vocab_size and len(ids) < len(text.encode())
+    assert tok.decode([*ids, 2]) == text  # bytes 0x01 / 0x02 are no specials here
+    assert b"".join(tok.token_bytes(i) for i in ids[1:]) == text.encode()
+    assert tok.token_text(1) == "<s>" and tok.token_text(2) == "</s>"
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert theirs(text)["input_ids"] == ids and len(theirs) == config.vocab_size
+    assert theirs.decode(ids, skip_special_tokens=True) == text
+
+
+def test_a_random_models_tokenizer_needs_room_for_the_bytes(tmp_path: Path) -> None:
+    small = LlamaConfig(vocab_size=64)
+    with pytest.raises(ValueError, match=r"vocab_size \(64\) >= 256 bytes \+ 2 special ids"):
+        write_byte_level_tokenizer(tmp_path, small)
+    outside = LlamaConfig(vocab_size=512, eos_token_ids=(600,))
+    with pytest.raises(ValueError, match=r"outside: \[600\]"):
+        write_byte_level_tokenizer(tmp_path, outside)
