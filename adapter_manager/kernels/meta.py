@@ -86,7 +86,7 @@ class LoRAKernelMeta:
     step_tables: object | None = field(init=False, default=None)
     """Eager FUSED form only: the backend's own per-step device tables (the triton backend's token or runs table),
     built by the backend on first use from ``runs``; every prepare resets it. A captured step sets it to tables in
-    static buffers (:mod:`runtime.model.cuda_graphs`)."""
+    static buffers (:mod:`runtime.engine.cuda_graphs`)."""
     lane_onehot: torch.Tensor | None = field(init=False, default=None)
     """Eager laned form only. Shape: [T, k, 1] bool, True where the token's compact id is c."""
     form: LoRAForm | None = field(init=False, default=None)

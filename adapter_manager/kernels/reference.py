@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from adapter_manager.kernels.config import LoRAForm
-from adapter_manager.kernels.executor import LinearExecutor
+from adapter_manager.kernels.eager_base import EagerBase
 from adapter_manager.kernels.meta import LoRAKernelMeta
-from adapter_manager.kernels.ops import compose_parts
-from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups
 
 
-class ReferenceBackend:
+class ReferenceBackend(EagerBase):
     """Per-token Python loops in float32 over each token's pool rows; results are cast back to the inputs' dtype."""
-
-    traced = False
-    laned_output = False
-    executor_type = LinearExecutor
-    runs_every_step = False
 
     def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
         return LoRAForm.SINGLE if active_slots == 1 else LoRAForm.SEGMENTS  # the loops read only the rows below
@@ -30,23 +21,6 @@ class ReferenceBackend:
         assert meta.token_slots is not None
         adapters = {a.slot: a for a in meta.active_adapters}
         return [adapters[s].rows if s >= 0 else None for s in meta.token_slots.tolist()]
-
-    def apply_parts(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        a_parts: torch.Tensor,
-        bt_parts: Sequence[torch.Tensor],
-        meta: LoRAKernelMeta,
-    ) -> torch.Tensor:
-        """Semantics: :func:`kernels.ops.apply_parts`: ``shrink_parts``, then one ``expand`` per part."""
-        return compose_parts(y, x, a_parts, bt_parts, meta)
-
-    def fused_linear(
-        self, x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
-    ) -> torch.Tensor | None:
-        """No one-call form: the executor runs the base matmul, then the step's form."""
-        return None
 
     def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::

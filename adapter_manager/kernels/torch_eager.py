@@ -18,26 +18,17 @@ one matmul per run (a bmm over the parts) or per gathered table for all P, never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.dispatch_table import TorchDispatchTable
-from adapter_manager.kernels.executor import LinearExecutor
+from adapter_manager.kernels.eager_base import EagerBase
 from adapter_manager.kernels.grouping import Segment
 from adapter_manager.kernels.meta import LoRAKernelMeta
-from adapter_manager.kernels.ops import compose_parts
-from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups
 
 
-class TorchEagerBackend:
+class TorchEagerBackend(EagerBase):
     """h is ``[T, R]`` in token order; expand accumulates into ``y`` in place."""
-
-    traced = False
-    laned_output = False
-    executor_type = LinearExecutor
-    runs_every_step = False
 
     def __init__(self, table: TorchDispatchTable, max_segment_runs: int = 16, form: LoRAForm = LoRAForm.AUTO) -> None:
         """``max_segment_runs``: AUTO uses segments while a step has ≤ max(this, 2 × active slots) runs (0: never).
@@ -60,23 +51,6 @@ class TorchEagerBackend:
         if self._table.prefers_laned(num_tokens, active_slots, rank):
             return LoRAForm.LANED
         return LoRAForm.GROUPED
-
-    def apply_parts(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        a_parts: torch.Tensor,
-        bt_parts: Sequence[torch.Tensor],
-        meta: LoRAKernelMeta,
-    ) -> torch.Tensor:
-        """Semantics: :func:`kernels.ops.apply_parts`: ``shrink_parts``, then one ``expand`` per part."""
-        return compose_parts(y, x, a_parts, bt_parts, meta)
-
-    def fused_linear(
-        self, x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
-    ) -> torch.Tensor | None:
-        """No one-call form: the executor runs the base matmul, then the step's form."""
-        return None
 
     def shrink(self, x: torch.Tensor, a_rows: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
         """Semantics::

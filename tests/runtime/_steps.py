@@ -6,7 +6,7 @@ prefill, then decode steps, mixed adapters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -51,14 +51,16 @@ def step(
     logits: str = "last",
     static: bool = False,
     slot_rows: Mapping[int, int] | None = None,
+    forward: Callable[[ForwardBatch, LoRAKernelMeta | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One forward over the chunks; prepares ``meta`` from the chunks' slots first."""
+    """One forward over the chunks (``forward``, default the model's own; e.g. captured decode steps'); prepares
+    ``meta`` from the chunks' slots first."""
     batch = ForwardBatch.from_chunks(chunks, device=model.device, logits=logits, static=static)  # type: ignore[arg-type]
     if meta is not None:
         assert batch.slot_indices is not None
         meta.prepare(batch.slot_indices, slot_rows or {})
     with torch.no_grad():
-        return model(batch, meta)
+        return (forward or model)(batch, meta)
 
 
 def prefill_logits(
@@ -110,15 +112,15 @@ def greedy(
 
 
 def decode_replays_vs_eager(model: Llama, registry: AdapterRegistry, pool: SlotPool, meta, rows, graphs) -> list[float]:
-    """Prefill ROWS eagerly, then decode steps each run twice, eagerly (``model.decode_graphs = None``) and through
-    ``graphs``: step 1 swaps "spare" into the slot of "patterns" (the pool written in place), step 2 has no adapter
-    at all. Returns each step's max |replayed - eager| logit (the eager run writes the step's keys, the replay
-    rewrites the same ones)."""
+    """Prefill ROWS through ``graphs`` (eager: not a decode step), then decode steps each run twice, eagerly (the
+    model's forward) and through ``graphs``: step 1 swaps "spare" into the slot of "patterns" (the pool written in
+    place), step 2 has no adapter at all. Returns each step's max |replayed - eager| logit (the eager run writes the
+    step's keys, the replay rewrites the same ones)."""
     prompts, adapters = [p for p, _ in ROWS], [a for _, a in ROWS]
     slots = slots_of(adapters, SLOTTED)
     chunks = [SequenceChunk(row, 0, tuple(p), s) for row, (p, s) in enumerate(zip(prompts, slots, strict=True))]
-    model.decode_graphs = graphs
-    next_ids = step(model, chunks, meta, slot_rows=rows).argmax(-1).tolist()  # prefill: not a decode step, eager
+    prefill = step(model, chunks, meta, slot_rows=rows, forward=graphs.forward)  # not a decode step: eager
+    next_ids = prefill.argmax(-1).tolist()
     assert graphs.captured == (), "a prefill step is never replayed"
     swapped, diffs = SLOTTED.index("patterns"), []
     for i in range(3):
@@ -131,10 +133,8 @@ def decode_replays_vs_eager(model: Llama, registry: AdapterRegistry, pool: SlotP
             SequenceChunk(row, len(p) + i, (next_ids[row],), s)
             for row, (p, s) in enumerate(zip(prompts, slots, strict=True))
         ]
-        model.decode_graphs = None
         eager = step(model, chunks, meta, slot_rows=rows)
-        model.decode_graphs = graphs
-        replayed = step(model, chunks, meta, slot_rows=rows)
+        replayed = step(model, chunks, meta, slot_rows=rows, forward=graphs.forward)
         assert replayed.shape == eager.shape == (len(ROWS), model.config.vocab_size)
         diffs.append((replayed.float() - eager.float()).abs().max().item())
         next_ids = eager.argmax(-1).tolist()

@@ -38,8 +38,6 @@ from adapter_manager.kernels.torch_eager import TorchEagerBackend
 class CpuFusedBackend(TorchEagerBackend):
     """:class:`TorchEagerBackend` whose steps of ≤ ``fused_max_tokens`` tokens take the FUSED form."""
 
-    fused = True
-    """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
     executor_type = CpuExecutor
     runs_every_step = True
     """Every step with an adapter carries the C++ kernels' runs table (:attr:`kernels.meta.LoRAKernelMeta.runs`)."""

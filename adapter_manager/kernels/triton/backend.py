@@ -69,9 +69,6 @@ def _unit(*tensors: torch.Tensor) -> bool:
 class TritonBackend(TorchEagerBackend):
     """:class:`TorchEagerBackend` whose steps with an adapter run the Triton kernels (FUSED form)."""
 
-    fused = True
-    """The backend applies a fused linear's LoRA in one call (:meth:`apply_parts`) on FUSED steps."""
-
     def __init__(self, table: TorchDispatchTable, blocks: TritonBlockTable, bgmv_max_tokens: int = 64) -> None:
         """``table``: the torch forms' table (fallback operands). ``blocks``: the kernels' block sizes.
         ``bgmv_max_tokens``: steps of at most this many tokens take BGMV (decode), longer ones SGMV."""

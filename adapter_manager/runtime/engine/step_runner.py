@@ -26,9 +26,9 @@ from adapter_manager import AdapterManager
 from adapter_manager.kernels import KernelBackend, LoRAKernelMeta
 
 from ..model.batch import ForwardBatch
-from ..model.cuda_graphs import can_capture, use_decode_graphs
 from ..model.llama import Llama
 from .config import EngineConfig
+from .cuda_graphs import can_capture, use_decode_graphs
 from .device import xla_sync
 from .scheduler import ScheduledChunk
 from .step_batch import step_batch, step_meta
@@ -44,14 +44,13 @@ class EagerRunner:
     def __init__(self, model: Llama, meta: LoRAKernelMeta, config: EngineConfig) -> None:
         self.model, self.meta, self.config = model, meta, config
         self.device_lock: AbstractContextManager = contextlib.nullcontext()
-        model.decode_graphs = None
-        if config.cuda_graphs and can_capture(meta):
-            use_decode_graphs(model, meta)
+        self.graphs = use_decode_graphs(model, meta) if config.cuda_graphs and can_capture(meta) else None
+        """The captured decode steps (cuda, triton backend), where their first contact held up; None: eager."""
 
     @property
     def decode_mode(self) -> str:
         """How decode steps run: ``"cuda_graphs"`` (replayed) or ``"eager"``."""
-        return "eager" if self.model.decode_graphs is None else "cuda_graphs"
+        return "eager" if self.graphs is None else "cuda_graphs"
 
     def table_shape(self, width: int) -> tuple[int | None, int | None]:
         """The step's block tables' (rows, width): the step's own (no padding)."""
@@ -69,7 +68,7 @@ class EagerRunner:
         assert batch.slot_indices is not None
         self.meta.prepare(batch.slot_indices, slot_rows)
         with torch.inference_mode():
-            return self.model(batch, self.meta)
+            return self.model(batch, self.meta) if self.graphs is None else self.graphs.forward(batch, self.meta)
 
     def warm_up(self, tables: torch.Tensor) -> int:
         """Nothing to compile ahead on an eager device: 0 graphs."""

@@ -29,7 +29,6 @@ from adapter_manager.kernels import (
 
 from .batch import ForwardBatch
 from .config import LlamaConfig
-from .cuda_graphs import DecodeGraphConfig, DecodeGraphs
 from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
 from .norm import RMSNorm
 from .projection import LoRALinear, pack_linears
@@ -171,9 +170,7 @@ class Llama(nn.Module):
         self.register_buffer("dense_tables", None, persistent=False)  # [max_batch + 1, MB], made by setup_caches
         self.max_batch = 0
         """The sequences of the dense tables (set by :meth:`setup_caches`); their row ``max_batch`` is the spare."""
-        self.decode_graphs: DecodeGraphs | None = None
         self.layout_choice = None  # how pack_weights chose the weights' layout (kernels.choose_weight_layout)
-        """Set by :meth:`enable_decode_graphs`: the decode steps :meth:`forward` replays from CUDA graphs."""
 
     @property
     def device(self) -> torch.device:
@@ -237,14 +234,6 @@ class Llama(nn.Module):
         self.rope_table = rope_table(config, max_seq_len, self.device)
         self.kernels = layer_kernels(self.device)
         self.kernels.decode_ops(self.rope_table, self.cpu_ops)  # builds the CPU library now (first use), not in a step
-
-    def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs:
-        """From now on, replay every decode-only step prepared with ``meta`` (the triton backend's, on cuda) of at
-        most the largest bucket's tokens from a CUDA graph (:mod:`runtime.model.cuda_graphs`); call it after
-        :meth:`setup_caches`. ``config`` None: buckets up to the most decode tokens a step can have.
-        ``decode_graphs = None`` turns it off."""
-        self.decode_graphs = DecodeGraphs(self, meta, config)
-        return self.decode_graphs
 
     @property
     def packed(self) -> bool:
@@ -343,10 +332,10 @@ class Llama(nn.Module):
 
         Shape: batch of T tokens; returns [N, vocab] in the model dtype (N = len(logits_index), or T).
         ``lora_meta`` must have been prepared for this step's T tokens; None (or a step with no adapter token, or
-        no stacks attached) runs exactly the base model. A decode step :attr:`decode_graphs` covers replays its CUDA
-        graph (same semantics, static attention over the whole cache row). Eager CPU steps with :attr:`cpu_ops` run
-        the norms, residual adds and SwiGLU's activation, and on decode-only steps RoPE, the cache write and
-        attention, through :mod:`kernels.cpu.decode_ops` (same semantics, fp32 accumulation).
+        no stacks attached) runs exactly the base model. Every block runs the device's decode glue
+        (:class:`kernels.DecodeOps`): norms with the residual adds and SwiGLU's activation, and on decode-only steps
+        where it is compiled (CPU, :attr:`cpu_ops`) RoPE, the cache write and attention in one call (same semantics,
+        fp32 accumulation); the torch forms elsewhere.
         """
         if self.rope_table is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
@@ -359,8 +348,6 @@ class Llama(nn.Module):
             raise ValueError(
                 f"lora_meta was prepared for {lora_meta.num_tokens} tokens, the batch has {batch.num_tokens}"
             )
-        if self.decode_graphs is not None and self.decode_graphs.covers(batch, lora_meta):
-            return self.decode_graphs.replay(batch, lora_meta)
         tables = batch.block_tables if batch.block_tables is not None else self.dense_tables
         if tables is None:
             raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")

@@ -2,7 +2,7 @@
 torch form (``KVCache.attend_static``: the blocks gathered, then SDPA): blocks of a row scattered and out of order,
 rows sharing a cached prefix's blocks, GQA groups of 1, 2 and 4 heads, block sizes that are and are not a power of
 two, a head size that is not, positions at block edges; fp32 and bf16. Compiled for a GPU it runs in
-tests/runtime/model/test_cuda.py through the model."""
+tests/runtime/engine/test_cuda_graphs_gpu.py through the model."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def test_where_decode_graphs_cannot_be_captured_the_engine_decodes_eagerly_and_s
     monkeypatch.setattr(engine_module, "can_capture", lambda meta: True)  # as on a cuda device with triton
 
     def eager(engine: Engine) -> None:
-        assert engine.decode_mode == "eager" and engine.model.decode_graphs is None
+        assert engine.decode_mode == "eager" and engine._runner.graphs is None  # noqa: SLF001
 
     with pytest.warns(RuntimeWarning, match="CUDA graphs off, decode steps run eagerly: .*cuda"):
         _answers_equal_peft(written, expected, REQUESTS[:2], eager)

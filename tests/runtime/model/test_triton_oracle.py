@@ -1,7 +1,7 @@
 """Oracle (adapters) for the triton backend, its kernels in Triton's interpreter on the tiny Llama: each row of a
 mixed batch equals `PeftModel` with that row's adapter alone, the prefill through SGMV. Greedy decoding through BGMV
 against HF generate: tests/runtime/engine/test_engine_triton.py (through the engine); a replayed decode step against
-the eager one: tests/runtime/model/test_cuda_graphs.py."""
+the eager one: tests/runtime/engine/test_cuda_graphs.py."""
 
 from __future__ import annotations
 

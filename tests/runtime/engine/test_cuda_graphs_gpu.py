@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, select_backend
-from adapter_manager.runtime.model.cuda_graphs import DecodeGraphConfig, can_capture
+from adapter_manager.runtime.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs, can_capture
 from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS
 from tests.runtime._steps import decode_replays_vs_eager, slotted_model
 
@@ -25,7 +25,7 @@ def test_a_replayed_decode_step_equals_the_eager_one_across_a_swap(written) -> N
     meta = LoRAKernelMeta.make(select_backend("cuda", KernelConfig()), pool.num_slots, MAX_RANK, 64, "cuda",
                                granule=pool.granule)  # fmt: skip
     assert can_capture(meta)
-    graphs = model.enable_decode_graphs(meta, DecodeGraphConfig(token_buckets=(4, 8)))
+    graphs = DecodeGraphs(model, meta, DecodeGraphConfig(token_buckets=(4, 8)))
     assert graphs.spare_row == len(ROWS) == model.max_batch  # padding writes through the spare row: the spare block
     diffs = decode_replays_vs_eager(model, registry, pool, meta, rows, graphs)
     assert max(diffs) <= FP32_TOL, diffs
@@ -39,7 +39,7 @@ def test_a_replayed_int8_decode_step_equals_the_eager_one(written) -> None:
     assert model.weight_layout == "int8"
     meta = LoRAKernelMeta.make(select_backend("cuda", KernelConfig()), pool.num_slots, MAX_RANK, 64, "cuda",
                                granule=pool.granule)  # fmt: skip
-    graphs = model.enable_decode_graphs(meta, DecodeGraphConfig(token_buckets=(4, 8)))
+    graphs = DecodeGraphs(model, meta, DecodeGraphConfig(token_buckets=(4, 8)))
     diffs = decode_replays_vs_eager(model, registry, pool, meta, rows, graphs)
     assert max(diffs) <= FP32_TOL, diffs
 
@@ -48,6 +48,6 @@ def test_warm_up_captures_every_bucket(written) -> None:
     model, _, pool, _ = slotted_model(written, torch.float32, device="cuda")
     meta = LoRAKernelMeta.make(select_backend("cuda", KernelConfig()), pool.num_slots, MAX_RANK, 64, "cuda",
                                granule=pool.granule)  # fmt: skip
-    graphs = model.enable_decode_graphs(meta)
+    graphs = DecodeGraphs(model, meta)
     graphs.warm_up()
     assert graphs.captured == (1, 2, 4, len(ROWS)), "up to the cache's rows (7)"

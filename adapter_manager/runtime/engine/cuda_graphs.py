@@ -5,10 +5,11 @@ launch latency. A CUDA graph replays the whole step as one launch. It needs stat
 step, which the XLA path already has: tokens padded up to a bucket (padding tokens: token 0 at position 0 in the
 spare block, rank 0), ``logits_index`` padded to a fixed row count, and the static attention path (``spans=None``).
 
-:meth:`runtime.model.llama.Llama.enable_decode_graphs` attaches one :class:`DecodeGraphs` to a model; from then on
-every forward of a decode-only step (one token per sequence, at most the largest bucket) prepared with the attached
-metadata replays its bucket's graph, captured on first use (or all at once by :meth:`DecodeGraphs.warm_up`). Other
-steps (prefill chunks, more tokens) run eagerly. Per replay:
+The eager step runner (:mod:`.step_runner`) holds one :class:`DecodeGraphs` of its model and metadata where
+:func:`use_decode_graphs` keeps them; :meth:`DecodeGraphs.forward` replays every decode-only step (one token per
+sequence, at most the largest bucket) prepared with that metadata from its bucket's graph, captured on first use (or
+all at once by :meth:`DecodeGraphs.warm_up`), and runs other steps (prefill chunks, more tokens) eagerly. The model
+knows nothing of graphs. Per replay:
 
   - the step's tokens, positions, block-table rows, block tables and logits rows are copied into the bucket's static
     inputs (the rest padding: the spare block);
@@ -35,7 +36,7 @@ from torch import nn
 
 from adapter_manager.kernels import DecodeCapture, LoRAKernelMeta
 
-from .batch import ForwardBatch, SequenceChunk
+from ..model.batch import ForwardBatch, SequenceChunk
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,8 @@ class DecodeGraphError(RuntimeError):
     the eager step."""
 
 
-class _Graphed(Protocol):
-    """What :func:`use_decode_graphs` needs of the model."""
-
-    decode_graphs: DecodeGraphs | None
-
-    def enable_decode_graphs(self, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> DecodeGraphs: ...
-
-
 class _Model(Protocol):
-    """What the graphs need of the model (:class:`runtime.model.llama.Llama`, which imports this module)."""
+    """What the graphs need of the model (:class:`runtime.model.llama.Llama`)."""
 
     layers: nn.ModuleList
 
@@ -145,7 +138,6 @@ class DecodeGraphs:
     """The static tables' row padding tokens write through (every entry the spare block)."""
     _captured: dict[int, _Captured] = field(init=False, default_factory=dict, repr=False)
     _pool: object = field(init=False, default=None, repr=False)
-    _capturing: bool = field(init=False, default=False, repr=False)
     _backend: DecodeCapture = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,8 +177,8 @@ class DecodeGraphs:
 
     def covers(self, batch: ForwardBatch, meta: LoRAKernelMeta | None) -> bool:
         """Whether this step replays a graph: a decode-only step (one token per sequence) of at most the largest
-        bucket, prepared with this object's metadata (or no LoRA), while no capture is running."""
-        if self._capturing or (meta is not None and meta is not self.meta):
+        bucket, prepared with this object's metadata (or no LoRA)."""
+        if meta is not None and meta is not self.meta:
             return False
         if batch.spans is None or any(span.count != 1 for span in batch.spans):
             return False
@@ -195,6 +187,11 @@ class DecodeGraphs:
         if tables is not None and (tables.shape[0] > self.logits_rows or tables.shape[1] > self._table_width):
             return False
         return self._config.bucket_for(batch.num_tokens) is not None and rows <= self.logits_rows
+
+    def forward(self, batch: ForwardBatch, meta: LoRAKernelMeta | None) -> torch.Tensor:
+        """The step's logits: replayed from its bucket's graph where :meth:`covers` it, else the model's eager
+        forward. ``meta``: prepared for the step (None: no LoRA)."""
+        return self.replay(batch, meta) if self.covers(batch, meta) else self.model(batch, meta)
 
     @property
     def _table_width(self) -> int:
@@ -283,13 +280,9 @@ class DecodeGraphs:
         self._backend.bind_inputs(self.meta, captured.inputs)
 
     def _run_static(self, captured: _Captured) -> torch.Tensor:
-        """The model on the bucket's static inputs (what a capture records), with graphs bypassed."""
-        self._capturing = True
-        try:
-            with torch.no_grad():
-                return self.model(captured.batch, self.meta)
-        finally:
-            self._capturing = False
+        """The model on the bucket's static inputs (what a capture records)."""
+        with torch.no_grad():
+            return self.model(captured.batch, self.meta)
 
     def warm_up(self) -> None:
         """Capture every bucket, the largest first (the smaller graphs reuse its memory pool)."""
@@ -306,12 +299,8 @@ class DecodeGraphs:
             self.warm_up()
             batch = ForwardBatch.from_chunks([SequenceChunk(0, 0, (1,), -1)], self.model.device)
             replayed = self.replay(batch, None).float()
-            self._capturing = True  # the same step, eagerly
-            try:
-                with torch.no_grad():
-                    eager = self.model(batch, None).float()
-            finally:
-                self._capturing = False
+            with torch.no_grad():
+                eager = self.model(batch, None).float()  # the same step, eagerly
         except Exception as err:  # noqa: BLE001 - whatever the device refuses, the answer is: run eagerly
             raise DecodeGraphError(f"capturing the decode steps failed: {type(err).__name__}: {err}") from err
         diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
@@ -322,15 +311,16 @@ class DecodeGraphs:
             )
 
 
-def use_decode_graphs(model: _Graphed, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None) -> bool:
-    """Replay ``model``'s decode steps from CUDA graphs where they hold up: enable them, :meth:`DecodeGraphs.check`
-    them at once, and on any failure run eagerly for the process, with one warning that says why. Returns whether
-    graphs are on."""
+def use_decode_graphs(
+    model: _Model, meta: LoRAKernelMeta, config: DecodeGraphConfig | None = None
+) -> DecodeGraphs | None:
+    """``model``'s captured decode steps for ``meta`` where they hold up: made and :meth:`DecodeGraphs.check`-ed at
+    once; on any failure None (decode runs eagerly for the process), with one warning that says why."""
     try:
-        model.enable_decode_graphs(meta, config).check()
-    except Exception as err:  # noqa: BLE001 - enable refused, capture raised or a replay differed: eager it is
-        model.decode_graphs = None
+        graphs = DecodeGraphs(model, meta, config)
+        graphs.check()
+    except Exception as err:  # noqa: BLE001 - refused, a capture raised or a replay differed: eager it is
         warnings.warn(f"CUDA graphs off, decode steps run eagerly: {err}", RuntimeWarning, stacklevel=2)
-        return False
-    log.info("decode steps replay CUDA graphs (buckets %s)", model.decode_graphs.captured)
-    return True
+        return None
+    log.info("decode steps replay CUDA graphs (buckets %s)", graphs.captured)
+    return graphs

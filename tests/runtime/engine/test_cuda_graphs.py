@@ -1,5 +1,6 @@
 """DecodeGraphs without a GPU: its buckets, what it refuses, and a replay without the graph (cuda_graph=False) against
-the eager step. Capture and graph replay run in tests/runtime/model/test_cuda.py (skipped without a CUDA device)."""
+the eager step. Capture and graph replay run in tests/runtime/engine/test_cuda_graphs_gpu.py (skipped without a CUDA
+device)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.runtime.engine.cuda_graphs import DecodeGraphConfig, DecodeGraphs, can_capture, use_decode_graphs
 from adapter_manager.runtime.model.config import LlamaConfig
-from adapter_manager.runtime.model.cuda_graphs import DecodeGraphConfig, DecodeGraphs, can_capture, use_decode_graphs
 from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY
 from tests.runtime._oracle import FP32_TOL, MAX_RANK, ROWS
@@ -35,12 +36,12 @@ def test_capture_needs_the_triton_backend_and_a_cuda_model():
     model.setup_caches(max_batch=3, max_seq_len=16)
     torch_meta = LoRAKernelMeta.make(select_backend("cpu", KernelConfig(backend=BackendKind.TORCH)), 4, 8, 64, "cpu")
     with pytest.raises(ValueError, match="need the triton backend"):
-        model.enable_decode_graphs(torch_meta)
+        DecodeGraphs(model, torch_meta)
     triton_meta = LoRAKernelMeta.make(select_backend("cpu", KernelConfig(backend=BackendKind.TRITON)), 4, 8, 64, "cpu")
     with pytest.raises(ValueError, match="need a cuda model"):
-        model.enable_decode_graphs(triton_meta)
+        DecodeGraphs(model, triton_meta)
     cache = model.layers[0].attention.kv_cache
-    assert model.decode_graphs is None and model.max_batch == 3 and cache.num_blocks == 3 + 1, (
+    assert model.max_batch == 3 and cache.num_blocks == 3 + 1, (
         "a refusal changes nothing (3 rows of one 16-token block, and the spare)"
     )
     assert not can_capture(triton_meta) and not can_capture(torch_meta), "the engine's test: cuda and triton only"
@@ -53,7 +54,7 @@ def test_a_replay_without_a_graph_equals_the_eager_step_across_a_swap(written):
     model, registry, pool, rows = slotted_model(written, torch.float32)
     backend = select_backend("cpu", KernelConfig(backend=BackendKind.TRITON, bgmv_max_tokens=8))  # prefill: SGMV
     meta = LoRAKernelMeta.make(backend, pool.num_slots, MAX_RANK, 64, "cpu", granule=pool.granule)
-    graphs = model.enable_decode_graphs(meta, DecodeGraphConfig(token_buckets=(4, 8), cuda_graph=False))
+    graphs = DecodeGraphs(model, meta, DecodeGraphConfig(token_buckets=(4, 8), cuda_graph=False))
     diffs = decode_replays_vs_eager(model, registry, pool, meta, rows, graphs)
     assert max(diffs) <= FP32_TOL, diffs
     assert graphs.captured == (8,) and graphs.spare_row == len(ROWS)
@@ -73,8 +74,8 @@ def test_first_contact_keeps_graphs_whose_replay_equals_the_eager_step(written):
     model, meta = _graphed(written)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning on the good path
-        assert use_decode_graphs(model, meta, NO_GRAPH)
-    assert model.decode_graphs is not None and model.decode_graphs.captured == (2, 4)
+        graphs = use_decode_graphs(model, meta, NO_GRAPH)
+    assert graphs is not None and graphs.captured == (2, 4)
 
 
 @pytest.mark.usefixtures("triton_interpret")
@@ -86,8 +87,7 @@ def test_a_capture_that_raises_leaves_eager_decode_with_one_warning(written, mon
 
     monkeypatch.setattr(DecodeGraphs, "capture", broken)
     with pytest.warns(RuntimeWarning, match="CUDA graphs off.*capturing the decode steps failed.*not permitted"):
-        assert not use_decode_graphs(model, meta, NO_GRAPH)
-    assert model.decode_graphs is None
+        assert use_decode_graphs(model, meta, NO_GRAPH) is None
 
 
 @pytest.mark.usefixtures("triton_interpret")
@@ -96,5 +96,4 @@ def test_a_replay_that_differs_leaves_eager_decode_with_one_warning(written, mon
     run_static = DecodeGraphs._run_static
     monkeypatch.setattr(DecodeGraphs, "_run_static", lambda self, captured: run_static(self, captured) + 0.5)
     with pytest.warns(RuntimeWarning, match="CUDA graphs off.*replayed decode step differs from the eager one by 0.5 "):
-        assert not use_decode_graphs(model, meta, NO_GRAPH)
-    assert model.decode_graphs is None
+        assert use_decode_graphs(model, meta, NO_GRAPH) is None
