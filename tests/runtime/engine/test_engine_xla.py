@@ -96,7 +96,10 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
     device = torch_xla.device()
     model = load_model(written[None][0], dtype=torch.float32, device=device)
     spec = model.config.to_spec(TINY_NAME)
-    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device))
+    # no prefetch threads: which step admits a request must not depend on when a copier thread ran, or whether the
+    # trace preempts at all would be a race (it once did not, in a full lane)
+    config = AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device, prefetch_workers=0)
+    manager = AdapterManager(spec, config)
     for name in ADAPTERS:
         manager.register(str(written[name][0]), adapter_id=name)
     # blocks of 4 tokens, 8 of them (one sequence of 32) for 4 sequences: prefix hits and preemptions
