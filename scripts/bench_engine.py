@@ -205,7 +205,7 @@ def main() -> None:
     print(f"  lora_8 decode by eager LoRA form (ms): {forms}; auto took {results['lora_8_decode_auto_form']}")
     base = packed_decode["base"]
     print(
-        f"  the torch backend (the previous default) in the same run: lora_1 {100 * (torch_1 / base - 1):+.1f} %, "
+        f"  the torch backend (the torch forms) in the same run: lora_1 {100 * (torch_1 / base - 1):+.1f} %, "
         f"lora_8 {100 * (forms['torch'] / base - 1):+.1f} %"
     )
     print(

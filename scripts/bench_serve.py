@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--mixed-range", default="64,3000")
-    parser.add_argument("--max-batch", type=int, default=16, help="today's rows (the baseline's max_batch)")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequence rows (also the baseline's max_batch)")
     parser.add_argument("--cap", type=int, help="sequences at once for ours and vLLM (default --max-batch)")
     parser.add_argument("--max-seq-len", type=int, help="default: the longest prompt + output + 16")
     parser.add_argument("--kv-tokens", type=int, help="our KV pool in tokens (default --max-batch × --max-seq-len)")

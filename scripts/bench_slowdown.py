@@ -213,7 +213,7 @@ def main() -> None:
         "--token-budget",
         type=int,
         default=None,
-        help="tokens per engine step (default: the engine's own, 512; runs before issue 21's tenth session used 2048)",
+        help="tokens per engine step (default: the engine's own, 512)",
     )
     args = parser.parse_args()
     if args.heatmap:

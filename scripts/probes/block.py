@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One transformer block's LoRA overhead with the fused shrink of q/k/v and gate/up, against one shrink per part.
 
-The block's seven projections (wqkv, wo, w13, w2) as runtime.LoRALinear runs them on a real SlotPool of the bench
+The block's seven projections (wqkv, wo, w13, w2) as LoRALinear runs them on a real SlotPool of the bench
 model, 8 rank-16 adapters with the batch ordered by adapter, at T = 16, 512, 2048: LoRA % of the base matmul, fused
 vs per-part, beside the floor = max(LoRA FLOPs / base FLOPs, LoRA weight bytes of the distinct adapters / base weight
 bytes); target fused <= 1.5 x floor. wo and w2 run the same code in both columns: their gap is the noise. Prints a
@@ -56,7 +56,7 @@ def _call(linear: LoRALinear, x: torch.Tensor, meta: LoRAKernelMeta | None, fuse
 
 
 def block_figure(quick: bool) -> list[dict]:
-    """One block's seven projections as the model runs them: runtime.LoRALinear on a real SlotPool of the bench model
+    """One block's seven projections as the model runs them: LoRALinear on a real SlotPool of the bench model
     (8 rank-16 adapters, T/8 tokens each, the batch ordered by adapter), the fused shrink (wqkv, w13) against the
     per-part one (``fuse_shrink=False``).
 

@@ -7,7 +7,7 @@ inline with torch's extension builder, -O3 -march=native, OpenMP on torch's thre
   threads, 512-bit loads with a non-temporal prefetch 2 KB ahead (as ``lora_blocked``'s decode loop);
 - ``rows_after``: the same, and after each linear that linear's rows of the adapter (its A and Bt runs in the pool's
   row layout: ``rank`` runs of 4–22 KB a row's width apart, rank rows dealt round-robin to the threads) in a second
-  parallel region, where the kernels' LoRA runs today;
+  parallel region, where the kernels' LoRA runs;
 - ``rows_same_region``: the rows read by each thread right after its share of the weight, no second region;
 - ``rows_prefetched``: each thread first prefetches its rows (prefetcht0), then reads its weight share, then the rows;
 - ``rows_interleaved``: each thread's weight share in as many slices as it has runs of rows, one run read after each

@@ -6,7 +6,7 @@ rows as ``W @ x.T`` (a form that runs parallel regions on every core), plus a Si
 activation, repeated — in three set-ups measured interleaved in one run (medians over --repeats):
   none       no background threads;
   plain      2 idle worker threads of a plain ThreadPoolExecutor that each ran one parallel slot-sized ``copy_``
-             (what the prefetcher did before: each keeps an OpenMP team of its own alive);
+             (each keeps an OpenMP team of its own alive);
   workers    2 idle workers of `adapter_manager.background_executor` that ran the same copies on one intra-op thread.
 Floor: "none". Target: "workers" / "none" <= 1.0 (noise aside). Prints a table and writes out/bench_threads.json.
 
