@@ -41,6 +41,7 @@ from .registry import (
     UnrestoredAdapter,
     check_adapter_id,
 )
+from .sharding import TensorParallel
 from .sources import (
     AdapterFiles,
     AdapterRef,
@@ -133,6 +134,7 @@ __all__ = [
     "StateStore",
     "SwapMetrics",
     "TensorKeyError",
+    "TensorParallel",
     "TensorShapeError",
     "Tier",
     "UnrestoredAdapter",

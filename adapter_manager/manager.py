@@ -58,6 +58,7 @@ class AdapterManagerConfig:
     hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded (token, offline, cache, endpoint)
     state_dir: Path | None = None  # if set, registrations are stored durably here and restored when the manager starts
     disk_cache_bytes: int | None = None  # if set, byte bound on the manager's adapter repos in the HF cache (LRU)
+    tensor_parallel_size: int = 1  # N: the pool's rows split in N sections, one per device (the model's N-way TP)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -72,7 +73,13 @@ class AdapterManagerConfig:
 
     def pool_config(self) -> SlotPoolConfig:
         return SlotPoolConfig(
-            self.max_slots, self.max_rank, self.dtype, self.device, self.slot_memory_bytes, self.granule
+            self.max_slots,
+            self.max_rank,
+            self.dtype,
+            self.device,
+            self.slot_memory_bytes,
+            self.granule,
+            self.tensor_parallel_size,
         )
 
     def prefetch_config(self) -> PrefetchConfig:
@@ -89,6 +96,7 @@ class AdapterManagerConfig:
             hub=self.hub,
             state_dir=self.state_dir,
             disk_cache_bytes=self.disk_cache_bytes,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
@@ -129,6 +137,21 @@ class AdapterManager:
     def num_units(self) -> int:
         """Pool units in all: what the scheduler shares out between the adapters of running requests."""
         return self.pool.num_units
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """N: the pool's rows hold N sections, one per device of the model's N-way tensor parallelism."""
+        return self.pool.tensor_parallel.size
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Device bytes of the row pool, every device's together."""
+        return self.pool.nbytes
+
+    @property
+    def pool_device_nbytes(self) -> int:
+        """Bytes of the row pool one device holds: its section of every row (``pool_nbytes / N`` over N shards)."""
+        return self.pool.section_nbytes
 
     @property
     def max_rank(self) -> int:

@@ -77,8 +77,12 @@ class AdapterManagerCollector(Collector):
 
         for name, stats, doc in (
             ("stall", snapshot.stall, "Time engine steps (everyone in them) were blocked on adapter moves"),
-            ("adapter_wait", snapshot.adapter_wait, "Time each request waited alone from submit until its adapter "
-             "was ready (resident, or prepared on the host)"),
+            (
+                "adapter_wait",
+                snapshot.adapter_wait,
+                "Time each request waited alone from submit until its adapter "
+                "was ready (resident, or prepared on the host)",
+            ),
         ):
             wait = HistogramMetricFamily(f"{ns}_{name}_seconds", doc)
             if stats is not None:

@@ -66,6 +66,11 @@ class LinearExecutor:
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
     ) -> torch.Tensor:
+        if lora.shards > 1:
+            raise ValueError(
+                f"a linear sharded {lora.shards} ways runs on a traced backend (one SPMD program); "
+                f"{type(self).__name__} runs one device's shard"
+            )
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
             y = step.kernels.linear(x, weight)
             for group in lora.groups:
@@ -111,6 +116,8 @@ class TracedExecutor(LinearExecutor):
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
     ) -> torch.Tensor:
+        if lora.shards > 1:
+            return _sharded(x, weight, lora, meta, step)
         y = step.kernels.linear(x, weight)
         if len(lora.out_features) == 1:
             stacks = lora.parts[0]
@@ -120,3 +127,44 @@ class TracedExecutor(LinearExecutor):
             if stacks is not None:
                 parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
         return torch.cat(parts, dim=-1)
+
+
+def _sharded(
+    x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
+) -> torch.Tensor:
+    """A linear whose tensors hold S shards side by side (one SPMD program: GSPMD keeps each shard on its device).
+
+    Semantics (S shards, every part's rows ``A [N, S, in_s]``, ``Bt [N, S, out_s]``, laned over the active table)::
+
+        column-parallel (q/k/v, gate/up): y = x @ W.T                  # [T, S, sum(out_s)], shard-major
+            y[:, s, part p] += lanes(x @ A_p[:, s].T) @ Bt_p[:, s]      # each shard expands only its columns
+        row-parallel (o, down): x = x.view(T, S, in_s)                  # each shard holds its input features
+            y = sum over s of (x_s @ W_s.T + lanes(x_s @ A[:, s].T) @ Bt[:, s])   # partials joined, then ONE sum
+
+    The sum over s is the layer's one all-reduce: the LoRA joins the base before it, so it adds no collective.
+    Shape: x [T, in]; returns a new [T, sum(out)].
+    """
+    tokens, shards = x.shape[0], lora.shards
+    token_compact, gather_rows, lane_owner = meta.args()
+    mask = (token_compact[:, None] == lane_owner[None, :])[:, None, :]  # [T, 1, A·R]: a token's own lanes
+
+    def lanes(x3: torch.Tensor, stacks) -> torch.Tensor:  # x3 [T, S, in_s] -> [T, S, out_s]
+        a = stacks.a.index_select(0, gather_rows)  # [A·R, S, in_s]
+        h = torch.einsum("tsi,lsi->tsl", x3, a)
+        h = torch.where(mask, h, torch.zeros((), dtype=h.dtype, device=h.device))
+        return torch.einsum("tsl,lso->tso", h, stacks.bt.index_select(0, gather_rows))
+
+    if lora.row_parallel:
+        x3 = x.view(tokens, shards, -1)  # [T, S, in_s]
+        w3 = weight.tensor.view(weight.tensor.shape[0], shards, -1)  # [out, S, in_s]
+        y3 = torch.einsum("tsi,osi->tso", x3, w3)  # the shards' partial outputs
+        if lora.parts[0] is not None:
+            y3 = y3 + lanes(x3, lora.parts[0])
+        return y3.sum(dim=1)
+    x3 = x.unsqueeze(1).expand(tokens, shards, x.shape[1])  # every shard reads all of x
+    y3 = step.kernels.linear(x, weight).view(tokens, shards, -1)  # [T, S, sum(out_s)]
+    pieces = list(y3.split([out // shards for out in lora.out_features], dim=2))
+    for index, stacks in enumerate(lora.parts):
+        if stacks is not None:
+            pieces[index] = pieces[index] + lanes(x3, stacks)
+    return torch.cat(pieces, dim=2).reshape(tokens, -1)

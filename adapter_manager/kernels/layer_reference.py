@@ -49,9 +49,7 @@ def decode_attention(
     return out.reshape(tokens, num_heads * dim)
 
 
-def add_rms_norm(
-    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Semantics: :meth:`kernels.protocol.DecodeOps.add_rms_norm`, as torch ops (HF Llama's RMSNorm)."""
     if delta is not None:
         h += delta

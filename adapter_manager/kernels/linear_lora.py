@@ -101,10 +101,23 @@ class LinearLoRA:
     """Shrink a fused run's parts in one call (False: one shrink per part; benchmarks compare the two)."""
     one_call: bool = True
     """Offer the backend the base matmul and the LoRA as one call (False: the base matmul, then the step's form)."""
+    shards: int = 1
+    """S, the tensor-parallel shards the linear's tensors hold side by side (one SPMD program over S devices): its
+    output is shard-major (``[T, S, sum(out) / S]``, each shard's parts together) and every part's rows are
+    ``A [N, S, in_s]``, ``Bt [N, S, out_s]``. 1: unsharded."""
+    row_parallel: bool = False
+    """With S > 1: the linear's input is sharded (o, down), A by input features and Bt whole, and the shards' partial
+    outputs are summed (one all-reduce); False: column-parallel (q/k/v, gate/up), A whole and Bt by output features."""
 
     @classmethod
     def build(
-        cls, out_features: tuple[int, ...], parts: tuple[Stacks | None, ...], fuse_shrink: bool, one_call: bool
+        cls,
+        out_features: tuple[int, ...],
+        parts: tuple[Stacks | None, ...],
+        fuse_shrink: bool,
+        one_call: bool,
+        shards: int = 1,
+        row_parallel: bool = False,
     ) -> LinearLoRA:
         fused = _fused_runs([None if s is None else s.a for s in parts])
         groups = _groups(out_features, parts, fused)
@@ -114,7 +127,7 @@ class LinearLoRA:
             tuple(g.columns.start for g in groups),
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
-        return cls(out_features, parts, fused, groups, kernel_groups, unit, fuse_shrink, one_call)
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, fuse_shrink, one_call, shards, row_parallel)
 
 
 def _groups(

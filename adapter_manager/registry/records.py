@@ -12,6 +12,7 @@ import torch
 
 from ..base_model import ModuleKey
 from ..errors import InvalidAdapterRefError
+from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubConfig
 from ..sources.peft_format import ModuleLora
 
@@ -40,6 +41,7 @@ class RegistryConfig:
     hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded
     state_dir: Path | None = None  # if set, registrations are kept durably here and restored by `restore()`
     disk_cache_bytes: int | None = None  # if set, bound on the bytes of this registry's repos in the HF cache
+    tensor_parallel_size: int = 1  # N: prepared blocks hold N sections, one per device's shard (RowLayout.of)
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
@@ -52,6 +54,7 @@ class RegistryConfig:
             raise ValueError(f"base_model_mismatch must be 'warn' or 'refuse', got {self.base_model_mismatch!r}")
         if self.host_cache_bytes <= 0:
             raise ValueError(f"host_cache_bytes must be positive, got {self.host_cache_bytes}")
+        TensorParallel(self.tensor_parallel_size)  # validates it
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ from pathlib import Path
 from ..base_model import BaseModelSpec
 from ..errors import AdapterConflictError, AdapterNotFoundError, DiskTierFullError
 from ..metrics import Move, SwapMetrics, Tier
+from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubResolver
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
-from ..tiers.slot_pool import bytes_needed
+from ..tiers.row_layout import RowLayout
 from .disk_files import DiskFiles
 from .records import AdapterRecord, RegisterResult, RegistryConfig, check_adapter_id
 from .state_store import Registration, StateStore, UnrestoredAdapter
@@ -40,7 +41,9 @@ class AdapterRegistry:
         self.spec = spec
         self.config = config or RegistryConfig()
         self.metrics = metrics or SwapMetrics()
-        largest = spec.max_adapter_bytes(self.config.max_rank, self.config.dtype.itemsize)
+        self.layout = RowLayout.of(spec, TensorParallel(self.config.tensor_parallel_size))
+        """The row layout prepared blocks are built in: one section per tensor-parallel shard."""
+        largest = self.config.max_rank * self.layout.row_bytes(self.config.dtype)
         if self.config.host_cache_bytes < largest:
             raise ValueError(
                 f"host_cache_bytes ({self.config.host_cache_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
@@ -247,7 +250,7 @@ class AdapterRegistry:
             files = self._disk_files.files(stand_in)
             config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config)
             check_weights(row.adapter_id, files.weights_path, modules, self.spec)
-            nbytes = bytes_needed(self.spec, max(m.rank for m in modules.values()), self.config.dtype)
+            nbytes = max(m.rank for m in modules.values()) * self.layout.row_bytes(self.config.dtype)
             base = config.base_model_name_or_path
             record = AdapterRecord(
                 row.adapter_id, ref, files, modules, nbytes, base, row.registered_at, warnings, files.nbytes()
@@ -302,6 +305,7 @@ class AdapterRegistry:
             self.spec,
             self.config.dtype,
             self.config.pin_memory,
+            self.layout,
         )
         seconds = time.perf_counter() - start
         self.metrics.record(Move.DISK_TO_HOST, adapter_id, seconds, prepared.nbytes)

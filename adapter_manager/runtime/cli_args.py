@@ -44,6 +44,12 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
     )
     devices = "cpu or cuda" if replica else "cpu, cuda[:i] or xla[:i]"
     parser.add_argument("--device", default="cpu", help=f"{devices} (default cpu)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help=f"shard the model and the adapter pool{each} over N devices (Megatron; XLA: one SPMD program) (1)",
+    )
     parser.add_argument("--max-batch", type=int, default=16, help=f"sequences in flight{each} (default 16)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
     parser.add_argument(

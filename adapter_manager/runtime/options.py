@@ -23,7 +23,7 @@ _GIB = 1 << 30
 # namespace attributes ServeOptions reads: those both commands declare, and those only `serve` has
 _SHARED = (
     "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token",
-    "kv_cache_bytes", "prefix_caching",
+    "kv_cache_bytes", "prefix_caching", "tensor_parallel_size",
 )  # fmt: skip
 _SERVE_ONLY = ("pool_bytes", "dtype", "quantize", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
 
@@ -55,6 +55,7 @@ class ServeOptions:
     admin_token: str | None = None  # bearer token for the admin routes
     kv_cache_bytes: int | None = None  # bytes of the KV block pool; None: max_batch sequences of max_seq_len
     prefix_caching: bool = True  # reuse cached prefix blocks per adapter
+    tensor_parallel_size: int = 1  # N: the model and the adapter pool sharded over N devices (vLLM's name)
     local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
     pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # serve only: auto is the checkpoint's
@@ -90,6 +91,7 @@ class ServeOptions:
             slot_memory_bytes=self.pool_bytes,
             state_dir=self.state_dir,
             disk_cache_bytes=self.disk_cache_bytes,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         server = ServerConfig(
             self.model_name,

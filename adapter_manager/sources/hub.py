@@ -223,6 +223,7 @@ class HubResolver:
         """``ref``'s commit, as ``HfApi.resolve_revision`` finds it (a sha as it is; the hub's answer, recorded in the
         cache's refs; the cached one when the hub cannot be reached or offline), but asked with this resolver's
         ``timeout_s``: huggingface_hub's own call has none, so a hub that never answers would hang the caller."""
+
         def cached() -> ResolvedRevision:
             return self._api.resolve_revision(
                 ref.repo_id, revision=ref.revision, cache_dir=self.config.cache_dir, local_files_only=True

@@ -63,9 +63,7 @@ class _ByteCache(Cache):
         frequency = self.frequency
         return [key for _, _, key in sorted((frequency(k), i, k) for i, k in enumerate(keys))]
 
-    def victims(
-        self, nbytes: int, keep: Container[Hashable] = (), ceiling: int | None = None
-    ) -> list[Hashable] | None:
+    def victims(self, nbytes: int, keep: Container[Hashable] = (), ceiling: int | None = None) -> list[Hashable] | None:
         """The entries to evict, first to last, so that `nbytes` fit: none in `keep` and, with a `ceiling`, none
         estimated more popular than it; None when even evicting all of those leaves too little room."""
         room, chosen = self.maxsize - self.currsize, []

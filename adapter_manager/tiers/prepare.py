@@ -28,8 +28,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 class ModuleWeights:
     """One module's prepared LoRA weights: strided views of the adapter's block; rows past `rank` are zero."""
 
-    a: torch.Tensor  # Shape: [r, in] (r: the adapter's rank)
-    bt: torch.Tensor  # Shape: [r, out] = (scaling * B).T, zero past the module's rank
+    a: torch.Tensor  # Shape: [r, in] (r: the adapter's rank); over N shards [r, N, in_s]
+    bt: torch.Tensor  # Shape: [r, out] = (scaling * B).T, zero past the module's rank; over N shards [r, N, out_s]
     rank: int  # the module's own rank <= r
 
 
@@ -64,6 +64,7 @@ def prepare_adapter(
     spec: BaseModelSpec,
     dtype: torch.dtype,
     pin_memory: bool = False,
+    layout: RowLayout | None = None,
 ) -> PreparedAdapter:
     """Validate `adapter_model.safetensors` against the resolved modules and build the prepared adapter.
 
@@ -73,7 +74,8 @@ def prepare_adapter(
     with _opened(adapter_id, weights_path) as handle:
         tensors = _match_keys(adapter_id, list(handle.keys()), modules)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
-        return _build(adapter_id, sha, handle, tensors, modules, RowLayout.of(spec), dtype, pin_memory)
+        layout = layout or RowLayout.of(spec)  # over N tensor-parallel shards: RowLayout.of(spec, tp)
+        return _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory)
 
 
 def check_weights(
@@ -129,16 +131,23 @@ def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> 
                 raise TensorShapeError(adapter_id, f"tensor {key!r} has dtype {dtype}, expected a float type")
 
 
-def _build(adapter_id, sha, handle, tensors, modules, layout: RowLayout, dtype, pin_memory) -> PreparedAdapter:
+def _build(adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, dtype, pin_memory) -> PreparedAdapter:
     rank = max(lora.rank for lora in modules.values())
     storage = torch.zeros(rank, layout.width, dtype=dtype, pin_memory=pin_memory)  # [r, width]
     prepared: dict[ModuleKey, ModuleWeights] = {}
+    tp = layout.tensor_parallel
     for module in sorted(modules):
         lora = modules[module]
         a_view, bt_view = layout.a_view(storage, module), layout.bt_view(storage, module)  # [r, in], [r, out]
-        a_view[: lora.rank].copy_(handle.get_tensor(tensors[module]["A"]))  # [r_m, in]
-        b = handle.get_tensor(tensors[module]["B"])  # [out, r_m]
-        bt_view[: lora.rank].copy_((b.to(torch.float32) * lora.scaling).t())
+        a = handle.get_tensor(tensors[module]["A"])  # [r_m, in]
+        bt = (handle.get_tensor(tensors[module]["B"]).to(torch.float32) * lora.scaling).t()  # [r_m, out]
+        if layout.sections == 1:
+            a_view[: lora.rank].copy_(a)
+            bt_view[: lora.rank].copy_(bt)
+        else:  # [r, N, in_s], [r, N, out_s]: each section its shard's features
+            for shard in range(layout.sections):
+                a_view[: lora.rank, shard].copy_(a[:, tp.in_index(spec, module.proj, shard)])
+                bt_view[: lora.rank, shard].copy_(bt[:, tp.out_index(spec, module.proj, shard)])
         prepared[module] = ModuleWeights(a=a_view, bt=bt_view, rank=lora.rank)
     # A finite sum proves every element finite (NaN and inf propagate); a non-finite one is checked element-wise,
     # since finite values can also sum past the dtype's range.

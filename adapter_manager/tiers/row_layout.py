@@ -10,6 +10,12 @@ An adapter of rank r is an ``[r, width]`` block: it moves host -> slot as ONE co
 proportional to its own rank, and each module's weights are strided views of it (row stride ``width``, inner stride
 1): ``A = block[:, a_start : a_start + in]`` (Shape: [r, in]) and ``Bt = block[:, bt_start : bt_start + out]``
 (Shape: [r, out]). The slot pool is the same layout with N rows: the rows of all resident adapters, one range each.
+
+Over N tensor-parallel shards (:class:`sharding.TensorParallel`) a row is N equal **sections** side by side, section
+s holding shard s's pieces in the same order: column-parallel modules' whole A and their Bt columns of shard s,
+row-parallel modules' A columns of shard s and their whole Bt. A device holds its section of every row (the pool's
+row tensor is split by sections), and each module's views gain the section axis: ``A [r, N, in_s]``,
+``Bt [r, N, out_s]``.
 """
 
 from __future__ import annotations
@@ -20,31 +26,37 @@ from dataclasses import dataclass
 import torch
 
 from ..base_model import PROJECTIONS, BaseModelSpec, ModuleKey
+from ..sharding import TensorParallel
 
 
 @dataclass(frozen=True)
 class ModuleColumns:
-    """Where one module's A and Bt rows lie inside a row."""
+    """Where one module's A and Bt pieces lie inside a row's section (the whole row when unsharded)."""
 
     a_start: int
-    in_features: int
+    in_features: int  # the section's A width: a row-parallel module's shard of its input features
     bt_start: int
-    out_features: int
+    out_features: int  # the section's Bt width: a column-parallel module's shard of its output features
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Column ranges of every module in one row; build it with :meth:`of`."""
+    """Column ranges of every module in one row's section; build it with :meth:`of`."""
 
     columns: Mapping[ModuleKey, ModuleColumns]
-    width: int  # elements of one row: sum over modules of (in + out)
+    width: int  # elements of one row: every section's
+    sections: int = 1  # N tensor-parallel shards, one section each
+    section_width: int = 0  # elements of one section: sum over modules of (in_s + out_s)
+    tensor_parallel: TensorParallel = TensorParallel()
 
     @classmethod
-    def of(cls, spec: BaseModelSpec) -> RowLayout:
+    def of(cls, spec: BaseModelSpec, tp: TensorParallel | None = None) -> RowLayout:
+        tp = tp or TensorParallel()
+        tp.check(spec)
         columns: dict[ModuleKey, ModuleColumns] = {}
         offset = 0
         for layer in range(spec.num_layers):
-            shapes = [spec.projection_shape(proj) for proj in PROJECTIONS]
+            shapes = [tp.local_shape(spec, proj) for proj in PROJECTIONS]
             a_starts, bt_starts = [], []
             for fan_in, _ in shapes:
                 a_starts.append(offset)
@@ -54,17 +66,27 @@ class RowLayout:
                 offset += fan_out
             for i, proj in enumerate(PROJECTIONS):
                 columns[ModuleKey(layer, proj)] = ModuleColumns(a_starts[i], shapes[i][0], bt_starts[i], shapes[i][1])
-        return cls(columns, offset)
+        return cls(columns, offset * tp.size, tp.size, offset, tp)
 
     def a_view(self, rows: torch.Tensor, key: ModuleKey) -> torch.Tensor:
-        """Module ``key``'s A rows of a ``[n, width]`` tensor. Shape: [n, in], a strided view."""
+        """Module ``key``'s A rows of a ``[n, width]`` tensor. Shape: [n, in] (over N sections [n, N, in_s]), a
+        strided view."""
         c = self.columns[key]
-        return rows[:, c.a_start : c.a_start + c.in_features]
+        return self._sectioned(rows)[..., c.a_start : c.a_start + c.in_features]
 
     def bt_view(self, rows: torch.Tensor, key: ModuleKey) -> torch.Tensor:
-        """Module ``key``'s Bt rows of a ``[n, width]`` tensor. Shape: [n, out], a strided view."""
+        """Module ``key``'s Bt rows of a ``[n, width]`` tensor. Shape: [n, out] (over N sections [n, N, out_s]), a
+        strided view."""
         c = self.columns[key]
-        return rows[:, c.bt_start : c.bt_start + c.out_features]
+        return self._sectioned(rows)[..., c.bt_start : c.bt_start + c.out_features]
+
+    def _sectioned(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.sections == 1 else rows.view(rows.shape[0], self.sections, self.section_width)
 
     def row_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one row, every section."""
         return self.width * dtype.itemsize
+
+    def section_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one device's section of a row."""
+        return self.section_width * dtype.itemsize

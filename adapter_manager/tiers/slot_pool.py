@@ -25,6 +25,8 @@ import torch
 
 from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import SlotLoadError
+from ..sharding import TensorParallel
+from ..spmd import MODEL_AXIS, mark
 from .prepare import PreparedAdapter
 from .row_layout import RowLayout
 
@@ -37,9 +39,10 @@ def units_for(rank: int, granule: int) -> int:
     return 1 << (units - 1).bit_length()
 
 
-def bytes_needed(spec: BaseModelSpec, rows: int, dtype: torch.dtype) -> int:
-    """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row)."""
-    return rows * RowLayout.of(spec).row_bytes(dtype)
+def bytes_needed(spec: BaseModelSpec, rows: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row), over every device: with N-way
+    tensor parallelism each device holds one section of each row (1/N of this)."""
+    return rows * RowLayout.of(spec, TensorParallel(tensor_parallel_size)).row_bytes(dtype)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class SlotPoolConfig:
     device: torch.device | str = "cpu"  # cpu, cuda[:i] or xla[:i]
     memory_budget_bytes: int | None = None  # with max_slots="auto": device bytes the rows may take
     granule: int | None = None  # rows per unit (slot index step); None: min(8, max_rank)
+    tensor_parallel_size: int = 1  # N: each row in N sections, one per device (XLA: the pool split over the mesh)
 
     def __post_init__(self) -> None:
         if self.max_slots == "auto":
@@ -72,6 +76,7 @@ class SlotPoolConfig:
         self.device = torch.device(self.device)
         if self.device.type not in ("cpu", "cuda", "xla"):
             raise ValueError(f"device must be cpu, cuda or xla, got {self.device}")
+        TensorParallel(self.tensor_parallel_size)  # validates it
 
     @property
     def max_units(self) -> int:
@@ -85,8 +90,8 @@ class SlotPoolConfig:
         if self.max_slots != "auto":
             return self.max_slots * self.max_units
         assert self.memory_budget_bytes is not None
-        block = bytes_needed(spec, self.max_units * self.granule, self.dtype)
-        zero_row = bytes_needed(spec, 1, self.dtype)
+        block = bytes_needed(spec, self.max_units * self.granule, self.dtype, self.tensor_parallel_size)
+        zero_row = bytes_needed(spec, 1, self.dtype, self.tensor_parallel_size)
         if self.memory_budget_bytes < block + zero_row:
             raise ValueError(
                 f"memory_budget_bytes ({self.memory_budget_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
@@ -103,20 +108,20 @@ class SlotStacks:
     materialised as a copy of its own, and a slot load would then switch the step between two graphs.
     """
 
-    def __init__(self, rows: torch.Tensor, a_cols: slice, bt_cols: slice) -> None:
-        self._rows, self._a_cols, self._bt_cols = rows, a_cols, bt_cols
+    def __init__(self, rows: torch.Tensor, layout: RowLayout, key: ModuleKey) -> None:
+        self._rows, self._layout, self._key = rows, layout, key
         self._fresh = rows.device.type == "xla"
-        self._a, self._bt = rows[:, a_cols], rows[:, bt_cols]
+        self._a, self._bt = layout.a_view(rows, key), layout.bt_view(rows, key)
 
     @property
     def a(self) -> torch.Tensor:
-        """Shape: [N, in]."""
-        return self._rows[:, self._a_cols] if self._fresh else self._a
+        """Shape: [N, in]; over S tensor-parallel sections [N, S, in_s]."""
+        return self._layout.a_view(self._rows, self._key) if self._fresh else self._a
 
     @property
     def bt(self) -> torch.Tensor:
-        """Shape: [N, out]."""
-        return self._rows[:, self._bt_cols] if self._fresh else self._bt
+        """Shape: [N, out]; over S tensor-parallel sections [N, S, out_s]."""
+        return self._layout.bt_view(self._rows, self._key) if self._fresh else self._bt
 
 
 class SlotPool:
@@ -129,7 +134,8 @@ class SlotPool:
     def __init__(self, spec: BaseModelSpec, config: SlotPoolConfig | None = None) -> None:
         self.spec = spec
         self.config = config or SlotPoolConfig()
-        self.layout = RowLayout.of(spec)
+        self.tensor_parallel = TensorParallel(self.config.tensor_parallel_size)
+        self.layout = RowLayout.of(spec, self.tensor_parallel)
         self.granule: int = self.config.granule  # type: ignore[assignment]
         self.num_units = self.config.resolve_units(spec)
         self.max_units = self.config.max_units
@@ -142,7 +148,9 @@ class SlotPool:
             self.rows = torch.zeros(shape, dtype=self.dtype).to(self.device)
         else:
             self.rows = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [N, width]
-        self._stacks = {key: self._module_stacks(key) for key in spec.module_keys()}
+        if self.tensor_parallel.size > 1 and self.device.type == "xla":  # each device holds its section of each row
+            mark(self.rows, self.tensor_parallel.size, (None, MODEL_AXIS))
+        self._stacks = {key: SlotStacks(self.rows, self.layout, key) for key in spec.module_keys()}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._xla_lock = threading.RLock()  # re-entrant: the engine holds it around a whole step
         if self.device.type == "xla":
@@ -153,11 +161,6 @@ class SlotPool:
                 while units <= min(self.max_units, self.num_units):
                     self._copy_xla(0, torch.zeros(units * self.granule, self.layout.width, dtype=self.dtype))
                     units *= 2
-
-    def _module_stacks(self, key: ModuleKey) -> SlotStacks:
-        c = self.layout.columns[key]
-        a_cols = slice(c.a_start, c.a_start + c.in_features)
-        return SlotStacks(self.rows, a_cols, slice(c.bt_start, c.bt_start + c.out_features))
 
     @property
     def num_slots(self) -> int:
@@ -187,7 +190,12 @@ class SlotPool:
     @property
     def slot_nbytes(self) -> int:
         """Bytes of one adapter at max_rank: the most one load can move host -> slot."""
-        return bytes_needed(self.spec, self.max_rank, self.dtype)
+        return self.max_rank * self.layout.row_bytes(self.dtype)
+
+    @property
+    def section_nbytes(self) -> int:
+        """Bytes of one device's share of the pool (its section of every row): ``nbytes / N`` over N shards."""
+        return self.num_rows * self.layout.section_bytes(self.dtype)
 
     def units_for(self, rank: int) -> int:
         """Units an adapter of rank ``rank`` takes in this pool."""

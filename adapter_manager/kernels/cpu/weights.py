@@ -190,4 +190,3 @@ def plain_matmul(x: torch.Tensor, weight: LinearWeight) -> bool:
     """Whether :func:`linear` of ``x`` would be torch's own ``x @ W.T`` at prefill (a plain weight oneDNN does not
     take): then a caller may write the LoRA terms first and add the base matmul on top with one ``addmm_``."""
     return weight.layout is WeightLayout.PLAIN and not onednn_takes(x, weight.tensor)
-

@@ -55,6 +55,11 @@ class Engine:
     calling thread; `start` runs steps in a background thread until `stop`."""
 
     def __init__(self, model: Llama, manager: AdapterManager, config: EngineConfig | None = None) -> None:
+        if model.tensor_parallel.size != manager.tensor_parallel_size:
+            raise ValueError(
+                f"the model is sharded {model.tensor_parallel.size} ways, the adapter pool "
+                f"{manager.tensor_parallel_size}: give both the same tensor_parallel_size"
+            )
         self.model = model
         self.manager = manager
         self.config = config or EngineConfig()

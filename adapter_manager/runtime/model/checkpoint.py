@@ -17,12 +17,16 @@ from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from adapter_manager import TensorParallel
 from adapter_manager.kernels import packs_by_default
+from adapter_manager.spmd import mesh
 
 from .config import LlamaConfig, eos_ids
 from .cpu_features import warn_if_slow_bf16
+from .hf_map import load_hf
 from .llama import Llama
 from .projection import LoRALinear, quantize_linears
+from .tensor_parallel import mark_weights
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +173,7 @@ def load_model(
     device: torch.device | str = "cpu",
     pack_weights: bool | None = None,
     quantize: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Llama:
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
 
@@ -179,6 +184,9 @@ def load_model(
     ``pack_weights`` (None: on unless ``ADAPTER_MANAGER_PACK_WEIGHTS=0``) then reorders the projections' weights
     into the layout measured fastest on this machine (our blocked one, oneDNN's, or plain) where it applies (CPU;
     :meth:`Llama.pack_weights`), replacing the plain ones.
+
+    ``tensor_parallel_size`` N > 1: Megatron tensor parallelism as one SPMD program over N XLA devices
+    (:mod:`.tensor_parallel`; ``device`` must be XLA): each weight is split over the devices as it is loaded.
 
     ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every projection
     weight (q/k/v/o/gate/up/down, and an untied lm_head) by weight-only int8 with one scale per output row
@@ -206,10 +214,17 @@ def load_model(
             raise CheckpointError(f"{generation} is not a JSON object: {err}") from err
         if generation_eos is not None:
             config = replace(config, eos_token_ids=eos_ids(generation_eos))
+    tp = TensorParallel(tensor_parallel_size)
+    if tp.size > 1:
+        if torch.device(device).type != "xla":
+            raise ValueError(
+                f"tensor_parallel_size {tp.size} runs as one SPMD program on XLA devices; got device {device}"
+            )
+        mesh(tp.size)  # SPMD mode on before the first tensor reaches the device
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
-    expected = {name: tuple(param.shape) for name, param in _hf_names(model).items()}
+    expected = hf_tensor_shapes(config)
     seen: set[str] = set()
     with torch.no_grad():
         for path in weight_files(folder):
@@ -225,8 +240,7 @@ def load_model(
                             f"{path.name}: tensor {name!r} has shape {list(tensor.shape)}, expected "
                             f"{list(expected[name])}"
                         )
-                    param, rows = model.hf_target(name)
-                    (param if rows is None else param[rows]).copy_(tensor)
+                    load_hf(model, name, tensor)
                     seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
@@ -234,6 +248,8 @@ def load_model(
             f"{folder}: tensors missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
     model = model.eval().requires_grad_(False)
+    if tp.size > 1:
+        mark_weights(model)  # each device keeps its shards (a copy into a parameter replaces its placement)
     if quantize not in (None, "none"):
         quantize_linears([m for m in model.modules() if isinstance(m, LoRALinear)])
     if pack_weights if pack_weights is not None else packs_by_default():
@@ -326,12 +342,3 @@ def write_random_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return folder
-
-
-def _hf_names(model: Llama) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the (slice of the) parameter it fills, for every tensor the model needs."""
-    names = {}
-    for name in hf_tensor_shapes(model.config):
-        param, rows = model.hf_target(name)
-        names[name] = param if rows is None else param[rows]
-    return names

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapter_manager.kernels import layer_kernels
+from adapter_manager.spmd import MODEL_AXIS, mark
 
 from .batch import SeqSpan
 
@@ -75,7 +76,14 @@ class KVCache(nn.Module):
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,  # noqa: ANN001 - a torch device or its name
+        shards: int = 1,
     ) -> None:
         super().__init__()
         if num_blocks <= 0 or block_size <= 0:
@@ -83,6 +91,9 @@ class KVCache(nn.Module):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)  # [NB, BS, KV, D]
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)  # [NB, BS, KV, D]
+        if shards > 1:  # tensor parallelism (one SPMD program): each device holds its shards' heads
+            for tensor in (self.k, self.v):
+                mark(tensor, shards, (None, None, MODEL_AXIS, None))
         self._kernels = layer_kernels(device)  # the device's paged attention, where it has one
 
     @property
@@ -188,13 +199,17 @@ class KVCache(nn.Module):
         out = self._kernels.paged_attention(q, self.k, self.v, tables, rows, positions)
         if out is not None:
             return out
-        ks, vs = self.gather(tables.index_select(0, rows))  # [T, MB·BS, KV, D]
-        key_pos = torch.arange(ks.shape[1], device=q.device)  # [MB·BS]
-        mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [T, 1, 1, MB·BS]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask, enable_gqa=True
-        )  # [T, H, 1, D]
-        return out[:, :, 0, :]
+        ks, vs = self.gather(tables.index_select(0, rows))  # [T, P = MB·BS, KV, D]
+        tokens, heads, dim = q.shape
+        kv_heads = ks.shape[2]
+        key_pos = torch.arange(ks.shape[1], device=q.device)  # [P]
+        mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]  # [T, 1, 1, P]
+        # GQA by KV head (each KV head's query group beside it), no head repeated: a cache split by KV heads over
+        # tensor-parallel devices attends where it lies
+        grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # [T, KV, G, D]
+        scores = torch.einsum("tkgd,tpkd->tkgp", grouped, ks).float() * dim**-0.5  # [T, KV, G, P]
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(vs.dtype)
+        return torch.einsum("tkgp,tpkd->tkgd", probs, vs).reshape(tokens, heads, dim)
 
 
 def slot_index(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

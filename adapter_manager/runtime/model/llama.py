@@ -14,8 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from adapter_manager import PROJECTIONS, ModuleKey
-from adapter_manager.base_model import PROJECTION_PARENT
+from adapter_manager import ModuleKey, TensorParallel
 from adapter_manager.kernels import (
     DecodeOps,
     LayerKernels,
@@ -33,8 +32,6 @@ from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
 from .norm import RMSNorm
 from .projection import LoRALinear, pack_linears
 from .rope import apply_rope, rope_factors, rope_table
-
-_HF_PROJECTIONS = {(PROJECTION_PARENT[proj], proj) for proj in PROJECTIONS}
 
 
 class _Step(NamedTuple):
@@ -60,14 +57,21 @@ class _Step(NamedTuple):
 
 
 class Attention(nn.Module):
-    """GQA self-attention: fused q/k/v base matmul, per-projection LoRA, RoPE, cached causal attention, o_proj."""
+    """GQA self-attention: fused q/k/v base matmul, per-projection LoRA, RoPE, cached causal attention, o_proj.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    Over S tensor-parallel shards (one SPMD program) the fused q/k/v output is shard-major — shard s's q heads, then
+    its KV heads' k and v — and the cache holds S·KV_s heads (KV heads replicated where KV < S); S = 1 is the plain
+    q|k|v layout.
+    """
+
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width))
-        self.wo = LoRALinear(q_width, (config.hidden_size,))
+        self.shards, self.head_dim = tp.size, config.head_dim
+        local_kv = tp.kv_heads(config.to_spec())
+        self.num_heads, self.num_kv_heads = config.num_heads, tp.size * local_kv  # the cache's (replicated) heads
+        q_width, kv_width = config.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
+        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width), shards=tp.size)
+        self.wo = LoRALinear(q_width, (config.hidden_size,), shards=tp.size, row_parallel=True)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
@@ -95,11 +99,15 @@ class Attention(nn.Module):
             )  # [T, H·D]
             return self.wo.output(out, step.linear)
         assert step.rope is not None
-        tokens, cos, sin, dim = x.shape[0], step.rope[0], step.rope[1], self.head_dim
-        heads = self.num_heads + self.num_kv_heads  # q|k side by side in the fused output: one rotation for all
-        qk = apply_rope(qkv[:, : heads * dim].view(tokens, heads, dim), cos, sin)  # [T, H + KV, D]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, heads * dim :].view(tokens, self.num_kv_heads, dim)
+        tokens, cos, sin, dim, shards = x.shape[0], step.rope[0], step.rope[1], self.head_dim, self.shards
+        q_heads, kv_heads = self.num_heads // shards, self.num_kv_heads // shards  # one shard's
+        heads = q_heads + kv_heads  # q|k side by side in each shard's output: one rotation for all
+        qkv = qkv.view(tokens, shards, heads + kv_heads, dim)
+        qk = apply_rope(qkv[:, :, :heads].reshape(tokens, shards * heads, dim), cos, sin)  # [T, S·(H_s + KV_s), D]
+        qk = qk.view(tokens, shards, heads, dim)
+        q = qk[:, :, :q_heads].reshape(tokens, self.num_heads, dim)  # views where S = 1
+        k = qk[:, :, q_heads:].reshape(tokens, self.num_kv_heads, dim)
+        v = qkv[:, :, heads:].reshape(tokens, self.num_kv_heads, dim)
         assert step.slots is not None
         self.kv_cache.update(step.slots, k, v)
         if batch.spans is None:
@@ -112,29 +120,33 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) · up(x))`` with gate/up fused into one base matmul."""
+    """SwiGLU: ``down(silu(gate(x)) · up(x))`` with gate/up fused into one base matmul (over S shards shard-major:
+    shard s's gate and up columns side by side)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        width = config.intermediate_size
-        self.w13 = LoRALinear(config.hidden_size, (width, width))
-        self.w2 = LoRALinear(width, (config.hidden_size,))
+        width, self.shards = config.intermediate_size, tp.size
+        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=tp.size)
+        self.w2 = LoRALinear(width, (config.hidden_size,), shards=tp.size, row_parallel=True)
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""
         gate_up = self.w13.output(x, step.linear)  # [T, 2·I]
+        if self.shards > 1:  # [T, S, 2·I_s]: each shard's gate|up (the shard axis kept, so each stays on its device)
+            gated = step.ops.silu_mul(gate_up.view(x.shape[0], self.shards, -1))  # [T, S, I_s]
+            return self.w2.output(gated.flatten(1), step.linear)  # [T, I]: shard s's I_s columns in order
         return self.w2.output(step.ops.silu_mul(gate_up), step.linear)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, tp)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config, tp)
 
     def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
         ops = step.ops  # the residual adds fused with the norms or done in place
@@ -151,11 +163,14 @@ class Llama(nn.Module):
     :meth:`forward` once per step.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tensor_parallel = tensor_parallel or TensorParallel()
+        """The shards the tensors hold side by side (Megatron's split; one SPMD program over that many devices)."""
+        self.tensor_parallel.check(config.to_spec())
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, self.tensor_parallel) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
         self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
@@ -222,8 +237,9 @@ class Llama(nn.Module):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) must be positive")
         for layer in self.layers:
+            heads = layer.attention.num_kv_heads  # S·KV_s over S shards
             layer.attention.kv_cache = KVCache(
-                num_blocks + 1, block_size, config.num_kv_heads, config.head_dim, self.dtype, self.device
+                num_blocks + 1, block_size, heads, config.head_dim, self.dtype, self.device, self.tensor_parallel.size
             )
         self.max_batch = max_batch
         self.dense_tables = None
@@ -265,7 +281,7 @@ class Llama(nn.Module):
         Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [N, in], .bt [N, out].
         """
         for key, module_stacks in stacks.items():
-            linear, part = self._lora_target(key)
+            linear, part = self.lora_target(key)
             linear.attach(part, module_stacks)
 
     def detach_lora(self) -> None:
@@ -274,7 +290,7 @@ class Llama(nn.Module):
             if isinstance(module, LoRALinear):
                 module.detach()
 
-    def _lora_target(self, key: ModuleKey) -> tuple[LoRALinear, int]:
+    def lora_target(self, key: ModuleKey) -> tuple[LoRALinear, int]:
         if not 0 <= key.layer < len(self.layers):
             raise ValueError(f"{key} names layer {key.layer}; the model has {len(self.layers)} layers")
         block = self.layers[key.layer]
@@ -290,37 +306,6 @@ class Llama(nn.Module):
         if key.proj not in targets:
             raise ValueError(f"unknown projection {key.proj!r}; expected one of {sorted(targets)}")
         return targets[key.proj]
-
-    def hf_target(self, name: str) -> tuple[torch.Tensor, slice | None]:
-        """The parameter (and its row slice for fused weights) that HF tensor ``name`` loads into.
-
-        Example: ``model.layers.1.self_attn.k_proj.weight`` -> (layers[1].attention.wqkv.weight, rows q..q+kv).
-        Raises KeyError for a name this model has no place for.
-        """
-        parts = name.split(".")
-        if self.packed:
-            raise ValueError(f"{name}: the model's weights are packed; unpack_weights() before loading into it")
-        if name == "model.embed_tokens.weight":
-            return self.tok_embeddings.weight, None
-        if name == "model.norm.weight":
-            return self.norm.weight, None
-        if name == "lm_head.weight":
-            if self.output is None:
-                raise KeyError(f"{name}: the config ties word embeddings, the model has no separate lm_head")
-            return self.output.weight, None
-        if len(parts) in (5, 6) and parts[:2] == ["model", "layers"] and parts[-1] == "weight" and parts[2].isdigit():
-            layer, parent, proj = int(parts[2]), parts[3], parts[-2]
-            if layer < len(self.layers):
-                block = self.layers[layer]
-                if len(parts) == 5 and parent == "input_layernorm":
-                    return block.attention_norm.weight, None
-                if len(parts) == 5 and parent == "post_attention_layernorm":
-                    return block.ffn_norm.weight, None
-                if len(parts) == 6 and (parent, proj) in _HF_PROJECTIONS:
-                    linear, part = self._lora_target(ModuleKey(layer, proj))
-                    start = sum(linear.out_features[:part])
-                    return linear.weight, slice(start, start + linear.out_features[part])
-        raise KeyError(f"{name}: not a tensor of a Llama checkpoint with {len(self.layers)} layers")
 
     def forward(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None = None) -> torch.Tensor:
         """One step: embed, run every block (writing the KV cache), and return the requested tokens' logits.

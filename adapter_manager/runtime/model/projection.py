@@ -53,12 +53,18 @@ class LoRALinear(nn.Module):
         out_features: tuple[int, ...],
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        shards: int = 1,
+        row_parallel: bool = False,
     ) -> None:
         super().__init__()
         if in_features <= 0 or not out_features or min(out_features) <= 0:
             raise ValueError(f"in_features ({in_features}) and every out_features {out_features} must be positive")
+        sharded = [in_features] if row_parallel else list(out_features)
+        if shards < 1 or any(width % shards for width in sharded):
+            raise ValueError(f"{sharded} cannot be sharded {shards} ways ({'row' if row_parallel else 'column'})")
         self.in_features = in_features
         self.out_features = tuple(out_features)
+        self.shards, self.row_parallel = shards, row_parallel
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self._parts: list[Stacks | None] = [None] * len(out_features)
         self._lora: LinearLoRA | None = None  # built from _parts at each attach
@@ -170,20 +176,35 @@ class LoRALinear(nn.Module):
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
         every forward (the pool may hand out fresh views of the same rows)."""
-        out = self.out_features[part]
         a_rows, bt_rows = stacks.a, stacks.bt
-        if a_rows.dim() != 2 or a_rows.shape[1] != self.in_features:
-            raise ValueError(f"a_rows must have shape [N, {self.in_features}], got {tuple(a_rows.shape)}")
-        if bt_rows.shape != (a_rows.shape[0], out):
-            raise ValueError(f"bt_rows must have shape [{a_rows.shape[0]}, {out}], got {tuple(bt_rows.shape)}")
+        a_shape, bt_shape = self._rows_shapes(part)
+        if tuple(a_rows.shape[1:]) != a_shape:
+            raise ValueError(f"a_rows must have shape [N, {', '.join(map(str, a_shape))}], got {tuple(a_rows.shape)}")
+        if tuple(bt_rows.shape) != (a_rows.shape[0], *bt_shape):
+            raise ValueError(
+                f"bt_rows must have shape [{a_rows.shape[0]}, {', '.join(map(str, bt_shape))}], got "
+                f"{tuple(bt_rows.shape)}"
+            )
         if a_rows.dtype != self.weight_dtype or bt_rows.dtype != self.weight_dtype:
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
         self._parts[part] = stacks
         self._rebuild()
 
+    def _rows_shapes(self, part: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A part's rows' shapes past N: ``(in,), (out,)`` unsharded; ``(S, in_s), (S, out_s)`` over S shards."""
+        out, shards = self.out_features[part], self.shards
+        if shards == 1:
+            return (self.in_features,), (out,)
+        if self.row_parallel:
+            return (shards, self.in_features // shards), (shards, out)
+        return (shards, self.in_features), (shards, out // shards)
+
     def _rebuild(self) -> None:
         if any(stacks is not None for stacks in self._parts):
-            self._lora = LinearLoRA.build(self.out_features, tuple(self._parts), self._fuse_shrink, self._one_call)
+            parts = tuple(self._parts)
+            self._lora = LinearLoRA.build(
+                self.out_features, parts, self._fuse_shrink, self._one_call, self.shards, self.row_parallel
+            )
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""

@@ -203,7 +203,9 @@ def load_tokenizer(folder: str | Path, vocab_size: int) -> Tokenizer:
         log.warning(
             "%s has no tokenizer.json: the byte-level fallback serves it, and the checkpoint's special ids %s are also "
             "the bytes %s, which in a text encode to those specials and decode to nothing (no round trip)",
-            folder, shared, ", ".join(f"0x{i:02x}" for i in shared),
+            folder,
+            shared,
+            ", ".join(f"0x{i:02x}" for i in shared),
         )
     return tokenizer
 

@@ -54,7 +54,8 @@ def build_serving(
     or path `model_ref` it was served from) as well as the served name `server_config.model_name`. `quantize`
     ("int8") holds the base projections weight-only int8 (:func:`runtime.model.checkpoint.load_model`)."""
     folder = Path(folder)
-    model = load_model(folder, dtype=dtype, device=manager_config.device, quantize=quantize)
+    tp = manager_config.tensor_parallel_size
+    model = load_model(folder, dtype=dtype, device=manager_config.device, quantize=quantize, tensor_parallel_size=tp)
     max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
     engine_config = replace(engine_config, max_seq_len=max_seq_len)
     spec = model.config.to_spec(server_config.model_name, checkpoint_aliases(folder, model_ref))

@@ -11,6 +11,7 @@ import torch
 from adapter_manager.kernels.cpu import weights as packing
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.hf_map import hf_target
 from adapter_manager.runtime.model.projection import LoRALinear
 from tests.runtime._oracle import ENGINE_NEW_TOKENS, ENGINE_REQUESTS, FP32_TOL, ROWS, max_diff, oracle_logits
 from tests.runtime._steps import greedy, prefill_logits
@@ -48,7 +49,7 @@ def test_unpack_restores_the_plain_weights_and_loading_needs_it(written) -> None
     plain = load_model(written[None][0], pack_weights=False)
     model = load_model(written[None][0], pack_weights=True)
     with pytest.raises(ValueError, match="packed"):
-        model.hf_target("model.layers.0.self_attn.q_proj.weight")
+        hf_target(model, "model.layers.0.self_attn.q_proj.weight")
     with pytest.raises(RuntimeError, match="unpack"):
         model.load_state_dict(plain.state_dict())
     model.unpack_weights()

@@ -1,0 +1,88 @@
+"""Megatron tensor parallelism's plan: which features of each projection one of N shards holds.
+
+Column-parallel projections (q/k/v, gate/up) split their output features: a shard holds its q heads, its KV heads
+(replicated where KV < N, as vLLM does), its slice of the MLP width; their LoRA keeps A whole and splits B by the same
+output features. Row-parallel ones (o, down) split their input features the same way and keep their output (and B)
+whole: each shard's partial output, LoRA included, joins the others in the layer's one all-reduce. ``size`` 1 holds
+every feature: the plan of an unsharded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base_model import BaseModelSpec
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # A whole, B split by output features
+ROW_PARALLEL = ("o_proj", "down_proj")  # A split by input features, B whole
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """N-way tensor parallelism (Megatron's split of every projection)."""
+
+    size: int = 1  # N devices (shards); 1: unsharded
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.size!r}")
+
+    def check(self, spec: BaseModelSpec) -> None:
+        """ValueError unless ``spec`` splits ``size`` ways: heads and the MLP width evenly, KV heads evenly or each
+        replicated on a whole number of shards."""
+        n, kv = self.size, spec.num_kv_heads
+        if spec.num_heads % n or spec.intermediate_size % n or (kv % n and n % kv):
+            raise ValueError(
+                f"tensor_parallel_size {n} does not split the model: num_heads {spec.num_heads} and "
+                f"intermediate_size {spec.intermediate_size} must be multiples of it, and num_kv_heads {kv} a "
+                "multiple or a divisor of it"
+            )
+
+    def kv_heads(self, spec: BaseModelSpec) -> int:
+        """KV heads one shard holds: ``num_kv_heads / N``, or 1 (replicated) where KV < N."""
+        return max(1, spec.num_kv_heads // self.size)
+
+    def kv_head_of(self, spec: BaseModelSpec, shard: int, local: int) -> int:
+        """The global KV head that ``shard``'s ``local``-th KV head is."""
+        if spec.num_kv_heads >= self.size:
+            return shard * self.kv_heads(spec) + local
+        return shard * spec.num_kv_heads // self.size
+
+    def out_index(self, spec: BaseModelSpec, proj: str, shard: int) -> torch.Tensor:
+        """The full projection's output features ``shard`` holds (int64, ascending within a head). Row-parallel
+        projections: all of them."""
+        self._check_shard(shard)
+        dim, n = spec.head_dim, self.size
+        if proj == "q_proj":
+            heads = spec.num_heads // n
+            return torch.arange(shard * heads * dim, (shard + 1) * heads * dim)
+        if proj in ("k_proj", "v_proj"):
+            heads = [self.kv_head_of(spec, shard, j) for j in range(self.kv_heads(spec))]
+            return torch.cat([torch.arange(h * dim, (h + 1) * dim) for h in heads])
+        if proj in ("gate_proj", "up_proj"):
+            width = spec.intermediate_size // n
+            return torch.arange(shard * width, (shard + 1) * width)
+        if proj in ROW_PARALLEL:
+            return torch.arange(spec.hidden_size)
+        raise ValueError(f"unknown projection {proj!r}")
+
+    def in_index(self, spec: BaseModelSpec, proj: str, shard: int) -> torch.Tensor:
+        """The full projection's input features ``shard`` holds. Column-parallel projections: all of them."""
+        self._check_shard(shard)
+        if proj in COLUMN_PARALLEL:
+            return torch.arange(spec.hidden_size)
+        if proj == "o_proj":
+            return self.out_index(spec, "q_proj", shard)  # the shard's heads' attention output
+        if proj == "down_proj":
+            return self.out_index(spec, "up_proj", shard)
+        raise ValueError(f"unknown projection {proj!r}")
+
+    def local_shape(self, spec: BaseModelSpec, proj: str) -> tuple[int, int]:
+        """(in_features, out_features) of one shard's piece of ``proj``."""
+        return len(self.in_index(spec, proj, 0)), len(self.out_index(spec, proj, 0))
+
+    def _check_shard(self, shard: int) -> None:
+        if not 0 <= shard < self.size:
+            raise ValueError(f"shard {shard} is outside 0..{self.size - 1}")

@@ -1,0 +1,47 @@
+"""One SPMD program over a mesh of devices (torch_xla's GSPMD): the mesh a tensor-parallel size runs on, and the
+sharding marks that place each tensor's shards.
+
+The mesh is ``(D / N, N)`` over every device the runtime has, axes ``("data", "model")``: tensor parallelism shards
+over ``model`` (N devices) and nothing is sharded over ``data``, so with D > N each group of N devices holds a whole
+copy. GSPMD partitions the traced step from the marks: a weight or pool row tensor marked on ``model`` lives 1/N on
+each device, and the collectives the math needs (the row-parallel sums) are inserted by the partitioner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODEL_AXIS = "model"
+
+
+def mesh(size: int) -> Any:
+    """The global mesh for ``size``-way tensor parallelism, made once (SPMD mode switched on first: call before any
+    tensor is placed on the XLA device). Raises ValueError when the devices cannot hold ``size`` shards."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        xr.use_spmd()
+    current = xs.get_global_mesh()
+    if current is not None and current.mesh_shape[1] == size:
+        return current
+    devices = xr.global_runtime_device_count()
+    if size < 1 or devices % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the {devices} XLA devices "
+            "(on the CPU device: PJRT_DEVICE=CPU CPU_NUM_DEVICES=N)"
+        )
+    made = xs.Mesh(np.arange(devices), (devices // size, size), ("data", MODEL_AXIS))
+    xs.set_global_mesh(made)
+    return made
+
+
+def mark(tensor: Any, size: int, spec: tuple[str | None, ...]) -> None:
+    """Shard ``tensor`` (on the XLA device) over ``size`` devices along the dims ``spec`` names ``"model"``; None
+    dims are whole on every device."""
+    import torch_xla.distributed.spmd as xs
+
+    if tensor.device.type != "xla":
+        raise ValueError(f"tensor parallelism over {size} devices runs on XLA; the tensor is on {tensor.device}")
+    xs.mark_sharding(tensor, mesh(size), spec)

@@ -1,0 +1,188 @@
+"""Tensor parallelism on the torch_xla CPU mesh: the collectives of one decode step read from the compiled HLO, and
+each device's memory, both beside their Megatron floors.
+
+    PJRT_DEVICE=CPU .venv-xla/bin/python -m scripts.bench_tp [--tp 4] [--shape bench|llama70b] [--layers L]
+
+One SPMD program over ``--devices`` virtual CPU devices (default: --tp), N = ``--tp`` shards: the engine serves
+``--tokens`` requests on as many rank-16 adapters (every projection) through the sharded pool; the first decode step's
+graph is compiled then, and its optimized HLO (XLA_FLAGS --xla_dump_to) lists every collective with its shape.
+
+Floors: collectives, Megatron's 2 all-reduces of [T, hidden] per layer plus the vocabulary-parallel embedding's one,
+and 0 for LoRA (it joins each row-parallel layer's partial sum before the all-reduce); the logits may come back as one
+all-gather of [rows, vocab] (printed on its own line). Memory, 1/N of the base weights and of the pool's rows plus
+what stays whole (norms, the RoPE table). ``llama70b``: Llama-3.1-70B's layer shapes (hidden 8192, 64 heads, 8 KV
+heads, MLP 28672) with a 32,000-token vocabulary and ``--layers`` layers (random weights, bf16). On a 2-core machine
+the step time of N virtual devices is no speed figure (they share the cores): this prints none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
+
+_DUMP = Path(tempfile.mkdtemp(prefix="bench-tp-hlo-"))
+
+
+def _environment(devices: int) -> None:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ["CPU_NUM_DEVICES"] = str(devices)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={_DUMP} --xla_dump_hlo_as_text"
+
+
+_COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(")
+_SHAPE = re.compile(r"(bf16|f16|f32|f64|s32|s64|u32|pred)\[([0-9,]*)\]")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "s64": 8, "u32": 4, "pred": 1}
+
+
+def collectives(text: str) -> list[tuple[str, str, int]]:
+    """(kind, result shape, bytes) of every collective in one optimized HLO module."""
+    found = []
+    for line in text.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match and "-start" not in line.split("=")[1][:40]:
+            shapes = _SHAPE.findall(match.group(1))
+            nbytes = sum(_BYTES[t] * eval("*".join(d.split(",")) or "1") for t, d in shapes)  # noqa: S307 - digits
+            found.append((match.group(2), match.group(1).strip(), nbytes))
+    return found
+
+
+def _new_modules(seen: set[Path]) -> list[Path]:
+    files = [p for p in _DUMP.glob("*after_optimizations.txt") if p not in seen]
+    seen.update(files)
+    return files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: --tp)")
+    parser.add_argument("--shape", choices=("bench", "llama70b"), default="bench")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default: the shape's; llama70b: 1)")
+    parser.add_argument("--tokens", type=int, default=4, help="decode tokens in the step (one request each)")
+    parser.add_argument("--out", default="bench_tp.json")
+    args = parser.parse_args()
+    _environment(args.devices or args.tp)
+    _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    import torch
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+    from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+    from adapter_manager.runtime.engine.sampling import SamplingParams
+    from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+    from adapter_manager.runtime.model.checkpoint import load_model, write_random_checkpoint
+    from adapter_manager.runtime.model.config import LlamaConfig
+    from adapter_manager.spmd import mesh
+    from scripts.harness.results import cpu_model, write_json
+
+    mesh(args.tp)
+    device = torch_xla.device()
+    if args.shape == "llama70b":
+        config = replace(
+            LlamaConfig.bench(), hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+            intermediate_size=28672, vocab_size=32000, num_layers=args.layers or 1,
+        )  # fmt: skip
+        dtype = torch.bfloat16
+    else:
+        config = replace(LlamaConfig.bench(), num_layers=args.layers or LlamaConfig.bench().num_layers)
+        dtype = torch.float32
+    work = Path(tempfile.mkdtemp(prefix="bench-tp-"))
+    write_random_checkpoint(config, work / "base", dtype=dtype)
+    model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel_size=args.tp)
+    spec = model.config.to_spec("bench-tp")
+    manager = AdapterManager(
+        spec,
+        AdapterManagerConfig(
+            max_slots=args.tokens, max_rank=16, device=device, dtype=dtype, prefetch_workers=0,
+            tensor_parallel_size=args.tp, host_cache_bytes=1 << 36,
+        ),
+    )  # fmt: skip
+    for i in range(args.tokens):
+        write_synthetic_adapter(work / f"a{i}", spec, r=16, seed=i, dtype=dtype)
+        manager.register(str(work / f"a{i}"), adapter_id=f"a{i}")
+    budget, prompt = 128, 24
+    engine_config = EngineConfig(
+        max_batch=args.tokens, max_seq_len=64, scheduler=SchedulerConfig(token_budget=budget),
+        token_buckets=(args.tokens, budget), eos_ids=(),
+    )  # fmt: skip
+    engine = Engine(model, manager, engine_config)
+    seen: set[Path] = set()
+    _new_modules(seen)
+    for i in range(args.tokens):
+        engine.submit(list(range(1, prompt + 1)), f"a{i}", SamplingParams(max_tokens=4))
+    engine.step()  # the prefill step: every prompt in one bucket-128 step
+    _new_modules(seen)
+    engine.step()  # the first decode step: T tokens, its own bucket, compiled now
+    step_modules = _new_modules(seen)
+    engine.run_until_idle(max_steps=20)
+    found = [c for path in step_modules for c in collectives(path.read_text())]
+    item = dtype.itemsize
+    t, hidden, layers, n = args.tokens, config.hidden_size, config.num_layers, args.tp
+    floor = (2 * layers + 1) * t * hidden * item
+    reduces = [c for c in found if c[0] == "all-reduce"]
+    others = [c for c in found if c[0] != "all-reduce"]
+    print(
+        f"CPU: {cpu_model()}; {xr.global_runtime_device_count()} virtual XLA CPU devices, TP = {n}, {args.shape} "
+        f"shapes ({layers} layers, hidden {hidden}, {dtype}), decode step of {t} tokens on {t} adapters"
+    )
+    print(
+        f"all-reduce: {len(reduces)} ops, {sum(c[2] for c in reduces):,} B | Megatron floor: {2 * layers + 1} "
+        f"(2 per layer + the embedding's) of [{t}, {hidden}] = {floor:,} B; LoRA floor 0"
+    )
+    for kind, shape, nbytes in others:
+        print(f"  also {kind} {shape}: {nbytes:,} B")
+    memory = _device_memory(model, manager, n)
+    for name, (local, whole) in memory.items():
+        print(
+            f"{name:>12}: {local / 2**20:9.2f} MiB per device | floor whole/N {whole / n / 2**20:9.2f} MiB "
+            f"(whole {whole / 2**20:9.2f} MiB)"
+        )
+    from adapter_manager.tiers.row_layout import RowLayout
+
+    unsharded = manager.pool_nbytes * RowLayout.of(spec).width // RowLayout.of(spec, model.tensor_parallel).width
+    print(
+        f"{'':>12}  the unsharded pool / N: {unsharded / n / 2**20:.2f} MiB (A of q/k/v/gate/up and Bt of o/down "
+        "are whole on every device)"
+    )
+    print("step time: none printed (N virtual devices share this machine's cores: a correctness run, not a speed one)")
+    write_json(args.out, {
+        "tp": n, "shape": args.shape, "layers": layers, "tokens": t, "dtype": str(dtype),
+        "collectives": [{"kind": k, "shape": s, "bytes": b} for k, s, b in found],
+        "all_reduce_ops": len(reduces), "all_reduce_bytes": sum(c[2] for c in reduces), "floor_bytes": floor,
+        "memory_per_device": {k: {"local": v[0], "whole": v[1]} for k, v in memory.items()},
+    })  # fmt: skip
+    manager.close()
+
+
+def _device_memory(model, manager, shards: int) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+    """(bytes on one device, bytes whole) of the base weights, the KV caches and the pool: a tensor split over the
+    mesh counts 1/N on a device, a whole one all of it."""
+    import torch_xla
+
+    def split(tensors) -> tuple[int, int]:  # noqa: ANN001
+        local = whole = 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            sharded = "devices=" in torch_xla._XLAC._get_xla_sharding_spec(tensor)
+            local, whole = local + (nbytes // shards if sharded else nbytes), whole + nbytes
+        return local, whole
+
+    caches = [t for cache in model.kv_caches for t in (cache.k, cache.v)]
+    return {
+        "base weights": split(list(model.parameters())),
+        "KV cache": split(caches),
+        "pool rows": (manager.pool_device_nbytes, manager.pool_nbytes),
+    }
+
+
+if __name__ == "__main__":
+    main()

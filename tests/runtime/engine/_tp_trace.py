@@ -1,0 +1,109 @@
+"""The tensor-parallel engine trace, run in its own process: SPMD must be switched on before the first XLA tensor,
+and the XLA lane's other tests run without it.
+
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp N
+
+PATHS.json maps each adapter name (and "base") to its folder. Warm-up, then a trace with mixed adapters, swaps
+(5 adapters through 2 slots), prefix hits and preemptions, then echo (prompt_logprobs) requests; OUT.json holds every
+request's tokens, the echoes' prompt logprobs, the compile counts and the KV / move counters, for the test to compare
+with PEFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch_xla
+import torch_xla.debug.metrics as metrics
+
+from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.kv_space import block_bytes
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.spmd import mesh
+
+BUCKETS = (8, 16, 32)
+STEPS = 120
+NEW_TOKENS = 6
+TINY_NAME = "test-org/tiny-llama"
+
+
+def compile_count() -> int:
+    data = metrics.metric_data("CompileTime")
+    return 0 if data is None else data[0]
+
+
+def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: int) -> dict:
+    if tp > 1:
+        mesh(tp)  # SPMD on before anything touches the XLA device
+    device = torch_xla.device()
+    model = load_model(paths["base"], dtype=torch.float32, device=device, tensor_parallel_size=tp)
+    spec = model.config.to_spec(TINY_NAME)
+    config = AdapterManagerConfig(max_slots=2, max_rank=8, device=device, prefetch_workers=0, tensor_parallel_size=tp)
+    manager = AdapterManager(spec, config)
+    for name, folder in paths.items():
+        if name != "base":
+            manager.register(folder, adapter_id=name)
+    kv_bytes = 8 * block_bytes(model.config, torch.float32, 4)  # 8 blocks of 4 tokens for 4 sequences
+    engine_config = EngineConfig(
+        max_batch=4,
+        max_seq_len=32,
+        scheduler=SchedulerConfig(token_budget=32),
+        token_buckets=BUCKETS,
+        eos_ids=(),
+        kv_block_size=4,
+        kv_cache_bytes=kv_bytes,
+    )
+    engine = Engine(model, manager, engine_config)
+    try:
+        manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
+        warm_up_graphs = engine.warm_up()
+        warmed = compile_count()
+        rng = random.Random(0)
+        handles = []
+        for step in range(STEPS):
+            for _ in range(rng.choice((0, 0, 1, 1, 2)) if step < STEPS - 30 else 0):
+                prompt, name = rng.choice(combos)
+                params = SamplingParams(max_tokens=rng.randint(1, NEW_TOKENS))
+                handles.append((engine.submit(prompt, name, params), prompt, name))
+            engine.step()
+        engine.run_until_idle(max_steps=200)
+        echoes = [(engine.submit(p, a, SamplingParams(max_tokens=2, prompt_logprobs=2)), p, a) for p, a in combos]
+        engine.run_until_idle(max_steps=100)
+        kv = engine.kv_metrics()
+        return {
+            "tp": tp,
+            "warm_up_graphs": warm_up_graphs,
+            "compiles_after_warm_up": compile_count() - warmed,
+            "requests": [[prompt, name, h.result(timeout=0)] for h, prompt, name in handles],
+            "echoes": [
+                [prompt, name, h.result(timeout=0), [[lp.token, lp.logprob] for lp in h.prompt_logprobs[1:]]]
+                for h, prompt, name in echoes
+            ],
+            "prefix_hit_tokens": kv.prefix_hit_tokens,
+            "preemptions": kv.preemptions,
+            "swaps": manager.metrics().moves["host_to_slot"].count,
+        }
+    finally:
+        manager.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tp", type=int, required=True)
+    args = parser.parse_args()
+    spec = json.loads(args.paths.read_text())
+    combos = [(list(prompt), name) for prompt, name in spec["combos"]]
+    args.out.write_text(json.dumps(run(spec["paths"], combos, args.tp)))
+
+
+if __name__ == "__main__":
+    main()
