@@ -323,6 +323,11 @@ class AdapterManager:
         """Stop calling a listener given to :meth:`on_prefetched` (a no-op for one not listening)."""
         self.prefetcher.off_done(listener)
 
+    def on_slot_load(self, listener: Callable[[int, torch.Tensor], None]) -> None:
+        """Call ``listener(start_row, block)`` after every host -> slot copy completes, before the slot is published
+        (``block [r, width]``: every tensor-parallel section of the adapter's rows)."""
+        self.pool.on_load(listener)
+
     def take_prefetch_errors(self) -> dict[str, BaseException]:
         """Every pending prefetch failure by adapter, once (the next request for each retries)."""
         return self.prefetcher.take_errors()

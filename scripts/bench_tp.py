@@ -62,9 +62,11 @@ def main() -> None:
     parser.add_argument("--shape", choices=("bench", "llama70b"), default="bench")
     parser.add_argument("--layers", type=int, default=None, help="layers (default: the shape's; llama70b: 1)")
     parser.add_argument("--tokens", type=int, default=4, help="decode tokens in the step (one request each)")
+    parser.add_argument("--device", choices=("xla", "cpu"), default="xla", help="cpu: one process per shard (gloo)")
     parser.add_argument("--out", default="bench_tp.json")
     args = parser.parse_args()
-    _environment(args.devices or args.tp)
+    if args.device == "xla":
+        _environment(args.devices or args.tp)
     _run(args)
 
 
@@ -72,20 +74,28 @@ def _run(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     import torch
-    import torch_xla
-    import torch_xla.runtime as xr
 
     from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
     from adapter_manager.runtime.engine.engine import Engine, EngineConfig
     from adapter_manager.runtime.engine.sampling import SamplingParams
     from adapter_manager.runtime.engine.scheduler import SchedulerConfig
-    from adapter_manager.runtime.model.checkpoint import load_model, write_random_checkpoint
+    from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
+    from adapter_manager.runtime.model.checkpoint import hf_tensor_shapes, load_model, write_random_checkpoint
     from adapter_manager.runtime.model.config import LlamaConfig
-    from adapter_manager.spmd import mesh
     from scripts.harness.results import cpu_model, write_json
 
-    mesh(args.tp)
-    device = torch_xla.device()
+    on_xla, workers = args.device == "xla", None
+    if on_xla:
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        from adapter_manager.spmd import mesh
+
+        mesh(args.tp)
+        device = torch_xla.device()
+        where = f"{xr.global_runtime_device_count()} XLA devices (PJRT_DEVICE={os.environ['PJRT_DEVICE']})"
+    else:
+        device, where = torch.device("cpu"), f"{args.tp} processes (gloo on loopback)"
     if args.shape == "llama70b":
         config = replace(
             LlamaConfig.bench(), hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
@@ -97,7 +107,12 @@ def _run(args: argparse.Namespace) -> None:
         dtype = torch.float32
     work = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     write_random_checkpoint(config, work / "base", dtype=dtype)
-    model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel_size=args.tp)
+    if on_xla:
+        model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel_size=args.tp)
+    else:
+        workers = start_shard_workers(ShardLaunch(work / "base", args.tp, dtype))
+        model = workers.load_model()
+    group = model.shard_group
     spec = model.config.to_spec("bench-tp")
     manager = AdapterManager(
         spec,
@@ -121,17 +136,25 @@ def _run(args: argparse.Namespace) -> None:
         engine.submit(list(range(1, prompt + 1)), f"a{i}", SamplingParams(max_tokens=4))
     engine.step()  # the prefill step: every prompt in one bucket-128 step
     _new_modules(seen)
+    counted = (group.collectives, group.collective_bytes) if group is not None else (0, 0)
     engine.step()  # the first decode step: T tokens, its own bucket, compiled now
     step_modules = _new_modules(seen)
-    engine.run_until_idle(max_steps=20)
-    found = [c for path in step_modules for c in collectives(path.read_text())]
     item = dtype.itemsize
     t, hidden, layers, n = args.tokens, config.hidden_size, config.num_layers, args.tp
     floor = (2 * layers + 1) * t * hidden * item
+    if group is not None:  # counted: the all-reduces, then the logits' all-gather of [T, vocab / N]
+        ops, nbytes = group.collectives - counted[0], group.collective_bytes - counted[1]
+        gather = t * (config.vocab_size // n) * item
+        found = [("all-reduce", f"[{t}, {hidden}]", t * hidden * item)] * (ops - 1)
+        found += [("all-gather", f"[{t}, {config.vocab_size // n}] (the logits)", gather)]
+        assert sum(c[2] for c in found) == nbytes, (found, nbytes)
+    else:
+        found = [c for path in step_modules for c in collectives(path.read_text())]
+    engine.run_until_idle(max_steps=20)
     reduces = [c for c in found if c[0] == "all-reduce"]
     others = [c for c in found if c[0] != "all-reduce"]
     print(
-        f"CPU: {cpu_model()}; {xr.global_runtime_device_count()} virtual XLA CPU devices, TP = {n}, {args.shape} "
+        f"CPU: {cpu_model()}; {where}, TP = {n}, {args.shape} "
         f"shapes ({layers} layers, hidden {hidden}, {dtype}), decode step of {t} tokens on {t} adapters"
     )
     print(
@@ -140,7 +163,16 @@ def _run(args: argparse.Namespace) -> None:
     )
     for kind, shape, nbytes in others:
         print(f"  also {kind} {shape}: {nbytes:,} B")
-    memory = _device_memory(model, manager, n)
+    if on_xla:
+        memory = _device_memory(model, manager, n)
+    else:  # this process's shard, against the whole checkpoint
+        whole = sum(torch.Size(shape).numel() for shape in hf_tensor_shapes(config).values()) * item
+        caches = [t for cache in model.kv_caches for t in (cache.k, cache.v)]
+        memory = {
+            "base weights": (sum(v.numel() * v.element_size() for v in model.state_dict().values()), whole),
+            "KV cache": (sum(c.numel() * c.element_size() for c in caches), n * sum(c.nbytes for c in caches)),
+            "pool rows": (manager.pool_nbytes // n, manager.pool_nbytes),  # each shard's section; rank 0 keeps all
+        }
     for name, (local, whole) in memory.items():
         print(
             f"{name:>12}: {local / 2**20:9.2f} MiB per device | floor whole/N {whole / n / 2**20:9.2f} MiB "
@@ -153,7 +185,7 @@ def _run(args: argparse.Namespace) -> None:
         f"{'':>12}  the unsharded pool / N: {unsharded / n / 2**20:.2f} MiB (A of q/k/v/gate/up and Bt of o/down "
         "are whole on every device)"
     )
-    print("step time: none printed (N virtual devices share this machine's cores: a correctness run, not a speed one)")
+    print("step time: none printed (the N shards share this machine's cores: a correctness run, not a speed one)")
     write_json(args.out, {
         "tp": n, "shape": args.shape, "layers": layers, "tokens": t, "dtype": str(dtype),
         "collectives": [{"kind": k, "shape": s, "bytes": b} for k, s, b in found],
@@ -161,6 +193,8 @@ def _run(args: argparse.Namespace) -> None:
         "memory_per_device": {k: {"local": v[0], "whole": v[1]} for k, v in memory.items()},
     })  # fmt: skip
     manager.close()
+    if workers is not None:
+        workers.close()
 
 
 def _device_memory(model, manager, shards: int) -> dict[str, tuple[int, int]]:  # noqa: ANN001

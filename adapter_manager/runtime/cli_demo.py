@@ -22,6 +22,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--slots", type=int, default=8, help="device adapter slots (default 8)")
     demo.add_argument("--model", choices=("bench", "tiny"), default="bench", help="random model size (default bench)")
     demo.add_argument("--workdir", type=Path, default=None, help="where to write files (default: a temp dir)")
+    demo.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="shard the model and the pool over N processes (1)"
+    )
     demo.set_defaults(run=run)
 
 
@@ -29,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
     try:
-        config = DemoConfig(args.adapters, args.requests, args.clients, args.slots, args.model)
+        config = DemoConfig(
+            args.adapters, args.requests, args.clients, args.slots, args.model,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )  # fmt: skip
     except ValueError as err:
         return fail(USAGE_ERROR, err)
     return run_demo(config, args.workdir)

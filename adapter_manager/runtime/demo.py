@@ -51,6 +51,7 @@ class DemoConfig:
     zipf_alpha: float = 1.0  # adapter popularity: P(i) ~ 1 / (i + 1)^alpha
     host_cache_adapters: int = 16  # host tier bound, in adapters targeting every module at rank 64
     seed: int = 0  # traffic and weights
+    tensor_parallel_size: int = 1  # the model and the pool sharded over N processes (cpu: one per shard, gloo)
 
     def __post_init__(self) -> None:
         if min(self.adapters, self.requests, self.clients, self.slots, self.max_tokens, self.host_cache_adapters) < 1:
@@ -94,6 +95,7 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
             max_seq_len=128,
             port=0,
             max_pending=max(256, 2 * config.clients),
+            tensor_parallel_size=config.tensor_parallel_size,
         ).configs(root / "model")
         with LocalHub(root / "hub") as hub:
             configs.manager.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)

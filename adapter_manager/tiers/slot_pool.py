@@ -17,7 +17,7 @@ once the copy has completed on the device.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -153,6 +153,7 @@ class SlotPool:
         self._stacks = {key: SlotStacks(self.rows, self.layout, key) for key in spec.module_keys()}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._xla_lock = threading.RLock()  # re-entrant: the engine holds it around a whole step
+        self._load_listeners: list[Callable[[int, torch.Tensor], None]] = []
         if self.device.type == "xla":
             with self._xla_lock:  # compile each block size's load graph now, into unit 0 (free, zero)
                 # a first copy into the freshly transferred rows traces a graph of its own: do it once more below
@@ -246,6 +247,14 @@ class SlotPool:
             done.synchronize()
         else:
             self.rows[start : start + rank].copy_(storage)
+        for listener in list(self._load_listeners):
+            listener(start, storage)
+
+    def on_load(self, listener: Callable[[int, torch.Tensor], None]) -> None:
+        """Call ``listener(start_row, block)`` (on the loading thread) after every load has completed, before the
+        allocator publishes its range: with one process per tensor-parallel shard, the other shards' sections of
+        ``block [r, width]`` still have to reach their processes."""
+        self._load_listeners.append(listener)
 
     def _copy_xla(self, slot: int, block: torch.Tensor) -> None:
         # The start row is a device index tensor, never a Python int: one graph per block size for every slot.

@@ -31,6 +31,7 @@ from .config import EngineConfig
 from .cuda_graphs import can_capture, use_decode_graphs
 from .device import xla_sync
 from .scheduler import ScheduledChunk
+from .shard_workers import ShardedRunner
 from .step_batch import step_batch, step_meta
 from .warm_up import echo_logits_rows, warm_up_batches
 
@@ -41,10 +42,15 @@ class EagerRunner:
     token_buckets: tuple[int, ...] = ()
     """The token buckets steps are padded to: none."""
 
-    def __init__(self, model: Llama, meta: LoRAKernelMeta, config: EngineConfig) -> None:
+    def __init__(
+        self, model: Llama, meta: LoRAKernelMeta, config: EngineConfig, shards: ShardedRunner | None = None
+    ) -> None:
         self.model, self.meta, self.config = model, meta, config
         self.device_lock: AbstractContextManager = contextlib.nullcontext()
-        self.graphs = use_decode_graphs(model, meta) if config.cuda_graphs and can_capture(meta) else None
+        self.shards = shards
+        """One process per tensor-parallel shard: the other shards' messages, sent before each forward."""
+        captures = config.cuda_graphs and shards is None and can_capture(meta)
+        self.graphs = use_decode_graphs(model, meta) if captures else None
         """The captured decode steps (cuda, triton backend), where their first contact held up; None: eager."""
 
     @property
@@ -66,6 +72,8 @@ class EagerRunner:
         """One forward (a decode step the CUDA graphs cover replays its graph); returns its logits [N, vocab].
         ``slot_rows``: the rank (pool rows) of every slot in the batch."""
         assert batch.slot_indices is not None
+        if self.shards is not None:
+            self.shards.send(batch, slot_rows)
         self.meta.prepare(batch.slot_indices, slot_rows)
         with torch.inference_mode():
             return self.model(batch, self.meta) if self.graphs is None else self.graphs.forward(batch, self.meta)
@@ -136,4 +144,5 @@ def make_runner(model: Llama, backend: KernelBackend, manager: AdapterManager, c
         meta = step_meta(backend, manager, max_batch, config.buckets()[-1], device)
         return TracedRunner(model, meta, config, manager.device_lock)
     meta = step_meta(backend, manager, max_batch, config.scheduler.token_budget, device)
-    return EagerRunner(model, meta, config)
+    shards = ShardedRunner(model, meta, manager, config) if model.shard_group is not None else None
+    return EagerRunner(model, meta, config, shards)

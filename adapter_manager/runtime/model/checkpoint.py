@@ -26,6 +26,7 @@ from .cpu_features import warn_if_slow_bf16
 from .hf_map import load_hf
 from .llama import Llama
 from .projection import LoRALinear, quantize_linears
+from .shard_group import ShardGroup
 from .tensor_parallel import mark_weights
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ def load_model(
     pack_weights: bool | None = None,
     quantize: str | None = None,
     tensor_parallel_size: int = 1,
+    shard_group: ShardGroup | None = None,
 ) -> Llama:
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
 
@@ -185,8 +187,9 @@ def load_model(
     into the layout measured fastest on this machine (our blocked one, oneDNN's, or plain) where it applies (CPU;
     :meth:`Llama.pack_weights`), replacing the plain ones.
 
-    ``tensor_parallel_size`` N > 1: Megatron tensor parallelism as one SPMD program over N XLA devices
-    (:mod:`.tensor_parallel`; ``device`` must be XLA): each weight is split over the devices as it is loaded.
+    ``tensor_parallel_size`` N > 1: Megatron tensor parallelism. On XLA one SPMD program over N devices
+    (:mod:`.tensor_parallel`): each weight split over the mesh. On CPU and CUDA one process per shard: ``shard_group``
+    names this process's shard, which loads only its part of each tensor (:mod:`.shard_group`).
 
     ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every projection
     weight (q/k/v/o/gate/up/down, and an untied lm_head) by weight-only int8 with one scale per output row
@@ -215,14 +218,16 @@ def load_model(
         if generation_eos is not None:
             config = replace(config, eos_token_ids=eos_ids(generation_eos))
     tp = TensorParallel(tensor_parallel_size)
-    if tp.size > 1:
-        if torch.device(device).type != "xla":
-            raise ValueError(
-                f"tensor_parallel_size {tp.size} runs as one SPMD program on XLA devices; got device {device}"
-            )
+    spmd = tp.size > 1 and torch.device(device).type == "xla"
+    if spmd:
         mesh(tp.size)  # SPMD mode on before the first tensor reaches the device
+    elif tp.size > 1 and shard_group is None:
+        raise ValueError(
+            f"tensor_parallel_size {tp.size} on {device} runs one process per shard: give this process's shard_group "
+            "(runtime.engine.shard_workers starts the others)"
+        )
     with torch.device("meta"):
-        model = Llama(config, tp)
+        model = Llama(config, tp, None if spmd else shard_group)
     model = model.to(dtype=dtype).to_empty(device=device)
     expected = hf_tensor_shapes(config)
     seen: set[str] = set()
@@ -248,7 +253,7 @@ def load_model(
             f"{folder}: tensors missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
     model = model.eval().requires_grad_(False)
-    if tp.size > 1:
+    if spmd:
         mark_weights(model)  # each device keeps its shards (a copy into a parameter replaces its placement)
     if quantize not in (None, "none"):
         quantize_linears([m for m in model.modules() if isinstance(m, LoRALinear)])

@@ -7,6 +7,7 @@ import torch
 
 from adapter_manager import PROJECTIONS, ModuleKey
 from adapter_manager.base_model import PROJECTION_PARENT
+from adapter_manager.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 
 from .llama import Llama
 
@@ -53,6 +54,8 @@ def hf_target(model: Llama, name: str) -> tuple[torch.Tensor, slice | torch.Tens
 def load_hf(model: Llama, name: str, tensor: torch.Tensor) -> None:
     """Copy HF tensor ``name`` into its place (:func:`hf_target`); over S shards a column-parallel projection's
     rows go to each shard's rows (its heads, KV heads replicated where KV < S; its MLP columns)."""
+    if model.shard_group is not None:
+        tensor = _shard_of(model, name, tensor, model.shard_group.rank)
     param, rows = hf_target(model, name)
     if not isinstance(rows, torch.Tensor):
         (param if rows is None else param[rows]).copy_(tensor)
@@ -60,3 +63,17 @@ def load_hf(model: Llama, name: str, tensor: torch.Tensor) -> None:
     proj, spec, tp = name.split(".")[-2], model.config.to_spec(), model.tensor_parallel
     source = torch.cat([tp.out_index(spec, proj, shard) for shard in range(tp.size)])
     param[rows.to(param.device)] = tensor.index_select(0, source).to(param.device, param.dtype)
+
+
+def _shard_of(model: Llama, name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """The part of HF tensor ``name`` that shard ``rank`` holds (one process per shard): a projection's output rows
+    (column-parallel) or input columns (row-parallel), the embedding's and lm_head's vocabulary rows; norms whole."""
+    tp, spec, proj = model.tensor_parallel, model.config.to_spec(), name.split(".")[-2]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = model.tok_embeddings.weight.shape[0]
+        return tensor[rank * rows : (rank + 1) * rows]
+    if proj in COLUMN_PARALLEL:
+        return tensor.index_select(0, tp.out_index(spec, proj, rank))
+    if proj in ROW_PARALLEL:
+        return tensor.index_select(1, tp.in_index(spec, proj, rank))
+    return tensor

@@ -9,14 +9,12 @@ device and load weights into it (:func:`runtime.model.checkpoint.load_checkpoint
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from adapter_manager import ModuleKey, TensorParallel
 from adapter_manager.kernels import (
-    DecodeOps,
     LayerKernels,
     LinearStep,
     LinearWeight,
@@ -27,132 +25,13 @@ from adapter_manager.kernels import (
 )
 
 from .batch import ForwardBatch
+from .blocks import BlockStep, TransformerBlock
 from .config import LlamaConfig
-from .kv_cache import AttentionPlan, KVCache, plan_attention, slot_index
+from .kv_cache import KVCache, plan_attention, slot_index
 from .norm import RMSNorm
 from .projection import LoRALinear, pack_linears
-from .rope import apply_rope, rope_factors, rope_table
-
-
-class _Step(NamedTuple):
-    """What every block of one eager forward shares."""
-
-    batch: ForwardBatch
-    linear: LinearStep
-    """What every linear of the step shares: its executor, LoRA metadata and the device's base matmuls."""
-    tables: torch.Tensor
-    """[R, MB] the step's block tables (the batch's, or the model's dense ones)."""
-    slots: torch.Tensor | None
-    """[T] each token's place in the caches' flat positions (:func:`slot_index`); None when the decode op writes."""
-    rope: tuple[torch.Tensor, torch.Tensor] | None
-    """cos, sin [T, 1, D/2] for the torch attention; None on a step the CPU decode op attends."""
-    plan: AttentionPlan | None
-    """The batched attention plan (eager steps with spans); None: per-sequence calls, or the CPU decode op."""
-    rope_table: torch.Tensor | None
-    """The model's [P, 2, D/2] table, set when ``ops.decode_attention`` runs the step's attention (a decode-only
-    step with the compiled glue)."""
-    ops: DecodeOps
-    """The device's decode glue (norms with the residual adds, SwiGLU's activation, and attention on a decode-only
-    step where compiled): the C++ ops on CPU, the torch forms elsewhere."""
-
-
-class Attention(nn.Module):
-    """GQA self-attention: fused q/k/v base matmul, per-projection LoRA, RoPE, cached causal attention, o_proj.
-
-    Over S tensor-parallel shards (one SPMD program) the fused q/k/v output is shard-major — shard s's q heads, then
-    its KV heads' k and v — and the cache holds S·KV_s heads (KV heads replicated where KV < S); S = 1 is the plain
-    q|k|v layout.
-    """
-
-    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.shards, self.head_dim = tp.size, config.head_dim
-        local_kv = tp.kv_heads(config.to_spec())
-        self.num_heads, self.num_kv_heads = config.num_heads, tp.size * local_kv  # the cache's (replicated) heads
-        q_width, kv_width = config.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
-        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width), shards=tp.size)
-        self.wo = LoRALinear(q_width, (config.hidden_size,), shards=tp.size, row_parallel=True)
-        self.kv_cache: KVCache | None = None
-
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        """Shape: x [T, H]; returns [T, H]. Writes the step's keys/values into the cache.
-
-        ``step.rope_table`` set: RoPE, the cache write and attention in one ``step.ops.decode_attention`` call;
-        otherwise ``step.rope`` (cos, sin [T, 1, D/2] each) and ``step.plan`` (the step's batched attention
-        plan; None with spans runs one call per sequence).
-        """
-        assert self.kv_cache is not None, "setup_caches() first"
-        batch = step.batch
-        qkv = self.wqkv.output(x, step.linear)  # [T, (H + 2·KV)·D]
-        if step.rope_table is not None:
-            cache = self.kv_cache
-            out = step.ops.decode_attention(
-                qkv,
-                step.rope_table,
-                cache.k,
-                cache.v,
-                step.tables,
-                batch.cache_rows,
-                batch.positions,
-                self.num_heads,
-                self.num_kv_heads,
-            )  # [T, H·D]
-            return self.wo.output(out, step.linear)
-        assert step.rope is not None
-        tokens, cos, sin, dim, shards = x.shape[0], step.rope[0], step.rope[1], self.head_dim, self.shards
-        q_heads, kv_heads = self.num_heads // shards, self.num_kv_heads // shards  # one shard's
-        heads = q_heads + kv_heads  # q|k side by side in each shard's output: one rotation for all
-        qkv = qkv.view(tokens, shards, heads + kv_heads, dim)
-        qk = apply_rope(qkv[:, :, :heads].reshape(tokens, shards * heads, dim), cos, sin)  # [T, S·(H_s + KV_s), D]
-        qk = qk.view(tokens, shards, heads, dim)
-        q = qk[:, :, :q_heads].reshape(tokens, self.num_heads, dim)  # views where S = 1
-        k = qk[:, :, q_heads:].reshape(tokens, self.num_kv_heads, dim)
-        v = qkv[:, :, heads:].reshape(tokens, self.num_kv_heads, dim)
-        assert step.slots is not None
-        self.kv_cache.update(step.slots, k, v)
-        if batch.spans is None:
-            out = self.kv_cache.attend_static(q, step.tables, batch.cache_rows, batch.positions)
-        elif step.plan is not None:
-            out = self.kv_cache.attend(q, step.plan, step.tables, k, v)  # [T, heads, D]
-        else:
-            out = self.kv_cache.attend_spans(q, batch.spans, step.tables)  # [T, heads, D]
-        return self.wo.output(out.reshape(tokens, -1), step.linear)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) · up(x))`` with gate/up fused into one base matmul (over S shards shard-major:
-    shard s's gate and up columns side by side)."""
-
-    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        width, self.shards = config.intermediate_size, tp.size
-        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=tp.size)
-        self.w2 = LoRALinear(width, (config.hidden_size,), shards=tp.size, row_parallel=True)
-
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        """Shape: x [T, H]; returns [T, H]."""
-        gate_up = self.w13.output(x, step.linear)  # [T, 2·I]
-        if self.shards > 1:  # [T, S, 2·I_s]: each shard's gate|up (the shard axis kept, so each stays on its device)
-            gated = step.ops.silu_mul(gate_up.view(x.shape[0], self.shards, -1))  # [T, S, I_s]
-            return self.w2.output(gated.flatten(1), step.linear)  # [T, I]: shard s's I_s columns in order
-        return self.w2.output(step.ops.silu_mul(gate_up), step.linear)
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
-
-    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = Attention(config, tp)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = FeedForward(config, tp)
-
-    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        ops = step.ops  # the residual adds fused with the norms or done in place
-        h = self.attention(ops.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step)
-        out = self.feed_forward(ops.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
-        return out.add_(h)  # h: x + attention, written by add_rms_norm
+from .rope import rope_factors, rope_table
+from .shard_group import PoolSection, ShardGroup
 
 
 class Llama(nn.Module):
@@ -163,16 +42,26 @@ class Llama(nn.Module):
     :meth:`forward` once per step.
     """
 
-    def __init__(self, config: LlamaConfig, tensor_parallel: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: LlamaConfig, tensor_parallel: TensorParallel | None = None, group: ShardGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.tensor_parallel = tensor_parallel or TensorParallel()
-        """The shards the tensors hold side by side (Megatron's split; one SPMD program over that many devices)."""
-        self.tensor_parallel.check(config.to_spec())
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(config, self.tensor_parallel) for _ in range(config.num_layers))
+        self.tensor_parallel = tp = tensor_parallel or TensorParallel()
+        """Megatron's split over N shards: held side by side in the tensors (one SPMD program over N devices), or
+        this process's shard alone where ``shard_group`` is set (one process per shard)."""
+        self.shard_group = group
+        tp.check(config.to_spec())
+        if group is not None and (group.size != tp.size or config.vocab_size % tp.size):
+            raise ValueError(
+                f"a shard group of {group.size} for tensor_parallel_size {tp.size}, vocab_size {config.vocab_size}: "
+                "the sizes must agree and divide the vocabulary"
+            )
+        vocab = config.vocab_size // tp.size if group is not None else config.vocab_size  # the rows held here
+        self.tok_embeddings = nn.Embedding(vocab, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config, tp, group) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (config.vocab_size,))
+        self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (vocab,))
         self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
         self.cpu_ops = True
         """Eager steps run the device's compiled decode glue where it has one (the CPU library's C++ ops; False: the
@@ -239,7 +128,7 @@ class Llama(nn.Module):
         for layer in self.layers:
             heads = layer.attention.num_kv_heads  # S·KV_s over S shards
             layer.attention.kv_cache = KVCache(
-                num_blocks + 1, block_size, heads, config.head_dim, self.dtype, self.device, self.tensor_parallel.size
+                num_blocks + 1, block_size, heads, config.head_dim, self.dtype, self.device, layer.attention.shards
             )
         self.max_batch = max_batch
         self.dense_tables = None
@@ -278,11 +167,14 @@ class Llama(nn.Module):
     def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
         """Route every module's LoRA through the slot pool's rows (by reference: later slot loads are seen).
 
-        Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [N, in], .bt [N, out].
+        Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [N, in], .bt [N, out]; over S
+        tensor-parallel sections [N, S, in_s], [N, S, out_s] (one process per shard takes its own section's).
         """
+        group = self.shard_group
         for key, module_stacks in stacks.items():
             linear, part = self.lora_target(key)
-            linear.attach(part, module_stacks)
+            sectioned = group is not None and module_stacks.a.dim() == 3
+            linear.attach(part, PoolSection(module_stacks, group.rank) if sectioned else module_stacks)
 
     def detach_lora(self) -> None:
         """Back to exactly the base model."""
@@ -337,24 +229,39 @@ class Llama(nn.Module):
         if tables is None:
             raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")
         assert self.kernels is not None
-        h = self.tok_embeddings(batch.tokens)  # [T, H]
+        h = self._embed(batch.tokens)  # [T, H]
         ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
         linear = LinearStep.make(lora_meta, self.kernels, ops.compiled)
         if ops.compiled and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
-            step = _Step(batch, linear, tables, None, None, None, self.rope_table, ops)
+            step = BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
             batched = batch.spans is not None and self.batched_attention
             block_size = self.block_size
             plan = plan_attention(batch.spans, tables, block_size, self.device) if batched else None
             slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
-            step = _Step(batch, linear, tables, slots, rope, plan, None, ops)
+            step = BlockStep(batch, linear, tables, slots, rope, plan, None, ops)
         for layer in self.layers:
             h = layer(h, step)
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
         h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps)
         if self.output is None:
-            embeddings = LinearWeight(WeightLayout.PLAIN, self.tok_embeddings.weight, self.config.vocab_size)
-            return self.kernels.linear(h, embeddings, fast=ops.compiled, reorder=False)  # [N, vocab]
-        return self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]
+            table = self.tok_embeddings.weight
+            embeddings = LinearWeight(WeightLayout.PLAIN, table, table.shape[0])
+            logits = self.kernels.linear(h, embeddings, fast=ops.compiled, reorder=False)  # [N, vocab]
+        else:
+            logits = self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]
+        return logits if self.shard_group is None else self.shard_group.all_gather(logits)  # each shard's rows
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Shape: tokens [T]; returns [T, H]. One process per shard: each holds ``vocab / N`` rows, looks up the tokens
+        they hold (zero for the others) and the shards' lookups are summed."""
+        group, table = self.shard_group, self.tok_embeddings
+        if group is None:
+            return table(tokens)
+        rows = table.weight.shape[0]
+        local = tokens - group.rank * rows
+        held = (local >= 0) & (local < rows)
+        h = table(torch.where(held, local, torch.zeros_like(local))) * held[:, None].to(table.weight.dtype)
+        return group.all_reduce(h)

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from adapter_manager import AdapterManager, AdapterManagerConfig
 
 from ..engine.engine import Engine, EngineConfig
+from ..engine.shard_workers import ShardLaunch, ShardWorkers, start_shard_workers
 from ..model.checkpoint import load_model
 from ..model.tokenizer import load_tokenizer
 from .app import create_app
@@ -32,10 +33,13 @@ class Serving:
     app: FastAPI
     engine: Engine
     manager: AdapterManager
+    shards: ShardWorkers | None = None  # the other tensor-parallel shards' processes (cpu, tensor_parallel_size > 1)
 
     def close(self) -> None:
         self.engine.close()
         self.manager.close()
+        if self.shards is not None:
+            self.shards.close()
 
 
 def build_serving(
@@ -54,19 +58,28 @@ def build_serving(
     or path `model_ref` it was served from) as well as the served name `server_config.model_name`. `quantize`
     ("int8") holds the base projections weight-only int8 (:func:`runtime.model.checkpoint.load_model`)."""
     folder = Path(folder)
-    tp = manager_config.tensor_parallel_size
-    model = load_model(folder, dtype=dtype, device=manager_config.device, quantize=quantize, tensor_parallel_size=tp)
-    max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
-    engine_config = replace(engine_config, max_seq_len=max_seq_len)
-    spec = model.config.to_spec(server_config.model_name, checkpoint_aliases(folder, model_ref))
-    manager = AdapterManager(spec, manager_config)
-    engine = Engine(model, manager, engine_config)
-    started = time.perf_counter()
-    if graphs := engine.warm_up():  # traced devices: every step graph now, none on the first requests
-        log.info("warm-up: %d step graphs compiled in %.1f s", graphs, time.perf_counter() - started)
-    tokenizer = load_tokenizer(folder, model.config.vocab_size)
-    server_config = replace(server_config, chat_template=ChatTemplate.from_folder(folder))
-    return Serving(create_app(engine, manager, tokenizer, server_config), engine, manager)
+    tp, device, shards = manager_config.tensor_parallel_size, manager_config.device, None
+    if tp > 1 and torch.device(device).type != "xla":  # one process per shard, this one rank 0
+        shards = start_shard_workers(ShardLaunch(folder, tp, dtype, str(device), quantize=quantize))
+        model = shards.load_model()
+    else:
+        model = load_model(folder, dtype=dtype, device=device, quantize=quantize, tensor_parallel_size=tp)
+    try:
+        max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
+        engine_config = replace(engine_config, max_seq_len=max_seq_len)
+        spec = model.config.to_spec(server_config.model_name, checkpoint_aliases(folder, model_ref))
+        manager = AdapterManager(spec, manager_config)
+        engine = Engine(model, manager, engine_config)
+        started = time.perf_counter()
+        if graphs := engine.warm_up():  # traced devices: every step graph now, none on the first requests
+            log.info("warm-up: %d step graphs compiled in %.1f s", graphs, time.perf_counter() - started)
+        tokenizer = load_tokenizer(folder, model.config.vocab_size)
+        server_config = replace(server_config, chat_template=ChatTemplate.from_folder(folder))
+    except BaseException:
+        if shards is not None:  # their processes and the process group go with the failed start
+            shards.close()
+        raise
+    return Serving(create_app(engine, manager, tokenizer, server_config), engine, manager, shards)
 
 
 def checkpoint_aliases(folder: str | Path, model_ref: str | None = None) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
-"""Every Pallas kernel lowered for TPU (Mosaic) at every shipped block-size entry, over the bench model's and a
-Llama-3-8B's feature sizes, fp32 and bf16, single-adapter and laned (XLA lane; no TPU needed: jax.export runs the TPU
-lowering on a CPU). And the check catches a block shape that interpret mode accepts."""
+"""Every Pallas kernel lowered for TPU (Mosaic) at every shipped block-size entry, over the bench model's, a
+Llama-3-8B's and one 8-way tensor-parallel shard of a Llama-3.1-70B's feature sizes, fp32 and bf16, single-adapter
+and laned (XLA lane; no TPU needed: jax.export runs the TPU lowering on a CPU). And the check catches a block shape
+that interpret mode accepts."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ from adapter_manager.kernels.pallas.block_sizes import BlockSizeTable  # noqa: E
 from adapter_manager.kernels.pallas.kernels import lora_expand, lora_shrink  # noqa: E402
 from adapter_manager.kernels.pallas.lowering import MosaicLoweringError, lower_for_tpu  # noqa: E402
 
-# per model: shrink's input features (hidden, intermediate) and expand's output features (q/o, k/v, gate/up)
-MODELS = {"bench": ((1024, 2816), (1024, 256, 2816)), "llama3-8b": ((4096, 14336), (4096, 1024, 14336))}
+# per model: shrink's input features (hidden, intermediate) and expand's output features (q/o, k/v, gate/up); one
+# shard of Llama-3.1-70B split 8 ways: shrink reads hidden (q/k/v, gate/up: A whole), o's 8 heads or down's MLP slice
+# (A split by input), expand writes q's 8 heads, one KV head, the MLP slice (Bt split by output) or hidden (o, down)
+MODELS = {
+    "bench": ((1024, 2816), (1024, 256, 2816)),
+    "llama3-8b": ((4096, 14336), (4096, 1024, 14336)),
+    "llama3-70b-tp8-shard": ((8192, 1024, 3584), (1024, 128, 3584, 8192)),
+}
 RANK = 16
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 TABLE = BlockSizeTable.load()

@@ -1,7 +1,9 @@
-"""The tensor-parallel engine trace, run in its own process: SPMD must be switched on before the first XLA tensor,
-and the XLA lane's other tests run without it.
+"""The tensor-parallel engine trace, run in its own process: on XLA SPMD must be switched on before the first XLA
+tensor (the XLA lane's other tests run without it); on CPU this process is rank 0 of a gloo group whose other shards
+it starts.
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp N
+    python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp 2 --device cpu
 
 PATHS.json maps each adapter name (and "base") to its folder. Warm-up, then a trace with mixed adapters, swaps
 (5 adapters through 2 slots), prefix hits and preemptions, then echo (prompt_logprobs) requests; OUT.json holds every
@@ -17,16 +19,14 @@ import random
 from pathlib import Path
 
 import torch
-import torch_xla
-import torch_xla.debug.metrics as metrics
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.kv_space import block_bytes
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
+from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
 from adapter_manager.runtime.model.checkpoint import load_model
-from adapter_manager.spmd import mesh
 
 BUCKETS = (8, 16, 32)
 STEPS = 120
@@ -34,16 +34,30 @@ NEW_TOKENS = 6
 TINY_NAME = "test-org/tiny-llama"
 
 
-def compile_count() -> int:
+def compile_count(device: torch.device) -> int:
+    if device.type != "xla":
+        return 0
+    import torch_xla.debug.metrics as metrics
+
     data = metrics.metric_data("CompileTime")
     return 0 if data is None else data[0]
 
 
-def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: int) -> dict:
-    if tp > 1:
-        mesh(tp)  # SPMD on before anything touches the XLA device
-    device = torch_xla.device()
-    model = load_model(paths["base"], dtype=torch.float32, device=device, tensor_parallel_size=tp)
+def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: int, on: str) -> dict:
+    workers = None
+    if on == "xla":
+        import torch_xla
+
+        from adapter_manager.spmd import mesh
+
+        if tp > 1:
+            mesh(tp)  # SPMD on before anything touches the XLA device
+        device = torch_xla.device()
+        model = load_model(paths["base"], dtype=torch.float32, device=device, tensor_parallel_size=tp)
+    else:
+        device = torch.device("cpu")
+        workers = start_shard_workers(ShardLaunch(Path(paths["base"]), tp))
+        model = workers.load_model()
     spec = model.config.to_spec(TINY_NAME)
     config = AdapterManagerConfig(max_slots=2, max_rank=8, device=device, prefetch_workers=0, tensor_parallel_size=tp)
     manager = AdapterManager(spec, config)
@@ -64,7 +78,7 @@ def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: i
     try:
         manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
         warm_up_graphs = engine.warm_up()
-        warmed = compile_count()
+        warmed = compile_count(device)
         rng = random.Random(0)
         handles = []
         for step in range(STEPS):
@@ -80,7 +94,7 @@ def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: i
         return {
             "tp": tp,
             "warm_up_graphs": warm_up_graphs,
-            "compiles_after_warm_up": compile_count() - warmed,
+            "compiles_after_warm_up": compile_count(device) - warmed,
             "requests": [[prompt, name, h.result(timeout=0)] for h, prompt, name in handles],
             "echoes": [
                 [prompt, name, h.result(timeout=0), [[lp.token, lp.logprob] for lp in h.prompt_logprobs[1:]]]
@@ -89,9 +103,12 @@ def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: i
             "prefix_hit_tokens": kv.prefix_hit_tokens,
             "preemptions": kv.preemptions,
             "swaps": manager.metrics().moves["host_to_slot"].count,
+            "collectives": None if model.shard_group is None else model.shard_group.collectives,
         }
     finally:
         manager.close()
+        if workers is not None:
+            workers.close()
 
 
 def main() -> None:
@@ -99,10 +116,11 @@ def main() -> None:
     parser.add_argument("paths", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--device", choices=("xla", "cpu"), default="xla")
     args = parser.parse_args()
     spec = json.loads(args.paths.read_text())
     combos = [(list(prompt), name) for prompt, name in spec["combos"]]
-    args.out.write_text(json.dumps(run(spec["paths"], combos, args.tp)))
+    args.out.write_text(json.dumps(run(spec["paths"], combos, args.tp, args.device)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,210 @@
+"""One process per tensor-parallel shard on eager devices (CPU: gloo; CUDA: NCCL), the engine in the first: vLLM's
+multiprocess executor.
+
+The first process (rank 0) holds the engine, the scheduler and the adapter manager, whose pool keeps every shard's
+section of every row on the host side of rank 0; it starts the other shards (:func:`start_shard_workers`), each of
+which loads only its part of every weight and holds its own section of the pool. Every step, rank 0 sends each shard
+the step (its batch, the step's slots' ranks, and the sections of the rows loaded since the last step: its own
+section only), then all run the forward together: the row-parallel layers' all-reduces and the logits' all-gather
+keep them in step, and rank 0 samples from the joined logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from adapter_manager import AdapterManager, RowLayout, TensorParallel
+from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, select_backend
+
+from ..model.batch import ForwardBatch
+from ..model.checkpoint import load_model
+from ..model.llama import Llama
+from ..model.shard_group import ShardGroup
+from .config import EngineConfig
+
+log = logging.getLogger(__name__)
+_TIMEOUT_S = 7 * 24 * 3600  # a shard waits this long for rank 0's next step (an idle server sends none)
+
+
+@dataclass(frozen=True)
+class ShardLaunch:
+    """What every shard's process loads: the same checkpoint, dtype and device kind, and where rank 0 listens."""
+
+    folder: Path
+    size: int  # N shards
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"  # cpu, or cuda (shard k on cuda:k)
+    port: int = 0  # rank 0's loopback port; 0: a free one
+    quantize: str | None = None
+
+    def __post_init__(self) -> None:
+        if torch.device(self.device).type != "cpu":
+            raise ValueError(
+                f"one process per shard runs on cpu (gloo) here; {self.device} would need NCCL and one device per "
+                "shard, not built yet (XLA devices run tensor parallelism as one SPMD program instead)"
+            )
+        if self.size < 2:
+            raise ValueError(f"shard workers need a tensor_parallel_size of 2 or more, got {self.size}")
+
+    def device_of(self, rank: int) -> torch.device:  # noqa: ARG002 - every shard on the host
+        return torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return "gloo"
+
+
+class ShardWorkers:
+    """The shards 1..N-1 (their processes) as rank 0 sees them; :meth:`close` stops them."""
+
+    def __init__(self, launch: ShardLaunch, processes: list, group: ShardGroup) -> None:
+        self.launch, self.processes, self.group = launch, processes, group
+        self._closed = False
+
+    def load_model(self, pack_weights: bool | None = None) -> Llama:
+        """Rank 0's shard of the model."""
+        launch = self.launch
+        return load_model(
+            launch.folder, launch.dtype, launch.device_of(0), pack_weights, launch.quantize, launch.size, self.group
+        )
+
+    def close(self) -> None:
+        """Tell every shard to stop, wait for their processes, and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():
+            _scatter([("stop",)] * self.launch.size)
+            dist.destroy_process_group()
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def start_shard_workers(launch: ShardLaunch) -> ShardWorkers:
+    """Start shards 1..N-1 (spawned processes, each loading its part of the checkpoint) and join them as rank 0."""
+    if launch.port == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            launch = ShardLaunch(**{**launch.__dict__, "port": probe.getsockname()[1]})
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_worker, args=(launch, rank), daemon=True) for rank in range(1, launch.size)]
+    for process in processes:
+        process.start()
+    _join(launch, 0)
+    return ShardWorkers(launch, processes, ShardGroup(launch.size, 0))
+
+
+class ShardedRunner:
+    """Rank 0's side of each step: the shards' messages; the forward itself is the eager runner's."""
+
+    def __init__(self, model: Llama, meta: LoRAKernelMeta, manager: AdapterManager, config: EngineConfig) -> None:
+        assert model.shard_group is not None
+        self.size = model.shard_group.size
+        self._loaded: list[tuple[int, torch.Tensor]] = []  # (start row, block [r, width]) since the last step
+        self._lock = threading.Lock()
+        manager.on_slot_load(self._on_load)
+        caches = model.kv_caches[0]
+        setup = (
+            "setup",
+            (model.max_batch, model.max_seq_len, caches.num_blocks - 1, caches.block_size),
+            (meta.num_slots, meta.rank, meta.max_tokens, meta.granule, meta.active_buckets, config.kernels),
+        )
+        _scatter([setup] * self.size)
+
+    def _on_load(self, start: int, block: torch.Tensor) -> None:
+        with self._lock:
+            self._loaded.append((start, block))
+
+    def send(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> None:
+        """Hand every shard the step: its batch, the slots' ranks, and its sections of the rows loaded since the
+        last step (a block ``[r, N·W]`` is N sections of W: shard k takes ``[:, k·W : (k+1)·W]``)."""
+        with self._lock:
+            loaded, self._loaded = self._loaded, []
+        messages = []
+        for rank in range(self.size):
+            rows = [(start, _section(block, rank, self.size)) for start, block in loaded] if rank else []
+            messages.append(("step", batch, dict(slot_rows), rows))
+        _scatter(messages)
+
+
+def _section(block: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    width = block.shape[1] // size
+    return block[:, rank * width : (rank + 1) * width].contiguous()
+
+
+def _scatter(messages: list) -> object:
+    """Rank 0 hands message k to rank k; every other rank receives its own (``messages`` is ignored there)."""
+    received: list = [None]
+    dist.scatter_object_list(received, messages if dist.get_rank() == 0 else None, src=0)
+    return received[0]
+
+
+def _join(launch: ShardLaunch, rank: int) -> None:
+    dist.init_process_group(
+        launch.backend,
+        init_method=f"tcp://127.0.0.1:{launch.port}",
+        rank=rank,
+        world_size=launch.size,
+        timeout=datetime.timedelta(seconds=_TIMEOUT_S),
+    )
+
+
+def _worker(launch: ShardLaunch, rank: int) -> None:
+    """Shard ``rank``'s process: load its part, then run every step rank 0 sends until it says stop."""
+    _join(launch, rank)
+    group = ShardGroup(launch.size, rank)
+    device = launch.device_of(rank)
+    model = load_model(launch.folder, launch.dtype, device, None, launch.quantize, launch.size, group)
+    pool = meta = None
+    while True:
+        message = _scatter([])
+        if message[0] == "stop":
+            break
+        if message[0] == "setup":
+            (max_batch, max_seq_len, blocks, block_size), meta_args = message[1], message[2]
+            model.setup_caches(max_batch, max_seq_len, blocks, block_size)
+            pool, meta = _own_pool(model, meta_args, device)
+            continue
+        _, batch, slot_rows, rows = message
+        assert pool is not None and meta is not None
+        for start, section in rows:
+            pool[start : start + section.shape[0]].copy_(section)
+        meta.prepare(batch.slot_indices, slot_rows)
+        with torch.inference_mode():
+            model(batch, meta)
+    dist.destroy_process_group()
+
+
+def _own_pool(model: Llama, meta_args: tuple, device: torch.device) -> tuple[torch.Tensor, LoRAKernelMeta]:
+    """This shard's section of the row pool ``[N, W]`` (zero; rows arrive with the steps), attached to the model,
+    and the step metadata rank 0's runner has."""
+    num_slots, rank, max_tokens, granule, active_buckets, kernels = meta_args
+    spec = model.config.to_spec()
+    layout = RowLayout.of(spec, TensorParallel(model.tensor_parallel.size))
+    rows = torch.zeros(num_slots * granule + 1, layout.section_width, dtype=model.dtype, device=device)
+    model.attach_lora({key: _Rows(rows, columns) for key, columns in layout.columns.items()})
+    backend = select_backend(device, kernels if isinstance(kernels, KernelConfig) else None)
+    meta = LoRAKernelMeta.make(
+        backend, num_slots, rank, max_tokens, device, granule=granule, active_buckets=active_buckets
+    )
+    return rows, meta
+
+
+class _Rows:
+    """One module's rows in this shard's section of the pool: ``A [N, in_s]``, ``Bt [N, out_s]`` views."""
+
+    def __init__(self, rows: torch.Tensor, columns) -> None:  # noqa: ANN001 - a RowLayout's ModuleColumns
+        self.a = rows[:, columns.a_start : columns.a_start + columns.in_features]
+        self.bt = rows[:, columns.bt_start : columns.bt_start + columns.out_features]
