@@ -20,13 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
-_DUMP = Path(tempfile.mkdtemp(prefix="bench-tp-hlo-"))
+_DUMP: Path | None = None  # where XLA writes the optimized HLO (--device xla)
 
 
 def _environment(devices: int) -> None:
+    global _DUMP
+    _DUMP = Path(tempfile.mkdtemp(prefix="bench-tp-hlo-"))
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ["CPU_NUM_DEVICES"] = str(devices)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={_DUMP} --xla_dump_hlo_as_text"
@@ -50,6 +53,8 @@ def collectives(text: str) -> list[tuple[str, str, int]]:
 
 
 def _new_modules(seen: set[Path]) -> list[Path]:
+    if _DUMP is None:
+        return []
     files = [p for p in _DUMP.glob("*after_optimizations.txt") if p not in seen]
     seen.update(files)
     return files
@@ -67,10 +72,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "xla":
         _environment(args.devices or args.tp)
-    _run(args)
+    work = Path(tempfile.mkdtemp(prefix="bench-tp-"))
+    try:
+        _run(args, work)
+    finally:  # the random checkpoint, the adapters and the HLO dumps
+        shutil.rmtree(work, ignore_errors=True)
+        if _DUMP is not None:
+            shutil.rmtree(_DUMP, ignore_errors=True)
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace, work: Path) -> None:
     from dataclasses import replace
 
     import torch
@@ -105,7 +116,6 @@ def _run(args: argparse.Namespace) -> None:
     else:
         config = replace(LlamaConfig.bench(), num_layers=args.layers or LlamaConfig.bench().num_layers)
         dtype = torch.float32
-    work = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     write_random_checkpoint(config, work / "base", dtype=dtype)
     if on_xla:
         model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel_size=args.tp)

@@ -220,6 +220,8 @@ def load_model(
     tp = TensorParallel(tensor_parallel_size)
     spmd = tp.size > 1 and torch.device(device).type == "xla"
     if spmd:
+        if quantize not in (None, "none"):
+            raise ValueError(f"quantize={quantize!r} with tensor_parallel_size {tp.size} on XLA is not built")
         mesh(tp.size)  # SPMD mode on before the first tensor reaches the device
     elif tp.size > 1 and shard_group is None:
         raise ValueError(
