@@ -35,7 +35,7 @@ class TensorParallel:
         n, kv = self.size, spec.num_kv_heads
         if spec.num_heads % n or spec.intermediate_size % n or (kv % n and n % kv):
             raise ValueError(
-                f"tensor_parallel_size {n} does not split the model: num_heads {spec.num_heads} and "
+                f"tensor_parallel_size {n} does not split the model {spec.name!r}: num_heads {spec.num_heads} and "
                 f"intermediate_size {spec.intermediate_size} must be multiples of it, and num_kv_heads {kv} a "
                 "multiple or a divisor of it"
             )

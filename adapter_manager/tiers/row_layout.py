@@ -43,11 +43,18 @@ class ModuleColumns:
 class RowLayout:
     """Column ranges of every module in one row's section; build it with :meth:`of`."""
 
-    columns: Mapping[ModuleKey, ModuleColumns]
+    columns: Mapping[ModuleKey, ModuleColumns]  # offsets inside a section, the section's (local) widths
     width: int  # elements of one row: every section's
-    sections: int = 1  # N tensor-parallel shards, one section each
-    section_width: int = 0  # elements of one section: sum over modules of (in_s + out_s)
-    tensor_parallel: TensorParallel = TensorParallel()
+    sections: int  # N tensor-parallel shards, one section each; 1: the unsharded layout
+    section_width: int  # elements of one section: sum over modules of (in_s + out_s)
+    tensor_parallel: TensorParallel  # the plan the sections follow
+
+    def __post_init__(self) -> None:
+        if self.sections != self.tensor_parallel.size or self.width != self.sections * self.section_width:
+            raise ValueError(
+                f"{self.sections} sections (tensor_parallel.size {self.tensor_parallel.size}) of {self.section_width} "
+                f"elements make a row of {self.sections * self.section_width}, got width {self.width}"
+            )
 
     @classmethod
     def of(cls, spec: BaseModelSpec, tp: TensorParallel | None = None) -> RowLayout:

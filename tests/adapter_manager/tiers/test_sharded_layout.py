@@ -11,13 +11,16 @@ from adapter_manager import (
     AdapterManagerConfig,
     AdapterRegistry,
     BaseModelSpec,
+    ModuleKey,
+    Move,
     RegistryConfig,
     SlotPool,
     SlotPoolConfig,
     TensorParallel,
+    bytes_needed,
 )
 from adapter_manager.sharding import COLUMN_PARALLEL, ROW_PARALLEL
-from adapter_manager.tiers.row_layout import RowLayout
+from adapter_manager.tiers.row_layout import ModuleColumns, RowLayout
 from tests.conftest import ALL_LINEAR_RSLORA
 from tests.runtime._oracle import PROJECTIONS
 
@@ -29,7 +32,7 @@ NO_GQA = BaseModelSpec("no-gqa", 64, 96, 2, 4, 4, 16)
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
 def test_the_plan_splits_every_feature_once_and_replicates_kv_heads_only_where_kv_is_fewer(spec, size):
     if size == 8 and spec is NO_GQA:
-        with pytest.raises(ValueError, match="does not split the model"):
+        with pytest.raises(ValueError, match="does not split the model 'no-gqa'"):
             TensorParallel(8).check(spec)
         return
     tp = TensorParallel(size)
@@ -50,15 +53,69 @@ def test_the_plan_splits_every_feature_once_and_replicates_kv_heads_only_where_k
 
 
 def test_a_size_that_does_not_split_the_model_is_refused_with_the_numbers():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .*num_heads 16"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .*'adapter-manager/bench-llama'.*num_heads 16"):
         AdapterManager(BENCH, AdapterManagerConfig(tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         AdapterManagerConfig(tensor_parallel_size=0)
 
 
-def test_one_section_is_the_unsharded_layout():
-    plain, one = RowLayout.of(BENCH), RowLayout.of(BENCH, TensorParallel(1))
-    assert plain == one and one.sections == 1 and one.section_width == one.width
+def documented_columns(spec: BaseModelSpec, shape_of) -> tuple[dict[ModuleKey, ModuleColumns], int]:
+    """DESIGN.md's row, built independently: per layer every projection's A piece, then every projection's Bt piece;
+    ``shape_of(proj)`` gives a piece's (in, out) widths."""
+    columns, offset = {}, 0
+    for layer in range(spec.num_layers):
+        a_starts = {}
+        for proj in PROJECTIONS:
+            a_starts[proj], offset = offset, offset + shape_of(proj)[0]
+        for proj in PROJECTIONS:
+            fan_in, fan_out = shape_of(proj)
+            columns[ModuleKey(layer, proj)] = ModuleColumns(a_starts[proj], fan_in, offset, fan_out)
+            offset += fan_out
+    return columns, offset
+
+
+def local_shape(spec: BaseModelSpec, proj: str, size: int) -> tuple[int, int]:
+    """One shard's (in, out) widths, written out from Megatron's split."""
+    hidden, heads = spec.hidden_size, spec.num_heads // size * spec.head_dim
+    kv, mlp = max(1, spec.num_kv_heads // size) * spec.head_dim, spec.intermediate_size // size
+    shapes = {"q_proj": (hidden, heads), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (heads, hidden)}
+    shapes.update(gate_proj=(hidden, mlp), up_proj=(hidden, mlp), down_proj=(mlp, hidden))
+    return shapes[proj]
+
+
+@pytest.mark.parametrize("spec", [BENCH, NO_GQA], ids=["bench", "no_gqa"])
+def test_one_section_is_the_unsharded_layout(spec):
+    plain, one = RowLayout.of(spec), RowLayout.of(spec, TensorParallel(1))
+    columns, width = documented_columns(spec, spec.projection_shape)
+    assert plain == one and one.sections == 1 and one.section_width == one.width == width
+    assert dict(one.columns) == columns
+    rows = torch.randn(3, width)
+    c = columns[ModuleKey(1, "v_proj")]
+    a, bt = one.a_view(rows, ModuleKey(1, "v_proj")), one.bt_view(rows, ModuleKey(1, "v_proj"))  # [n, in], [n, out]
+    assert torch.equal(a, rows[:, c.a_start : c.a_start + c.in_features]) and a.stride() == (width, 1)
+    assert torch.equal(bt, rows[:, c.bt_start : c.bt_start + c.out_features]) and bt.shape == (3, c.out_features)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_a_row_is_size_sections_of_local_pieces_and_views_gain_the_section_axis(size):
+    tp = TensorParallel(size)
+    layout = RowLayout.of(BENCH, tp)
+    columns, section_width = documented_columns(BENCH, lambda proj: local_shape(BENCH, proj, size))
+    assert dict(layout.columns) == columns and layout.sections == size and layout.section_width == section_width
+    assert layout.width == size * section_width and layout.row_bytes(torch.float32) == 4 * layout.width
+    assert layout.section_bytes(torch.bfloat16) == 2 * section_width
+    rows = torch.randn(3, layout.width)
+    for key in (ModuleKey(0, "q_proj"), ModuleKey(7, "down_proj")):
+        c = columns[key]
+        a, bt = layout.a_view(rows, key), layout.bt_view(rows, key)
+        assert a.shape == (3, size, c.in_features) and bt.shape == (3, size, c.out_features)
+        assert a.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()  # a view, no copy
+        for s in range(size):
+            base = s * section_width
+            assert torch.equal(a[:, s], rows[:, base + c.a_start : base + c.a_start + c.in_features])
+            assert torch.equal(bt[:, s], rows[:, base + c.bt_start : base + c.bt_start + c.out_features])
+    q, k, v = (columns[ModuleKey(2, p)] for p in ("q_proj", "k_proj", "v_proj"))
+    assert k.a_start == q.a_start + q.in_features and v.a_start == k.a_start + k.in_features  # fused shrink's A
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -79,8 +136,13 @@ def test_prepared_sections_join_into_the_unsharded_block(size, write_peft_adapte
         assert a.shape[1] == bt.shape[1] == size
         if key.proj in COLUMN_PARALLEL:
             assert all(torch.equal(a[:, s], weights.a) for s in range(size))
-            for s in range(size):
-                assert torch.equal(bt[:, s], weights.bt[:, tp.out_index(tiny_spec, key.proj, s)])
+            joined = torch.cat(bt.unbind(1), dim=1)  # [r, S * out_s], shard order
+            kv = tiny_spec.num_kv_heads
+            if key.proj in ("k_proj", "v_proj") and kv < size:  # S / KV consecutive shards hold each KV head
+                copies = joined.view(reference.rows, kv, size // kv, -1)
+                assert all(torch.equal(copies[:, :, j], copies[:, :, 0]) for j in range(size // kv))
+                joined = copies[:, :, 0].reshape(reference.rows, -1)
+            assert torch.equal(joined, weights.bt)
         else:
             assert torch.equal(torch.cat(a.unbind(1), dim=1), weights.a)
             assert all(torch.equal(bt[:, s], weights.bt) for s in range(size))
@@ -103,6 +165,25 @@ def test_a_sharded_pool_loads_blocks_and_hands_out_sectioned_views(write_peft_ad
         assert stacks.a.shape[1:] == weights.a.shape[1:] and stacks.bt.shape[1:] == weights.bt.shape[1:]
         assert torch.equal(stacks.a[start : start + prepared.rows], weights.a)
         assert torch.equal(stacks.bt[start : start + prepared.rows], weights.bt)
-    assert pool.section_nbytes * 2 == pool.nbytes
+    assert pool.section_nbytes * 2 == pool.nbytes == bytes_needed(tiny_spec, pool.num_rows, torch.float32, 2)
+    assert pool.tensor_parallel == TensorParallel(2) and pool.stacks[key].a.shape[:2] == (pool.num_rows, 2)
     with pytest.raises(Exception, match="rows of"):
         SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8)).load(0, prepared)  # an unsharded pool refuses
+
+
+def test_the_manager_prepares_loads_and_counts_one_swap_of_the_whole_sharded_block(write_peft_adapter, tiny_spec):
+    folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
+    config = AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0, tensor_parallel_size=2)
+    with AdapterManager(tiny_spec, config) as manager:
+        record = manager.register(str(folder), adapter_id="a").record
+        lease = manager.acquire(["a"])
+        prepared = manager.registry.prepared("a")
+        layout = RowLayout.of(tiny_spec, TensorParallel(2))
+        assert record.nbytes == prepared.nbytes == prepared.rows * layout.row_bytes(torch.float32)
+        start = lease.slots["a"] * manager.granule
+        for key, weights in prepared.modules.items():
+            assert torch.equal(manager.stacks[key].bt[start : start + prepared.rows], weights.bt)  # [r, 2, out_s]
+        moves = manager.metrics().moves[Move.HOST_TO_SLOT]
+        assert moves.count == 1 and moves.total_bytes == prepared.nbytes  # every shard's section, one move
+        assert manager.tensor_parallel_size == 2 and manager.pool_device_nbytes * 2 == manager.pool_nbytes
+        manager.release(lease)
