@@ -45,3 +45,19 @@ def mark(tensor: Any, size: int, spec: tuple[str | None, ...]) -> None:
     if tensor.device.type != "xla":
         raise ValueError(f"tensor parallelism over {size} devices runs on XLA; the tensor is on {tensor.device}")
     xs.mark_sharding(tensor, mesh(size), spec)
+
+
+def place(tensor: Any, size: int, dim: int) -> Any:
+    """A host tensor as an XLA tensor split over ``size`` devices along ``dim``, each device receiving only its own
+    piece (with more devices than ``size``, each replica of it): the host sends the tensor's bytes once per replica,
+    where ``tensor.to(device)`` would send all of it to every device."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    placed = mesh(size)
+    width = tensor.shape[dim] // size
+    shards = [
+        tensor.narrow(dim, (d % size) * width, width).contiguous() for d in range(xr.global_runtime_device_count())
+    ]  # mesh position (d // size, d % size): device d holds piece d % size
+    spec = tuple(MODEL_AXIS if axis == dim else None for axis in range(tensor.dim()))
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, placed.get_op_sharding(spec))

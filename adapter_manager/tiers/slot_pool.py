@@ -26,7 +26,7 @@ import torch
 from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import SlotLoadError
 from ..sharding import TensorParallel
-from ..spmd import MODEL_AXIS, mark
+from ..spmd import MODEL_AXIS, mark, place
 from .prepare import PreparedAdapter
 from .row_layout import RowLayout
 
@@ -259,7 +259,9 @@ class SlotPool:
     def _copy_xla(self, slot: int, block: torch.Tensor) -> None:
         # The start row is a device index tensor, never a Python int: one graph per block size for every slot.
         index = (torch.arange(block.shape[0]) + slot * self.granule).to(self.device)  # [rows]
-        self.rows.index_copy_(0, index, block.to(self.device))
+        sections = self.tensor_parallel.size
+        placed = block.to(self.device) if sections == 1 else place(block, sections, 1)  # a device gets its section
+        self.rows.index_copy_(0, index, placed)
         _xla_sync()
 
 
