@@ -116,12 +116,15 @@ class ShardedRunner:
         self._lock = threading.Lock()
         manager.on_slot_load(self._on_load)
         caches = model.kv_caches[0]
-        setup = (
-            "setup",
-            (model.max_batch, model.max_seq_len, caches.num_blocks - 1, caches.block_size),
-            (meta.num_slots, meta.rank, meta.max_tokens, meta.granule, meta.active_buckets, config.kernels),
-        )
-        _scatter([setup] * self.size)
+        sizes = (model.max_batch, model.max_seq_len, caches.num_blocks - 1, caches.block_size)
+        meta_args = (meta.num_slots, meta.rank, meta.max_tokens, meta.granule, meta.active_buckets, config.kernels)
+        with self._lock:  # the pool as it is now (adapters loaded before the engine): each shard its section
+            self._loaded.clear()
+            rows = [
+                {key: (s.a[:, rank].clone(), s.bt[:, rank].clone()) for key, s in manager.stacks.items()}
+                for rank in range(self.size)
+            ]
+        _scatter([("setup", sizes, meta_args, rows[rank] if rank else None) for rank in range(self.size)])
 
     def _on_load(self, start: int, block: torch.Tensor) -> None:
         with self._lock:
@@ -173,9 +176,9 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
         if message[0] == "stop":
             break
         if message[0] == "setup":
-            (max_batch, max_seq_len, blocks, block_size), meta_args = message[1], message[2]
+            (max_batch, max_seq_len, blocks, block_size), meta_args, rows_now = message[1:]
             model.setup_caches(max_batch, max_seq_len, blocks, block_size)
-            pool, meta = _own_pool(model, meta_args, device)
+            pool, meta = _own_pool(model, meta_args, device, rows_now)
             continue
         _, batch, slot_rows, rows = message
         assert pool is not None and meta is not None
@@ -187,14 +190,20 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _own_pool(model: Llama, meta_args: tuple, device: torch.device) -> tuple[torch.Tensor, LoRAKernelMeta]:
-    """This shard's section of the row pool ``[N, W]`` (zero; rows arrive with the steps), attached to the model,
-    and the step metadata rank 0's runner has."""
+def _own_pool(
+    model: Llama, meta_args: tuple, device: torch.device, rows_now: Mapping
+) -> tuple[torch.Tensor, LoRAKernelMeta]:
+    """This shard's section of the row pool ``[N, W]`` as rank 0's pool holds it now (later loads arrive with the
+    steps), attached to the model, and the step metadata rank 0's runner has."""
     num_slots, rank, max_tokens, granule, active_buckets, kernels = meta_args
     spec = model.config.to_spec()
     layout = RowLayout.of(spec, TensorParallel(model.tensor_parallel.size))
     rows = torch.zeros(num_slots * granule + 1, layout.section_width, dtype=model.dtype, device=device)
-    model.attach_lora({key: _Rows(rows, columns) for key, columns in layout.columns.items()})
+    stacks = {key: _Rows(rows, columns) for key, columns in layout.columns.items()}
+    for key, (a, bt) in rows_now.items():
+        stacks[key].a.copy_(a)
+        stacks[key].bt.copy_(bt)
+    model.attach_lora(stacks)
     backend = select_backend(device, kernels if isinstance(kernels, KernelConfig) else None)
     meta = LoRAKernelMeta.make(
         backend, num_slots, rank, max_tokens, device, granule=granule, active_buckets=active_buckets

@@ -74,9 +74,9 @@ def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: i
         kv_block_size=4,
         kv_cache_bytes=kv_bytes,
     )
+    manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled before the engine (and its shards) runs
     engine = Engine(model, manager, engine_config)
     try:
-        manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled
         warm_up_graphs = engine.warm_up()
         warmed = compile_count(device)
         rng = random.Random(0)
