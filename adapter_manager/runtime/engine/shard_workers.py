@@ -106,7 +106,7 @@ def start_shard_workers(launch: ShardLaunch) -> ShardWorkers:
     return ShardWorkers(launch, processes, ShardGroup(launch.size, 0))
 
 
-class ShardedRunner:
+class ShardChannel:
     """Rank 0's side of each step: the shards' messages; the forward itself is the eager runner's."""
 
     def __init__(self, model: Llama, meta: LoRAKernelMeta, manager: AdapterManager, config: EngineConfig) -> None:
@@ -120,11 +120,11 @@ class ShardedRunner:
         meta_args = (meta.num_slots, meta.rank, meta.max_tokens, meta.granule, meta.active_buckets, config.kernels)
         with self._lock:  # the pool as it is now (adapters loaded before the engine): each shard its section
             self._loaded.clear()
-            rows = [
+            rows = [None] + [
                 {key: (s.a[:, rank].clone(), s.bt[:, rank].clone()) for key, s in manager.stacks.items()}
-                for rank in range(self.size)
+                for rank in range(1, self.size)
             ]
-        _scatter([("setup", sizes, meta_args, rows[rank] if rank else None) for rank in range(self.size)])
+        _scatter([("setup", sizes, meta_args, rows[rank]) for rank in range(self.size)])
 
     def _on_load(self, start: int, block: torch.Tensor) -> None:
         with self._lock:

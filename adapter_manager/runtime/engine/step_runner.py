@@ -4,7 +4,8 @@
 
 - :class:`EagerRunner` (cpu, cuda): no padding; the logits stay on the device; on cuda with a backend whose decode
   steps a graph may capture (the triton backend), decode steps replay CUDA graphs, checked against the eager step
-  at once (any failure keeps them eager for the process, with one warning).
+  at once (any failure keeps them eager for the process, with one warning). With one process per tensor-parallel
+  shard it first sends the other shards the step (:class:`shard_workers.ShardChannel`).
 - :class:`TracedRunner` (XLA): every step has a static shape. Tokens pad up to a token bucket through a spare table
   row (row ``max_batch``, naming only the spare block, which no sequence owns), logits rows to ``max_batch`` (to the
   bucket in an echo step: prompt_logprobs); one sync runs a step's graph and brings its logits to the host; the
@@ -31,7 +32,7 @@ from .config import EngineConfig
 from .cuda_graphs import can_capture, use_decode_graphs
 from .device import xla_sync
 from .scheduler import ScheduledChunk
-from .shard_workers import ShardedRunner
+from .shard_workers import ShardChannel
 from .step_batch import step_batch, step_meta
 from .warm_up import echo_logits_rows, warm_up_batches
 
@@ -43,7 +44,7 @@ class EagerRunner:
     """The token buckets steps are padded to: none."""
 
     def __init__(
-        self, model: Llama, meta: LoRAKernelMeta, config: EngineConfig, shards: ShardedRunner | None = None
+        self, model: Llama, meta: LoRAKernelMeta, config: EngineConfig, shards: ShardChannel | None = None
     ) -> None:
         self.model, self.meta, self.config = model, meta, config
         self.device_lock: AbstractContextManager = contextlib.nullcontext()
@@ -144,5 +145,5 @@ def make_runner(model: Llama, backend: KernelBackend, manager: AdapterManager, c
         meta = step_meta(backend, manager, max_batch, config.buckets()[-1], device)
         return TracedRunner(model, meta, config, manager.device_lock)
     meta = step_meta(backend, manager, max_batch, config.scheduler.token_budget, device)
-    shards = ShardedRunner(model, meta, manager, config) if model.shard_group is not None else None
+    shards = ShardChannel(model, meta, manager, config) if model.shard_group is not None else None
     return EagerRunner(model, meta, config, shards)

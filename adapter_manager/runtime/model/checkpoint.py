@@ -188,8 +188,8 @@ def load_model(
     :meth:`Llama.pack_weights`), replacing the plain ones.
 
     ``tensor_parallel_size`` N > 1: Megatron tensor parallelism. On XLA one SPMD program over N devices
-    (:mod:`.tensor_parallel`): each weight split over the mesh. On CPU and CUDA one process per shard: ``shard_group``
-    names this process's shard, which loads only its part of each tensor (:mod:`.shard_group`).
+    (:mod:`.tensor_parallel`): each weight split over the mesh. On CPU one process per shard: ``shard_group`` names
+    this process's shard, which loads only its part of each tensor (:mod:`.shard_group`).
 
     ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every projection
     weight (q/k/v/o/gate/up/down, and an untied lm_head) by weight-only int8 with one scale per output row
