@@ -3,10 +3,12 @@ multiprocess executor.
 
 The first process (rank 0) holds the engine, the scheduler and the adapter manager, whose pool keeps every shard's
 section of every row on the host side of rank 0; it starts the other shards (:func:`start_shard_workers`), each of
-which loads only its part of every weight and holds its own section of the pool. Every step, rank 0 sends each shard
-the step (its batch, the step's slots' ranks, and the sections of the rows loaded since the last step: its own
-section only), then all run the forward together: the row-parallel layers' all-reduces and the logits' all-gather
-keep them in step, and rank 0 samples from the joined logits.
+which loads only its part of every weight and holds its own section of the pool. A slot load sends each shard its
+section of the adapter's rows as it completes, on a process group of its own and from the loading thread (a thread
+in each shard writes them), and returns once every shard holds them, before the allocator publishes the slot: a
+swap never stalls a step. Every step, rank 0 sends each shard the step (its batch and the step's slots' ranks), then
+all run the forward together: the row-parallel layers' all-reduces and the logits' all-gather keep them in step, and
+rank 0 samples from the joined logits.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class ShardWorkers:
             return
         self._closed = True
         if dist.is_initialized():
+            _scatter([("stop",)] * self.launch.size, self.group.loads)
             _scatter([("stop",)] * self.launch.size)
             dist.destroy_process_group()
         for process in self.processes:
@@ -102,8 +105,8 @@ def start_shard_workers(launch: ShardLaunch) -> ShardWorkers:
     processes = [context.Process(target=_worker, args=(launch, rank), daemon=True) for rank in range(1, launch.size)]
     for process in processes:
         process.start()
-    _join(launch, 0)
-    return ShardWorkers(launch, processes, ShardGroup(launch.size, 0))
+    loads = _join(launch, 0)
+    return ShardWorkers(launch, processes, ShardGroup(launch.size, 0, loads))
 
 
 class ShardChannel:
@@ -111,15 +114,13 @@ class ShardChannel:
 
     def __init__(self, model: Llama, meta: LoRAKernelMeta, manager: AdapterManager, config: EngineConfig) -> None:
         assert model.shard_group is not None
-        self.size = model.shard_group.size
-        self._loaded: list[tuple[int, torch.Tensor]] = []  # (start row, block [r, width]) since the last step
-        self._lock = threading.Lock()
-        manager.on_slot_load(self._on_load)
+        self.size, self._loads = model.shard_group.size, model.shard_group.loads
+        self._lock = threading.Lock()  # one load at a time on the loads group
         caches = model.kv_caches[0]
         sizes = (model.max_batch, model.max_seq_len, caches.num_blocks - 1, caches.block_size)
         meta_args = (meta.num_slots, meta.rank, meta.max_tokens, meta.granule, meta.active_buckets, config.kernels)
-        with self._lock:  # the pool as it is now (adapters loaded before the engine): each shard its section
-            self._loaded.clear()
+        with self._lock:  # the pool as it is now (adapters loaded before the engine); later loads follow it
+            manager.on_slot_load(self._on_load)
             rows = [None] + [
                 {key: (s.a[:, rank].clone(), s.bt[:, rank].clone()) for key, s in manager.stacks.items()}
                 for rank in range(1, self.size)
@@ -127,19 +128,17 @@ class ShardChannel:
         _scatter([("setup", sizes, meta_args, rows[rank]) for rank in range(self.size)])
 
     def _on_load(self, start: int, block: torch.Tensor) -> None:
+        """A slot load completed on rank 0: every other shard writes its section of ``block [r, N·W]`` (shard k's is
+        ``[:, k·W : (k+1)·W]``) into its rows from ``start``; returns once all have."""
         with self._lock:
-            self._loaded.append((start, block))
+            _scatter(
+                [None] + [("rows", start, _section(block, k, self.size)) for k in range(1, self.size)], self._loads
+            )
+            dist.barrier(group=self._loads)
 
     def send(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> None:
-        """Hand every shard the step: its batch, the slots' ranks, and its sections of the rows loaded since the
-        last step (a block ``[r, N·W]`` is N sections of W: shard k takes ``[:, k·W : (k+1)·W]``)."""
-        with self._lock:
-            loaded, self._loaded = self._loaded, []
-        messages = []
-        for rank in range(self.size):
-            rows = [(start, _section(block, rank, self.size)) for start, block in loaded] if rank else []
-            messages.append(("step", batch, dict(slot_rows), rows))
-        _scatter(messages)
+        """Hand every shard the step: its batch and the slots' ranks."""
+        _scatter([("step", batch, dict(slot_rows))] * self.size)
 
 
 def _section(block: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -147,30 +146,33 @@ def _section(block: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return block[:, rank * width : (rank + 1) * width].contiguous()
 
 
-def _scatter(messages: list) -> object:
-    """Rank 0 hands message k to rank k; every other rank receives its own (``messages`` is ignored there)."""
+def _scatter(messages: list, group: object | None = None) -> object:
+    """Rank 0 hands message k to rank k over ``group`` (None: the default one); every other rank receives its own
+    (``messages`` is ignored there)."""
     received: list = [None]
-    dist.scatter_object_list(received, messages if dist.get_rank() == 0 else None, src=0)
+    dist.scatter_object_list(received, messages if dist.get_rank() == 0 else None, src=0, group=group)
     return received[0]
 
 
-def _join(launch: ShardLaunch, rank: int) -> None:
-    dist.init_process_group(
-        launch.backend,
-        init_method=f"tcp://127.0.0.1:{launch.port}",
-        rank=rank,
-        world_size=launch.size,
-        timeout=datetime.timedelta(seconds=_TIMEOUT_S),
-    )
+def _join(launch: ShardLaunch, rank: int) -> object:
+    """Join the shards' process group; returns the second group the slot loads travel on."""
+    timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+    init = f"tcp://127.0.0.1:{launch.port}"
+    dist.init_process_group(launch.backend, init_method=init, rank=rank, world_size=launch.size, timeout=timeout)
+    return dist.new_group(backend=launch.backend, timeout=timeout)
 
 
 def _worker(launch: ShardLaunch, rank: int) -> None:
-    """Shard ``rank``'s process: load its part, then run every step rank 0 sends until it says stop."""
-    _join(launch, rank)
-    group = ShardGroup(launch.size, rank)
+    """Shard ``rank``'s process: load its part, then run every step rank 0 sends until it says stop (the slot loads
+    arrive on a thread of their own)."""
+    group = ShardGroup(launch.size, rank, _join(launch, rank))
+    pool: list[torch.Tensor] = []  # this shard's section of the row pool, once rank 0's setup has come
+    ready = threading.Event()
+    loads = threading.Thread(target=_receive_loads, args=(group.loads, pool, ready), name="shard-loads")
+    loads.start()
     device = launch.device_of(rank)
     model = load_model(launch.folder, launch.dtype, device, None, launch.quantize, launch.size, group)
-    pool = meta = None
+    meta = None
     while True:
         message = _scatter([])
         if message[0] == "stop":
@@ -178,16 +180,29 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
         if message[0] == "setup":
             (max_batch, max_seq_len, blocks, block_size), meta_args, rows_now = message[1:]
             model.setup_caches(max_batch, max_seq_len, blocks, block_size)
-            pool, meta = _own_pool(model, meta_args, device, rows_now)
+            rows, meta = _own_pool(model, meta_args, device, rows_now)
+            pool.append(rows)
+            ready.set()
             continue
-        _, batch, slot_rows, rows = message
-        assert pool is not None and meta is not None
-        for start, section in rows:
-            pool[start : start + section.shape[0]].copy_(section)
+        _, batch, slot_rows = message
+        assert meta is not None
         meta.prepare(batch.slot_indices, slot_rows)
         with torch.inference_mode():
             model(batch, meta)
+    loads.join()
     dist.destroy_process_group()
+
+
+def _receive_loads(loads: object, pool: list[torch.Tensor], ready: threading.Event) -> None:
+    """Write every section of adapter rows rank 0 sends into this shard's pool, acknowledging each, until stop."""
+    while True:
+        message = _scatter([], loads)
+        if message[0] == "stop":
+            return
+        _, start, section = message
+        ready.wait()  # the pool exists once the setup (which rank 0 sends before any load) has been applied
+        pool[0][start : start + section.shape[0]].copy_(section)
+        dist.barrier(group=loads)
 
 
 def _own_pool(

@@ -20,10 +20,12 @@ from adapter_manager.kernels import Stacks
 class ShardGroup:
     """Rank ``rank`` of ``size`` shards; the process group must be initialised before a collective runs."""
 
-    def __init__(self, size: int, rank: int) -> None:
+    def __init__(self, size: int, rank: int, loads: object | None = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside 0..{size - 1}")
         self.size, self.rank = size, rank
+        self.loads = loads
+        """A second process group of the same shards, for the adapter rows a slot load sends while steps run."""
         self.collectives = 0
         """Collectives this process took part in."""
         self.collective_bytes = 0
