@@ -58,13 +58,6 @@ class ShardLaunch:
         if self.size < 2:
             raise ValueError(f"shard workers need a tensor_parallel_size of 2 or more, got {self.size}")
 
-    def device_of(self, rank: int) -> torch.device:  # noqa: ARG002 - every shard on the host
-        return torch.device("cpu")
-
-    @property
-    def backend(self) -> str:
-        return "gloo"
-
 
 class ShardWorkers:
     """The shards 1..N-1 (their processes) as rank 0 sees them; :meth:`close` stops them."""
@@ -77,7 +70,7 @@ class ShardWorkers:
         """Rank 0's shard of the model."""
         launch = self.launch
         return load_model(
-            launch.folder, launch.dtype, launch.device_of(0), pack_weights, launch.quantize, launch.size, self.group
+            launch.folder, launch.dtype, torch.device("cpu"), pack_weights, launch.quantize, launch.size, self.group
         )
 
     def close(self) -> None:
@@ -158,8 +151,8 @@ def _join(launch: ShardLaunch, rank: int) -> object:
     """Join the shards' process group; returns the second group the slot loads travel on."""
     timeout = datetime.timedelta(seconds=_TIMEOUT_S)
     init = f"tcp://127.0.0.1:{launch.port}"
-    dist.init_process_group(launch.backend, init_method=init, rank=rank, world_size=launch.size, timeout=timeout)
-    return dist.new_group(backend=launch.backend, timeout=timeout)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=launch.size, timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _worker(launch: ShardLaunch, rank: int) -> None:
@@ -170,7 +163,7 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
     ready = threading.Event()
     loads = threading.Thread(target=_receive_loads, args=(group.loads, pool, ready), name="shard-loads")
     loads.start()
-    device = launch.device_of(rank)
+    device = torch.device("cpu")
     model = load_model(launch.folder, launch.dtype, device, None, launch.quantize, launch.size, group)
     meta = None
     while True:
