@@ -120,10 +120,15 @@ class AdapterManager:
             peek=self.registry.peek,
         )
         if frequency is not None:
-            self.registry.host.frequency = lambda key: frequency(key[0])  # host keys are (adapter id, sha)
+            self.registry.host.frequency = lambda key: frequency(key[0])  # host keys are (adapter id, digest)
         popular = self._popular if self.popularity is not None else None
         self.prefetcher = Prefetcher(
-            self.registry.stage, self.allocator, self.config.prefetch_config(), popular, frequency
+            self.registry.stage,
+            self.allocator,
+            self.config.prefetch_config(),
+            popular,
+            frequency,
+            self.registry.generation,
         )
         self._retired_listeners: list[Callable[[str], None]] = []
         self.restored = self._restore()
@@ -265,7 +270,8 @@ class AdapterManager:
         self, adapter_ids: Iterable[str | None], prepared_only: Container[str] = (), wait_s: float = 0.0
     ) -> SlotLease:
         """Pin the slots of one batch (one entry per request or token, None = no adapter); see
-        `SlotAllocator.acquire`. A recorded prefetch failure of one of them is raised here, once. An adapter in
+        `SlotAllocator.acquire`. A recorded prefetch failure of one of them (for its current registration) is raised
+        here, once. An adapter in
         `prepared_only` is placed only from the host tier: if it is not prepared there, `AdapterNotReadyError`
         (nothing pinned) instead of a download or a preparation inside the caller's step. `wait_s`: how long a call
         that finds no room waits for some (releases, finished loads) before `SlotsExhaustedError`."""
@@ -341,7 +347,7 @@ class AdapterManager:
         for record in self.registry.list():
             adapter_id = record.adapter_id
             state = states.get(adapter_id)
-            tier = "slot" if state is not None else "host" if (adapter_id, record.sha) in host else "disk"
+            tier = "slot" if state is not None else "host" if (adapter_id, record.digest) in host else "disk"
             pinned = state is not None and (state.pins > 0 or state.manual)
             slot = state.slot if state is not None else None
             residency[adapter_id] = AdapterResidency(adapter_id, tier, slot, pinned, last_used.get(adapter_id))

@@ -8,12 +8,13 @@ nothing queued ahead of the adapter needs and no queued request needs resident (
 evicts something needed sooner than what it brings in.
 
 Work is bounded (`depth` adapters not yet in a slot per call, `workers` threads), a newer queue cancels the jobs of
-adapters it no longer holds, and a failure is recorded against its adapter until the engine fails its waiting
-requests with it (or the manager raises it at `acquire`). Each job's outcome is counted in the metrics
-(``prefetch``: ``host_to_slot`` slot loads, ``skipped_no_room`` when no free or evictable range could take the
-adapter, ``host_no_room`` when the host tier had no room for it: nothing downloaded or prepared, ``to_host`` when the
-caller asked for no slot copy). Listeners (`on_done`) hear of every job that ended, so an engine waiting for an
-adapter wakes as soon as it is prepared.
+adapters it no longer holds, and a failure is recorded against its adapter's registration (the `generation` it had when
+the job started) until the engine fails its waiting requests with it (or the manager raises it at `acquire`); one whose
+adapter was unregistered or registered again since is dropped, never raised for the new registration. Each job's outcome
+is counted in the metrics (``prefetch``: ``host_to_slot`` slot loads, ``skipped_no_room`` when no free or evictable
+range could take the adapter, ``host_no_room`` when the host tier had no room for it: nothing downloaded or prepared,
+``to_host`` when the caller asked for no slot copy). Listeners (`on_done`) hear of every job that ended, so an engine
+waiting for an adapter wakes as soon as it is prepared.
 
 Popularity: beside the queue, each call also brings up the `popular` most requested adapters (the manager's TinyLFU
 sketch) that are not resident, so a hot adapter evicted by a burst is back before its next request. Such a job evicts
@@ -66,17 +67,20 @@ class Prefetcher:
         config: PrefetchConfig | None = None,
         popular: Callable[[int], Sequence[str]] | None = None,
         frequency: Callable[[str], int] | None = None,
+        generation: Callable[[str], object] | None = None,
     ) -> None:
         self.config = config or PrefetchConfig()
         self._popular = popular  # n -> up to n adapter ids, most popular first (None: queue only)
         self._frequency = frequency  # adapter id -> estimated recent requests: a popular job's eviction ceiling
         self._stage = stage  # (adapter, keep, ceiling, wait) -> prepared? (the registry's `stage`)
+        # adapter id -> its registration now (None: not registered); a recorded error belongs to one registration
+        self._generation = generation or (lambda adapter_id: None)
         self._allocator = allocator
         self._listeners: list[Callable[[str], None]] = []
         self._warm: frozenset[str] = frozenset()  # resident adapters queued (or running) requests need, as of now
         self._lock = threading.RLock()  # re-entrant: Future.cancel() runs the done callback, which takes it, at once
         self._jobs: dict[str, Future] = {}
-        self._errors: dict[str, BaseException] = {}
+        self._errors: dict[str, tuple[object, BaseException]] = {}  # adapter id -> (its registration, error)
         self._queue: tuple[str, ...] = ()
         workers = self.config.workers
         self._executor = background_executor(workers, "adapter-prefetch", PREFETCH_NICE) if workers else None
@@ -145,20 +149,23 @@ class Prefetcher:
                 self._listeners.remove(listener)
 
     def take_errors(self) -> dict[str, BaseException]:
-        """Every pending prefetch error, once (the next request for each retries)."""
+        """Every pending prefetch error of an adapter's current registration, once (the next request for each
+        retries)."""
         with self._lock:
             errors, self._errors = self._errors, {}
-        return errors
+        return {a: error for a, (generation, error) in errors.items() if generation == self._generation(a)}
 
     def take_error(self, adapter_id: str) -> BaseException | None:
-        """The error of the adapter's last failed prefetch, once (the next request retries)."""
+        """The error of the adapter's last failed prefetch, once (the next request retries); None also when it
+        failed for an earlier registration of the id."""
         with self._lock:
-            return self._errors.pop(adapter_id, None)
+            generation, error = self._errors.pop(adapter_id, (None, None))
+        return error if error is not None and generation == self._generation(adapter_id) else None
 
     def errors(self) -> dict[str, str]:
         """Pending prefetch errors by adapter, as messages."""
         with self._lock:
-            return {adapter_id: str(error) for adapter_id, error in self._errors.items()}
+            return {adapter_id: str(error) for adapter_id, (_, error) in self._errors.items()}
 
     def forget(self, adapter_id: str) -> None:
         """The adapter was unregistered: cancel its job, or wait for a running one (so it cannot load the adapter
@@ -204,6 +211,7 @@ class Prefetcher:
         with self._lock:
             if adapter_id not in self._queue:
                 return
+        generation = self._generation(adapter_id)  # read before the job reads the adapter's record
         try:
             # hub -> disk -> host, room first; a popular job evicts only strictly less popular adapters
             ceiling = self._frequency(adapter_id) - 1 if popular and self._frequency is not None else None
@@ -227,7 +235,7 @@ class Prefetcher:
             log.warning("prefetch of adapter %r failed: %s", adapter_id, error)
             if not popular:
                 with self._lock:
-                    self._errors[adapter_id] = error
+                    self._errors[adapter_id] = (generation, error)
 
     def _done(self, adapter_id: str, job: Future) -> None:
         with self._lock:

@@ -30,13 +30,13 @@ class DiskFiles:
         self.metrics = metrics
 
     def files(self, record: AdapterRecord, disk_wait_s: float = 0.0) -> AdapterFiles:
-        """The record's files on disk now: a local dir unchanged since registration, or the hub revision at the
-        recorded sha, fetched again (a disk miss) only if it left the cache, its bytes reserved first in a bounded
-        disk tier (waiting up to `disk_wait_s` for room)."""
+        """The record's files on disk now: a local dir whose content is unchanged since registration, or the hub
+        revision at the recorded sha, fetched again (a disk miss) only if it left the cache, its bytes reserved first
+        in a bounded disk tier (waiting up to `disk_wait_s` for room)."""
         adapter_id = record.adapter_id
         if record.ref.is_local:
             files = self.resolver.resolve(record.ref, adapter_id)
-            if files.sha != record.sha:
+            if record.digest and files.digest != record.digest:
                 raise AdapterConflictError(
                     adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
                 )

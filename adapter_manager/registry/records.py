@@ -70,10 +70,18 @@ class AdapterRecord:
     registered_at: float  # time.time()
     warnings: tuple[str, ...] = ()  # accepted-with-warning findings (e.g. base model mismatch)
     disk_bytes: int = 0  # size of its two files (what a download of them again reserves in a bounded disk tier)
+    generation: int = 0  # this registration of its id: new at each register, update to new content and restore
 
     @property
     def sha(self) -> str:
+        """The revision its files are: the hub commit, or "local-" + the digest's first 40 hex."""
         return self.files.sha
+
+    @property
+    def digest(self) -> str:
+        """What the adapter is: the digest of its files' content (`sources.digests`). The prefix cache's namespace,
+        the host tier's key and the refresh decision use it: the same bytes at another commit are the same adapter."""
+        return self.files.digest
 
     @property
     def rank(self) -> int:

@@ -7,6 +7,7 @@ prepared from again at any time; the prepared weights live in the byte-bounded h
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -54,6 +55,7 @@ class AdapterRegistry:
         self._records: dict[str, AdapterRecord] = {}
         self._unrestored: dict[str, UnrestoredAdapter] = {}
         self._lock = threading.Lock()
+        self._generations = itertools.count(1)
         self._id_locks: dict[str, threading.Lock] = {}
         self.store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
         self.disk: DiskTier | None = None
@@ -65,10 +67,11 @@ class AdapterRegistry:
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
         """Register `ref` under `adapter_id` (default: the repo id, or the local directory's name).
 
-        Registering the same ref again changes nothing and touches no network unless `refresh` (re-resolve a branch).
-        A different revision of the same source is an update: the new revision is fully validated before it
-        replaces the old one, which stays served if the new one fails. A different source under a registered id
-        raises `AdapterConflictError`.
+        Registering the same ref again changes nothing and touches no network unless `refresh` (re-resolve a branch,
+        read a local directory again). An adapter is its content (`AdapterRecord.digest`): the same bytes at another
+        revision are `unchanged` (the record follows the new revision; nothing derived from the adapter is dropped),
+        other bytes are an update, fully validated before they replace the old ones, which stay served if the new
+        ones fail. A different source under a registered id raises `AdapterConflictError`.
         """
         parsed = AdapterRef.parse(ref)
         check_local_root(parsed, ref, self.config.allowed_local_roots)
@@ -89,7 +92,7 @@ class AdapterRegistry:
                 if not parsed.is_local:
                     self.metrics.record(Move.HUB_TO_DISK, adapter_id, download_s, files.downloaded_bytes)
                     (self.metrics.miss if files.downloaded_bytes else self.metrics.hit)(Tier.DISK)
-                if previous is not None and previous.sha == files.sha:
+                if previous is not None and previous.digest == files.digest:
                     record = replace(previous, ref=parsed, files=files, disk_bytes=files.nbytes())
                     self._persist(record)
                     with self._lock:
@@ -97,14 +100,15 @@ class AdapterRegistry:
                     self._disk_files.used(record, files.downloaded_bytes > 0)
                     return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
                 record, prepared, prepare_s = self._load(adapter_id, parsed, files)
+                record = replace(record, generation=next(self._generations))
                 self._persist(record, keep_pin=previous is not None)
                 with self._lock:
                     self._records[adapter_id] = record
                     self._unrestored.pop(adapter_id, None)
-            self.host.put((adapter_id, record.sha), prepared)
+            self.host.put((adapter_id, record.digest), prepared)
             if previous is not None:
-                self.host.discard((adapter_id, previous.sha))
-                log.info("adapter %r updated %s -> %s", adapter_id, previous.sha, record.sha)
+                self.host.discard((adapter_id, previous.digest))
+                log.info("adapter %r updated %s -> %s", adapter_id, previous.digest[:12], record.digest[:12])
         self._disk_files.used(record, files.downloaded_bytes > 0)
         action = "registered" if previous is None else "updated"
         return RegisterResult(
@@ -126,7 +130,7 @@ class AdapterRegistry:
                 record = self._records.pop(adapter_id, None)
                 self._unrestored.pop(adapter_id, None)
         if record is not None:
-            self.host.discard((adapter_id, record.sha))
+            self.host.discard((adapter_id, record.digest))
         return record
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> None:
@@ -201,19 +205,26 @@ class AdapterRegistry:
             self._disk_files.used(record, files.downloaded_bytes > 0)
             return prepared
 
-        return self.host.get_or_load((adapter_id, record.sha), load)
+        return self.host.get_or_load((adapter_id, record.digest), load)
 
     def peek(self, adapter_id: str) -> PreparedAdapter | None:
         """The adapter's prepared weights if the host tier holds them now, else None: never a download or a
         preparation (what an engine step may wait for)."""
         record = self.get(adapter_id)
-        return self.host.get((adapter_id, record.sha))
+        return self.host.get((adapter_id, record.digest))
 
     def is_prepared(self, adapter_id: str) -> bool:
         """Whether the host tier holds the adapter's prepared weights now (no hit or miss counted)."""
         with self._lock:
             record = self._records.get(adapter_id)
-        return record is not None and (adapter_id, record.sha) in self.host
+        return record is not None and (adapter_id, record.digest) in self.host
+
+    def generation(self, adapter_id: str) -> int | None:
+        """The adapter's current registration (`AdapterRecord.generation`), None when it is not registered: what
+        a failure recorded against it (a prefetch's) belongs to."""
+        with self._lock:
+            record = self._records.get(adapter_id)
+        return record.generation if record is not None else None
 
     def stage(self, adapter_id: str, keep: Iterable[str] = (), ceiling: int | None = None, wait: bool = True) -> bool:
         """A prefetch's hub -> disk -> host: room in the host tier first (evicting no adapter in `keep` and, with
@@ -222,11 +233,11 @@ class AdapterRegistry:
         the adapter is prepared (now or already); False when there was no room, having downloaded and prepared
         nothing. A failed download or preparation raises, as in `prepared`."""
         record = self.get(adapter_id)
-        key = (adapter_id, record.sha)
+        key = (adapter_id, record.digest)
         if key in self.host:
             return True
         with self._lock:
-            kept = {(a, self._records[a].sha) for a in keep if a in self._records}
+            kept = {(a, self._records[a].digest) for a in keep if a in self._records}
         if not self.host.reserve(key, record.nbytes, kept, ceiling):
             return key in self.host  # prepared meanwhile by someone else, else no room
         try:
@@ -244,8 +255,10 @@ class AdapterRegistry:
             ref = AdapterRef.parse(row.ref + (f"@{row.revision}" if row.revision else ""))
         check_adapter_id(row.adapter_id)
         with self._id_lock(row.adapter_id), self._disk_files.on_disk(ref.repo_id):
-            # A stand-in record at the recorded sha: `DiskFiles.files` finds (or fetches) exactly that revision.
-            files = AdapterFiles(Path(), Path(), row.sha, 0)
+            # A stand-in record at the recorded sha and content: `DiskFiles.files` finds (or fetches) exactly that
+            # revision, and refuses a local directory whose content changed since (a row written before digests
+            # were recorded takes the directory as it is).
+            files = AdapterFiles(Path(), Path(), row.sha, 0, row.digest or "")
             stand_in = AdapterRecord(row.adapter_id, ref, files, {}, 0, None, row.registered_at)
             files = self._disk_files.files(stand_in)
             config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config)
@@ -253,7 +266,16 @@ class AdapterRegistry:
             nbytes = max(m.rank for m in modules.values()) * self.layout.row_bytes(self.config.dtype)
             base = config.base_model_name_or_path
             record = AdapterRecord(
-                row.adapter_id, ref, files, modules, nbytes, base, row.registered_at, warnings, files.nbytes()
+                row.adapter_id,
+                ref,
+                files,
+                modules,
+                nbytes,
+                base,
+                row.registered_at,
+                warnings,
+                files.nbytes(),
+                next(self._generations),
             )
             with self._lock:
                 self._records[row.adapter_id] = record
@@ -267,7 +289,9 @@ class AdapterRegistry:
             return
         ref = record.ref
         source = ref.repo_id if ref.repo_id is not None else str(ref.path)
-        row = Registration(record.adapter_id, source, ref.revision, record.sha, False, record.registered_at)
+        row = Registration(
+            record.adapter_id, source, ref.revision, record.sha, False, record.registered_at, record.digest
+        )
         self.store.put(row, keep_pin)
 
     @contextmanager
@@ -307,6 +331,8 @@ class AdapterRegistry:
             self.config.pin_memory,
             self.layout,
         )
+        if self._resolver.digest(files.config_path, files.weights_path) != files.digest:
+            raise AdapterConflictError(adapter_id, f"its files in {files.weights_path.parent} changed while being read")
         seconds = time.perf_counter() - start
         self.metrics.record(Move.DISK_TO_HOST, adapter_id, seconds, prepared.nbytes)
         return prepared, seconds

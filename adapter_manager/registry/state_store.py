@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS registrations (
     revision      TEXT,              -- the revision asked for (None = the hub's default branch)
     sha           TEXT NOT NULL,     -- the resolved commit sha ("local-..." digest for a directory)
     pinned        INTEGER NOT NULL DEFAULT 0,
-    registered_at REAL NOT NULL
+    registered_at REAL NOT NULL,
+    digest        TEXT               -- the content digest (NULL in a row written before it was recorded)
 )
 """,
     """
@@ -54,6 +55,7 @@ class Registration:
     sha: str  # resolved commit sha the adapter is restored at
     pinned: bool  # operator pin, re-applied on restore
     registered_at: float  # time.time()
+    digest: str | None = None  # the adapter's content digest; None in a row stored before digests were
 
     @property
     def is_local(self) -> bool:
@@ -84,16 +86,21 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=FULL")
         for statement in _SCHEMA:
             self._db.execute(statement)
+        columns = {name for _, name, *_ in self._db.execute("PRAGMA table_info(registrations)")}
+        if "digest" not in columns:  # a state directory from before content digests (its rows keep NULL)
+            self._db.execute("ALTER TABLE registrations ADD COLUMN digest TEXT")
 
     def put(self, row: Registration, keep_pin: bool = True) -> None:
         """Insert or replace the registration of `row.adapter_id`; an update keeps a stored pin if `keep_pin`."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO registrations (adapter_id, ref, revision, sha, pinned, registered_at) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(adapter_id) DO UPDATE SET ref = excluded.ref, "
+                "INSERT INTO registrations (adapter_id, ref, revision, sha, pinned, registered_at, digest) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(adapter_id) DO UPDATE SET ref = excluded.ref, "
                 "revision = excluded.revision, sha = excluded.sha, registered_at = excluded.registered_at, "
+                "digest = excluded.digest, "
                 "pinned = CASE WHEN ? THEN MAX(pinned, excluded.pinned) ELSE excluded.pinned END",
-                (row.adapter_id, row.ref, row.revision, row.sha, int(row.pinned), row.registered_at, keep_pin),
+                (row.adapter_id, row.ref, row.revision, row.sha, int(row.pinned), row.registered_at, row.digest)
+                + (keep_pin,),
             )
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> None:
@@ -108,9 +115,10 @@ class StateStore:
         """Every registration, sorted by adapter id."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT adapter_id, ref, revision, sha, pinned, registered_at FROM registrations ORDER BY adapter_id"
+                "SELECT adapter_id, ref, revision, sha, pinned, registered_at, digest FROM registrations "
+                "ORDER BY adapter_id"
             ).fetchall()
-        return [Registration(a, ref, rev, sha, bool(pinned), at) for a, ref, rev, sha, pinned, at in rows]
+        return [Registration(a, ref, rev, sha, bool(p), at, digest) for a, ref, rev, sha, p, at, digest in rows]
 
     def owned_repos(self, cache_dir: Path) -> set[str]:
         """The repos the disk tier of `cache_dir` owns."""

@@ -12,7 +12,6 @@ backoff, then raised as `HubUnavailableError`; a failed download leaves no parti
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -51,6 +50,7 @@ from ..errors import (
     InvalidAdapterRefError,
     PickleRefusedError,
 )
+from .digests import FileDigests, content_digest
 from .peft_format import CONFIG_NAME, PICKLE_SUFFIXES, WEIGHTS_NAME
 
 log = logging.getLogger(__name__)
@@ -105,12 +105,13 @@ class AdapterRef:
 
 @dataclass(frozen=True)
 class AdapterFiles:
-    """The two files of a resolved adapter on local disk, and the revision they are."""
+    """The two files of a resolved adapter on local disk, the revision they are and what they hold."""
 
     config_path: Path
     weights_path: Path
-    sha: str  # hub commit sha; for a local dir "local-" + a digest of the files' sizes and mtimes
+    sha: str  # hub commit sha; for a local dir "local-" + the first 40 hex of `digest`
     downloaded_bytes: int  # bytes fetched from the hub by this resolution (0 on a warm cache or a local dir)
+    digest: str  # the adapter's identity: the digest of both files' content (`digests.content_digest`)
 
     def nbytes(self) -> int:
         """Both files' sizes on disk now."""
@@ -146,6 +147,7 @@ class HubResolver:
     _api: HfApi = field(init=False, repr=False)  # every hub call: config's endpoint and token, the shared session
     _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _digests: FileDigests = field(default_factory=FileDigests, repr=False)
 
     def __post_init__(self) -> None:
         # huggingface_hub's user agent would otherwise ask {HF_ENDPOINT}/api/agent-harnesses (huggingface.co by
@@ -168,11 +170,13 @@ class HubResolver:
         paths = [try_to_load_from_cache(repo_id, name, self.cache_dir, sha) for name in (CONFIG_NAME, WEIGHTS_NAME)]
         if not all(isinstance(path, str) for path in paths):
             return None
-        return AdapterFiles(Path(paths[0]), Path(paths[1]), sha, 0)
+        return self._files(Path(paths[0]), Path(paths[1]), sha, 0)
 
     def resolve(self, ref: AdapterRef, adapter: str) -> AdapterFiles:
         if ref.path is not None:
-            return _local_files(ref.path, adapter)
+            config, weights = _local_files(ref.path, adapter)
+            digest = self.digest(config, weights)
+            return AdapterFiles(config, weights, "local-" + digest[:40], 0, digest)
         assert ref.repo_id is not None
         with self._locks_guard:
             lock = self._locks.setdefault(ref.repo_id, threading.Lock())
@@ -209,7 +213,14 @@ class HubResolver:
                     adapter, f"{ref} ships only pickle weights ({', '.join(pickles)}); need {WEIGHTS_NAME}"
                 )
             raise CorruptWeightsError(adapter, f"{ref} has no {WEIGHTS_NAME} at revision {sha}")
-        return AdapterFiles(config, weights, sha, downloaded)
+        return self._files(config, weights, sha, downloaded)
+
+    def digest(self, config: Path, weights: Path) -> str:
+        """The content digest of an adapter's two files (hub blobs named by their sha256 are not read)."""
+        return content_digest(self._digests.sha256(config), self._digests.sha256(weights))
+
+    def _files(self, config: Path, weights: Path, sha: str, downloaded: int) -> AdapterFiles:
+        return AdapterFiles(config, weights, sha, downloaded, self.digest(config, weights))
 
     def _fetch(self, ref: AdapterRef) -> tuple[str, Path | None, Path | None]:
         """The commit sha `ref` resolves to and its config and weights in the HF cache (None: not in that revision;
@@ -335,7 +346,7 @@ def _remove_partial_blobs(blobs: Path) -> None:
         blob.unlink(missing_ok=True)
 
 
-def _local_files(path: Path, adapter: str) -> AdapterFiles:
+def _local_files(path: Path, adapter: str) -> tuple[Path, Path]:
     if not path.is_dir():
         raise AdapterNotFoundError(adapter, f"local adapter directory {path} does not exist")
     config, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
@@ -346,8 +357,4 @@ def _local_files(path: Path, adapter: str) -> AdapterFiles:
         raise CorruptWeightsError(adapter, f"{path} has no {WEIGHTS_NAME}")
     if not config.is_file():
         raise AdapterConfigError(adapter, f"{path} has no {CONFIG_NAME}")
-    digest = hashlib.sha1()
-    for file in (config, weights):
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-    return AdapterFiles(config, weights, "local-" + digest.hexdigest(), 0)
+    return config, weights

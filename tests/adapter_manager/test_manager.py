@@ -104,7 +104,7 @@ def test_a_prefetch_without_slot_room_to_use_stops_at_the_host_tier(folders, tin
     with manager_for(tiny_spec) as manager:
         for folder in folders.values():
             manager.register(str(folder))
-        manager.registry.host.discard(("a", manager.registry.get("a").sha))
+        manager.registry.host.discard(("a", manager.registry.get("a").digest))
         assert manager.prefetch(["a"], to_slot=False) == 1
         manager.prefetcher.wait()
         assert manager.registry.is_prepared("a") and manager.allocator.slot_of("a") is None
@@ -117,7 +117,7 @@ def test_a_prefetch_without_slot_room_to_use_stops_at_the_host_tier(folders, tin
 def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):
     with manager_for(tiny_spec) as manager:
         manager.register(str(folders["a"]))
-        manager.registry.host.discard(("a", manager.registry.get("a").sha))
+        manager.registry.host.discard(("a", manager.registry.get("a").digest))
         (folders["a"] / "adapter_model.safetensors").write_bytes(b"not safetensors")
         manager.prefetch(["a"])
         manager.prefetcher.wait()
@@ -155,7 +155,7 @@ def test_the_facade_answers_what_runtime_asks(folders, tiny_spec):
             manager.record("z")
         assert (manager.max_rank, manager.granule) == (manager.pool.max_rank, manager.pool.granule)
         assert manager.device_lock is manager.pool.device_lock and manager.prefetching
-        manager.registry.host.discard(("a", manager.record("a").sha))
+        manager.registry.host.discard(("a", manager.record("a").digest))
         manager.prepare("a")
         assert manager.registry.is_prepared("a") and manager.slot_of("a") is None
         moved = threading.Event()

@@ -72,7 +72,7 @@ class Engine:
         num_blocks = self.config.kv_blocks(per_block, device_free_bytes(model.device))
         model.setup_caches(max_batch, self.config.max_seq_len, num_blocks, block_size)
         pool = BlockPool(num_blocks, caching=self.config.prefix_caching)
-        self._kv = KVSpace(pool, block_size, max_batch, self._sha_of)
+        self._kv = KVSpace(pool, block_size, max_batch, self._digest_of)
         self._kv_bytes = num_blocks * per_block
         model.attach_lora(manager.stacks)
         self._runner = make_runner(model, backend, manager, self.config)
@@ -324,14 +324,14 @@ class Engine:
         later = next((i for i, r in enumerate(self._waiting) if r.request_id > request.request_id), None)
         self._waiting.insert(len(self._waiting) if later is None else later, request)
 
-    def _sha_of(self, adapter_id: str) -> str:
+    def _digest_of(self, adapter_id: str) -> str:
         try:
-            return self.manager.record(adapter_id).sha
+            return self.manager.record(adapter_id).digest
         except AdapterNotFoundError:
             return "unregistered"  # its acquire fails the request alone; nothing of it is cached under a live name
 
     def _adapter_retired(self, adapter_id: str) -> None:
-        """The manager forgot an adapter's revision (unregistered, or refreshed to a new sha): its cached prefix
+        """The manager forgot an adapter's content (unregistered, or refreshed to new bytes): its cached prefix
         blocks go, and no request reads them again."""
         with self._lock:
             self._kv.drop(adapter_id)

@@ -3,8 +3,8 @@ content.
 
 A full block is named by a hash chain (vLLM's prefix caching): ``hash_i = sha256(hash_{i-1} | namespace | tokens
 of block i)``, so equal names mean equal tokens from the sequence's first position on, in the same namespace. The
-namespace is the adapter and its resolved revision (and a generation the engine bumps when the adapter is dropped),
-or the base model: two adapters never share a block, even for the same text, and an adapter refreshed to a new sha
+namespace is the adapter and its content digest (and a generation the engine bumps when the adapter is dropped),
+or the base model: two adapters never share a block, even for the same text, and an adapter refreshed to new bytes
 never reads its old blocks. A block whose last user released it stays addressable until it is reused: free blocks
 with a name are evicted least recently used first, nameless free blocks are handed out before any of them.
 

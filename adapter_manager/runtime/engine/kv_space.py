@@ -6,9 +6,9 @@ least its last token is always computed, for its logits) and grows a block at a 
 after every step its newly full blocks are named (:class:`BlockPool`). Requests asking for ``prompt_logprobs`` score
 every prompt token, so they compute their whole prompt (their blocks are still named for others).
 
-Namespaces: ``b"base"`` for the base model; ``adapter id | resolved sha | generation`` for an adapter, the
-generation bumped by :meth:`KVSpace.drop` (the adapter was unregistered or refreshed): its blocks are unnamed and a
-request still running on the old revision names nothing more.
+Namespaces: ``b"base"`` for the base model; ``adapter id | content digest | generation`` for an adapter, the
+generation bumped by :meth:`KVSpace.drop` (the adapter was unregistered or refreshed to new content): its blocks are
+unnamed and a request still running on the old content names nothing more.
 """
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ class KVSpace:
         pool: BlockPool,
         block_size: int,
         max_sequences: int,
-        sha_of: Callable[[str], str],
+        digest_of: Callable[[str], str],
         reserve: int | None = None,
     ) -> None:
-        """``sha_of(adapter_id)``: the adapter's resolved revision now; ``reserve``: free blocks admission leaves for
+        """``digest_of(adapter_id)``: the adapter's content digest now; ``reserve``: free blocks admission leaves for
         running sequences to grow into (None: 1 % of the pool, as vLLM's watermark, at least 1)."""
         self.pool = pool
         self.block_size = block_size
         self.max_sequences = max_sequences
-        self._sha_of = sha_of
+        self._digest_of = digest_of
         self._reserve = max(1, pool.num_blocks // 100) if reserve is None else reserve
         self._generation: dict[str, int] = {}
         self._live: dict[str, set[bytes]] = {}  # adapter id -> its namespaces in use
@@ -154,7 +154,7 @@ class KVSpace:
             request.prompt_logprobs.clear()
 
     def drop(self, adapter_id: str) -> int:
-        """Forget an adapter's cached blocks (unregistered, or refreshed to a new revision); returns how many."""
+        """Forget an adapter's cached blocks (unregistered, or refreshed to new content); returns how many."""
         self._generation[adapter_id] = self._generation.get(adapter_id, 0) + 1
         dropped = sum(self.pool.drop(namespace) for namespace in self._live.pop(adapter_id, set()))
         self.stats.dropped_blocks += dropped
@@ -174,7 +174,7 @@ class KVSpace:
         if adapter_id is None:
             return BASE_NAMESPACE
         generation = self._generation.get(adapter_id, 0)
-        return f"{adapter_id}|{self._sha_of(adapter_id)}|{generation}".encode()
+        return f"{adapter_id}|{self._digest_of(adapter_id)}|{generation}".encode()
 
     def _is_live(self, request: Request) -> bool:
         return request.adapter_id is None or request.namespace in self._live.get(request.adapter_id, ())

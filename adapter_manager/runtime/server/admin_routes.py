@@ -133,6 +133,7 @@ def adapter_info(manager: AdapterManager, record: AdapterRecord, residency: Adap
         "source": str(record.ref),
         "revision": record.ref.revision,
         "sha": record.sha,
+        "digest": record.digest,  # what the adapter is: its content's sha256 digest (sources.digests)
         "rank": record.rank,
         "modules": len(record.modules),
         "bytes": record.nbytes,
@@ -157,6 +158,7 @@ def unrestored_info(unrestored: UnrestoredAdapter) -> dict:
         "source": row.ref,
         "revision": row.revision,
         "sha": row.sha,
+        "digest": row.digest,
         "rank": None,
         "modules": 0,
         "bytes": 0,

@@ -11,17 +11,15 @@ import hashlib
 import os
 import re
 import stat
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..digests import FileDigests
 
 MAIN_REVISION = "main"
 REVISIONS_DIR = ".revisions"
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
-_CHUNK = 1 << 20
-_RACY_S = 2.0
 
 
 class HubLookupError(Exception):
@@ -68,33 +66,6 @@ def commit_sha(files: dict[str, HubFile]) -> str:
     return digest.hexdigest()
 
 
-@dataclass
-class _DigestCache:
-    """(sha256, git oid) per file, reused only while (inode, size, mtime, ctime) is unchanged and not racy."""
-
-    entries: dict[str, tuple[tuple[int, int, int, int], str, str]] = field(default_factory=dict)  # by path
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards entries
-
-    def digests(self, location: Path, st: os.stat_result) -> tuple[str, str]:
-        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        with self.lock:
-            hit = self.entries.get(str(location))
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-        sha256 = hashlib.sha256()
-        git = hashlib.sha1(f"blob {st.st_size}\0".encode())
-        with open(location, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                sha256.update(chunk)
-                git.update(chunk)
-        # Like git's "racily clean" rule: a file modified within the timestamp granularity may change again
-        # without its stat changing, so only old-enough files are remembered.
-        if time.time() - st.st_mtime_ns / 1e9 > _RACY_S:
-            with self.lock:
-                self.entries[str(location)] = (key, sha256.hexdigest(), git.hexdigest())
-        return sha256.hexdigest(), git.hexdigest()
-
-
 class HubLayout:
     """Reads repos and revisions from a hub root, computing file sets and shas on every call."""
 
@@ -102,7 +73,7 @@ class HubLayout:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise NotADirectoryError(f"hub root {str(root)!r} is not a directory")
-        self._digests = _DigestCache()
+        self._digests = FileDigests()
 
     def repo_dir(self, repo_id: str) -> Path:
         """The folder of `org/name`; HubLookupError(RepoNotFound, 401) if it is not a repo of this hub."""

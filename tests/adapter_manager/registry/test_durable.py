@@ -164,7 +164,7 @@ def test_a_restart_restores_records_and_prepares_each_adapter_only_on_first_use(
             second.release(second.acquire(["org/a"]))  # the first request prepares it, as a cold load does
             assert second.metrics().moves[Move.DISK_TO_HOST.value].count == 1
             record = second.registry.get("org/a")
-            assert second.registry.host.keys() == {("org/a", record.sha)}
+            assert second.registry.host.keys() == {("org/a", record.digest)}
             assert record.nbytes == second.registry.prepared("org/a").nbytes  # known before it was prepared
 
 

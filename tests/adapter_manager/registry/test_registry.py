@@ -83,7 +83,7 @@ def test_refresh_picks_up_changed_files_and_a_failed_update_keeps_the_old(good, 
     write_synthetic_adapter(good, tiny_spec, r=8, target_modules=["q_proj", "v_proj"], seed=5)
     updated = registry.register(str(good), adapter_id="a", refresh=True)
     assert updated.action == "updated" and updated.previous_sha == first.record.sha
-    assert updated.record.rank == 8 and registry.host.keys() == {("a", updated.record.sha)}
+    assert updated.record.rank == 8 and registry.host.keys() == {("a", updated.record.digest)}
     assert not torch.equal(registry.prepared("a").modules[next(iter(first.record.modules))].a[:4], old_a[:4])
     raw = json.loads((good / CONFIG_NAME).read_text())
     (good / CONFIG_NAME).write_text(json.dumps({**raw, "use_dora": True}))
@@ -171,7 +171,7 @@ def test_concurrent_registers_of_one_adapter_prepare_it_once(good, tiny_spec):
 def test_changed_local_files_are_not_served_under_the_old_sha(good, tiny_spec):
     registry = registry_for(tiny_spec, host_cache_bytes=tiny_spec.max_adapter_bytes(8, 4))
     record = registry.register(str(good), adapter_id="a").record
-    registry.host.discard(("a", record.sha))
+    registry.host.discard(("a", record.digest))
     write_synthetic_adapter(good, tiny_spec, r=8, seed=7)
     with pytest.raises(AdapterConflictError, match="refresh=True"):
         registry.prepared("a")

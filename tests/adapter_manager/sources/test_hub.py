@@ -96,7 +96,7 @@ def test_revision_pinning_update_and_idempotency(hub, tmp_path, tiny_spec):
     assert main.action == "updated" and main.previous_sha == v1.record.sha and main.record.rank == 4
     by_sha = registry.register(f"org/good@{v1.record.sha}")
     assert by_sha.action == "updated" and by_sha.record.sha == v1.record.sha and by_sha.record.rank == 2
-    assert registry.host.keys() == {("org/good", v1.record.sha)}
+    assert registry.host.keys() == {("org/good", v1.record.digest)}
 
 
 def test_refresh_follows_a_moved_branch(hub, hub_root, tmp_path, tiny_spec):
@@ -123,7 +123,7 @@ def test_evicted_adapter_is_prepared_again_without_a_download(hub, tmp_path, tin
 def test_prepare_fetches_again_pinned_to_the_sha_when_files_left_the_cache(hub, tmp_path, tiny_spec):
     registry = make_registry(tiny_spec, hub, tmp_path / "cache", host_cache_bytes=tiny_spec.max_adapter_bytes(8, 4))
     record = registry.register("org/good").record
-    registry.host.discard(("org/good", record.sha))
+    registry.host.discard(("org/good", record.digest))
     shutil.rmtree(tmp_path / "cache")
     hub.clear_requests()
     assert registry.prepared("org/good").sha == record.sha

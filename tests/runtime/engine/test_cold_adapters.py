@@ -55,7 +55,7 @@ def _serve(written, hub: LocalHub, cache: Path, max_batch: int = 4, **manager_kw
 def _leave_disk_and_host(manager: AdapterManager, cache: Path, name: str) -> None:
     """The adapter's files leave the HF cache and its prepared weights the host: serving it needs the hub again."""
     shutil.rmtree(cache / repo_folder_name(repo_id=f"org/{name}", repo_type="model"))
-    manager.registry.host.discard((name, manager.registry.get(name).sha))
+    manager.registry.host.discard((name, manager.registry.get(name).digest))
 
 
 def test_a_slow_download_stalls_no_one_and_the_slow_request_still_equals_peft(written, expected, hub_root, tmp_path):
@@ -195,7 +195,7 @@ def test_an_adapter_the_host_evicted_after_planning_sends_its_request_back_to_wa
     to the queue (no preparation inside the step, no failure) and is served once the prefetcher prepared it."""
     engine, manager = make_engine(max_slots=2)
     name = "patterns"
-    key = (name, manager.registry.get(name).sha)
+    key = (name, manager.registry.get(name).digest)
     go = threading.Event()
     stage = manager.prefetcher._stage  # the registry's stage, held back: no worker prepares it before the step looks
     manager.prefetcher._stage = lambda *args: go.wait(30) and stage(*args)

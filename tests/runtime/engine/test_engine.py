@@ -45,7 +45,7 @@ def test_a_failing_adapter_fails_alone(written, tmp_path, expected, make_engine)
     shutil.copytree(written["qv"][0], broken)
     engine, manager = make_engine()
     manager.register(str(broken), adapter_id="broken")
-    manager.registry.host.discard(("broken", manager.registry.get("broken").sha))
+    manager.registry.host.discard(("broken", manager.registry.get("broken").digest))
     (broken / "adapter_model.safetensors").write_bytes(b"garbage")
     bad = engine.submit([1, 2, 3], "broken", SamplingParams(max_tokens=3))
     good = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in ROWS[:4]]
