@@ -132,6 +132,12 @@ class RequestHandle:
         return self._request.finish_reason
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end the request when sampled: its ``stop_ids`` and, unless ``ignore_eos``, the eos ids. Such a
+        token is the last one and has no text (vLLM's detokenizer skips the token that stopped a sequence)."""
+        return self._request.stop_ids
+
+    @property
     def first_token_at(self) -> float | None:
         """`time.perf_counter()` when the first output token was produced; None before, and for a request that ends
         without one. Time to first token: this minus the caller's own perf_counter() at submit."""

@@ -37,8 +37,11 @@ class Completion:
 class TextDecoder:
     """Token ids -> text deltas. Decodes the whole output each time (outputs are short) so multi-byte characters
     split across tokens come out whole; holds back a possible stop-string prefix until it is decided. Stop strings
-    count only from the ``min_tokens``-th token on (as vLLM's min_tokens). ``hidden`` ids are no text, as the
-    tokenizer's special tokens are not: the engine's eos ids, which a config may set beyond the tokenizer's own."""
+    count only from the ``min_tokens``-th token on (as vLLM's min_tokens). Every other token is the tokenizer's
+    decode with ``skip_special_tokens``, as transformers and vLLM give it, except the ``hidden`` ids: the request's
+    stop ids (its ``stop_token_ids``, and its eos ids unless ``ignore_eos``), one of which can only be its last token,
+    the one that stopped it, which vLLM does not detokenize either. With ``ignore_eos`` an eos id that is not a special
+    token of the tokenizer is text."""
 
     def __init__(
         self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0, hidden: frozenset[int] = frozenset()
@@ -137,7 +140,7 @@ class Generator:
             yield token, handle.token_logprobs(index)
 
     async def complete(self, handle: RequestHandle, stop: Sequence[str], min_tokens: int = 0) -> Completion:
-        decoder = self.decoder(stop, min_tokens)
+        decoder = self.decoder(handle, stop, min_tokens)
         text, logprobs = [], []
         async for token, token_logprobs in self.tokens(handle):
             text.append(decoder.add(token))
@@ -148,9 +151,10 @@ class Generator:
         text.append(decoder.flush())
         return Completion("".join(text), finish_reason(handle, decoder), decoder.tokens, logprobs)
 
-    def decoder(self, stop: Sequence[str] = (), min_tokens: int = 0) -> TextDecoder:
-        """A :class:`TextDecoder` for one choice: the engine's eos ids are no text, as the tokenizer's specials."""
-        return TextDecoder(self.tokenizer, stop, min_tokens, self.engine.eos_ids)
+    def decoder(self, handle: RequestHandle, stop: Sequence[str] = (), min_tokens: int = 0) -> TextDecoder:
+        """A :class:`TextDecoder` for one choice: the token that stopped it (a stop id, or an eos id unless
+        ``ignore_eos``) is no text."""
+        return TextDecoder(self.tokenizer, stop, min_tokens, handle.stop_ids)
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)

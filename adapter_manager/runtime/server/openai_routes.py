@@ -283,7 +283,7 @@ async def _stream(
         async with stack:
             try:
                 for index, handle in enumerate(handles):
-                    decoder = state.generator.decoder(stops, body.min_tokens)
+                    decoder = state.generator.decoder(handle, stops, body.min_tokens)
                     tokens = first_tokens if index == 0 else generator.tokens(handle)
                     head = first if index == 0 else await anext(tokens, None)
                     if opening is not None:
