@@ -1,150 +1,178 @@
 """Adapter lifecycle, in rooms: `sources` (hub refs, the PEFT format, the local hub), `registry` (records, validation,
 durable state), `tiers` (disk, host, the row pool and its allocator), `policy` (admission, prefetch, workers), and
 `metrics`; `AdapterManager` is the facade over all of them. The Prometheus collector is in
-`adapter_manager.prometheus` (it imports prometheus_client, which the rest does not need)."""
+`adapter_manager.prometheus` (it imports prometheus_client, which the rest does not need).
 
-from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
-from .errors import (
-    AdapterAccessError,
-    AdapterConfigError,
-    AdapterConflictError,
-    AdapterError,
-    AdapterFormatError,
-    AdapterNotFoundError,
-    AdapterNotPinnedError,
-    AdapterNotReadyError,
-    AdapterRevisionNotFoundError,
-    BaseModelMismatchError,
-    CorruptWeightsError,
-    DiskTierFullError,
-    HubUnavailableError,
-    InvalidAdapterRefError,
-    NonFiniteWeightsError,
-    PickleRefusedError,
-    RankTooLargeError,
-    SlotLoadError,
-    SlotsExhaustedError,
-    TensorKeyError,
-    TensorShapeError,
-    UnsupportedAdapterError,
-)
-from .manager import AdapterManager, AdapterManagerConfig
-from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, Move, MoveStats, SwapMetrics, Tier, WaitStats
-from .policy import FrequencySketch, PrefetchConfig, Prefetcher, SketchConfig, background_executor
-from .registry import (
-    AdapterRecord,
-    AdapterRegistry,
-    RegisterResult,
-    Registration,
-    RegistryConfig,
-    StateStore,
-    UnrestoredAdapter,
-    check_adapter_id,
-)
-from .sharding import TensorParallel
-from .sources import (
-    AdapterFiles,
-    AdapterRef,
-    HubConfig,
-    HubFault,
-    LocalHub,
-    LoraAdapterConfig,
-    ModuleLora,
-    is_local_ref,
-    write_synthetic_adapter,
-)
-from .tiers import (
-    DiskTier,
-    DiskUsage,
-    HostTier,
-    ModuleColumns,
-    ModuleWeights,
-    PreparedAdapter,
-    RowLayout,
-    SlotAllocator,
-    SlotLease,
-    SlotPool,
-    SlotPoolConfig,
-    SlotStacks,
-    SlotState,
-    bytes_needed,
-    prepare_adapter,
-    units_for,
-)
+The names below load on first use (PEP 562), so importing the package (and the CLI, whose SIGTERM handler must be
+in place before torch loads) costs nothing until one is used."""
 
-__all__ = [
-    "FrequencySketch",
-    "SketchConfig",
-    "PROJECTIONS",
-    "AdapterAccessError",
-    "AdapterConfigError",
-    "AdapterConflictError",
-    "AdapterError",
-    "AdapterFiles",
-    "AdapterFormatError",
-    "AdapterManager",
-    "AdapterManagerConfig",
-    "AdapterMove",
-    "AdapterNotFoundError",
-    "AdapterNotPinnedError",
-    "AdapterNotReadyError",
-    "AdapterRecord",
-    "AdapterRef",
-    "AdapterRegistry",
-    "AdapterResidency",
-    "AdapterRevisionNotFoundError",
-    "BaseModelMismatchError",
-    "BaseModelSpec",
-    "CorruptWeightsError",
-    "DiskTierFullError",
-    "DiskTier",
-    "DiskUsage",
-    "HostTier",
-    "HubConfig",
-    "HubFault",
-    "HubUnavailableError",
-    "InvalidAdapterRefError",
-    "LocalHub",
-    "LoraAdapterConfig",
-    "MetricsSnapshot",
-    "ModuleKey",
-    "ModuleLora",
-    "ModuleColumns",
-    "ModuleWeights",
-    "Move",
-    "MoveStats",
-    "NonFiniteWeightsError",
-    "PickleRefusedError",
-    "PrefetchConfig",
-    "Prefetcher",
-    "PreparedAdapter",
-    "RankTooLargeError",
-    "RegisterResult",
-    "Registration",
-    "RowLayout",
-    "RegistryConfig",
-    "SlotAllocator",
-    "SlotLease",
-    "SlotLoadError",
-    "SlotPool",
-    "SlotPoolConfig",
-    "SlotStacks",
-    "SlotState",
-    "SlotsExhaustedError",
-    "StateStore",
-    "SwapMetrics",
-    "TensorKeyError",
-    "TensorParallel",
-    "TensorShapeError",
-    "Tier",
-    "UnrestoredAdapter",
-    "UnsupportedAdapterError",
-    "WaitStats",
-    "background_executor",
-    "bytes_needed",
-    "check_adapter_id",
-    "is_local_ref",
-    "prepare_adapter",
-    "units_for",
-    "write_synthetic_adapter",
-]
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are for type checkers; the names load lazily below
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base_model import PROJECTIONS, BaseModelSpec, ModuleKey
+    from .errors import (
+        AdapterAccessError,
+        AdapterConfigError,
+        AdapterConflictError,
+        AdapterError,
+        AdapterFormatError,
+        AdapterNotFoundError,
+        AdapterNotPinnedError,
+        AdapterNotReadyError,
+        AdapterRevisionNotFoundError,
+        BaseModelMismatchError,
+        CorruptWeightsError,
+        DiskTierFullError,
+        HubUnavailableError,
+        InvalidAdapterRefError,
+        NonFiniteWeightsError,
+        PickleRefusedError,
+        RankTooLargeError,
+        SlotLoadError,
+        SlotsExhaustedError,
+        TensorKeyError,
+        TensorShapeError,
+        UnsupportedAdapterError,
+    )
+    from .manager import AdapterManager, AdapterManagerConfig
+    from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, Move, MoveStats, SwapMetrics, Tier, WaitStats
+    from .policy import FrequencySketch, PrefetchConfig, Prefetcher, SketchConfig, background_executor
+    from .registry import (
+        AdapterRecord,
+        AdapterRegistry,
+        RegisterResult,
+        Registration,
+        RegistryConfig,
+        StateStore,
+        UnrestoredAdapter,
+        check_adapter_id,
+    )
+    from .sharding import TensorParallel
+    from .sources import (
+        AdapterFiles,
+        AdapterRef,
+        HubConfig,
+        HubFault,
+        LocalHub,
+        LoraAdapterConfig,
+        ModuleLora,
+        is_local_ref,
+        write_synthetic_adapter,
+    )
+    from .tiers import (
+        DiskTier,
+        DiskUsage,
+        HostTier,
+        ModuleColumns,
+        ModuleWeights,
+        PreparedAdapter,
+        RowLayout,
+        SlotAllocator,
+        SlotLease,
+        SlotPool,
+        SlotPoolConfig,
+        SlotStacks,
+        SlotState,
+        bytes_needed,
+        prepare_adapter,
+        units_for,
+    )
+
+_EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the names it gives the package
+    "base_model": ("PROJECTIONS", "BaseModelSpec", "ModuleKey"),
+    "errors": (
+        "AdapterAccessError",
+        "AdapterConfigError",
+        "AdapterConflictError",
+        "AdapterError",
+        "AdapterFormatError",
+        "AdapterNotFoundError",
+        "AdapterNotPinnedError",
+        "AdapterNotReadyError",
+        "AdapterRevisionNotFoundError",
+        "BaseModelMismatchError",
+        "CorruptWeightsError",
+        "DiskTierFullError",
+        "HubUnavailableError",
+        "InvalidAdapterRefError",
+        "NonFiniteWeightsError",
+        "PickleRefusedError",
+        "RankTooLargeError",
+        "SlotLoadError",
+        "SlotsExhaustedError",
+        "TensorKeyError",
+        "TensorShapeError",
+        "UnsupportedAdapterError",
+    ),
+    "manager": ("AdapterManager", "AdapterManagerConfig"),
+    "metrics": (
+        "AdapterMove",
+        "AdapterResidency",
+        "MetricsSnapshot",
+        "Move",
+        "MoveStats",
+        "SwapMetrics",
+        "Tier",
+        "WaitStats",
+    ),
+    "policy": ("FrequencySketch", "PrefetchConfig", "Prefetcher", "SketchConfig", "background_executor"),
+    "registry": (
+        "AdapterRecord",
+        "AdapterRegistry",
+        "RegisterResult",
+        "Registration",
+        "RegistryConfig",
+        "StateStore",
+        "UnrestoredAdapter",
+        "check_adapter_id",
+    ),
+    "sharding": ("TensorParallel",),
+    "sources": (
+        "AdapterFiles",
+        "AdapterRef",
+        "HubConfig",
+        "HubFault",
+        "LocalHub",
+        "LoraAdapterConfig",
+        "ModuleLora",
+        "is_local_ref",
+        "write_synthetic_adapter",
+    ),
+    "tiers": (
+        "DiskTier",
+        "DiskUsage",
+        "HostTier",
+        "ModuleColumns",
+        "ModuleWeights",
+        "PreparedAdapter",
+        "RowLayout",
+        "SlotAllocator",
+        "SlotLease",
+        "SlotPool",
+        "SlotPoolConfig",
+        "SlotStacks",
+        "SlotState",
+        "bytes_needed",
+        "prepare_adapter",
+        "units_for",
+    ),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

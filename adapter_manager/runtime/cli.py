@@ -17,10 +17,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+from pathlib import Path
 
-from . import cli_admin, cli_cluster, cli_demo, cli_hub, cli_serve
-from .cli_exit import OK, SERVER_ERROR, USAGE_ERROR
+
+def _exit_while_starting(signum: int, frame: object) -> None:
+    """SIGTERM before a command has set up anything (its modules, torch among them, still importing): exit 0."""
+    os._exit(0)
+
+
+# Run as the program (the `adapter-manager` script, or `python -m`): a SIGTERM from here on is a stop, exit 0, not a
+# kill mid-import. The package roots load their names lazily, so this line runs before torch is imported.
+if __name__ == "__main__" or Path(sys.argv[0]).name == "adapter-manager":
+    signal.signal(signal.SIGTERM, _exit_while_starting)
+
+from . import cli_admin, cli_cluster, cli_demo, cli_hub, cli_serve  # noqa: E402 - after the SIGTERM handler
+from .cli_exit import OK, SERVER_ERROR, USAGE_ERROR  # noqa: E402
 
 __all__ = ["OK", "SERVER_ERROR", "USAGE_ERROR", "main"]
 
@@ -44,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "serve" and signal.getsignal(signal.SIGTERM) is _exit_while_starting:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # serve replaces it with its own stop; the others as before
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command in _LOADING_COMMANDS:
         _show_progress()
