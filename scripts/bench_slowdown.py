@@ -9,7 +9,11 @@ Targets: >= -1 %, >= -3 %, >= -5 %. lora_none runs exactly base's code path, so 
 Prints a table and writes out/bench_slowdown.json.
 
   .venv/bin/python -m scripts.bench_slowdown [--inputs 128,512,2048] [--output 128] [--requests 8] [--repeats 3]
-      [--dtype float32|bfloat16] [--device cpu|cuda] [--token-budget N]
+      [--dtype float32|bfloat16] [--device cpu|cuda|xla] [--token-budget N]
+
+On XLA (``--device xla``, the XLA lane's venv; a TPU with PJRT_DEVICE=TPU, the CPU device with PJRT_DEVICE=CPU) each
+engine compiles every step graph first (``warm_up``), with the LoRA stacks attached and without them (base), and each
+row also reports the graphs compiled while it was timed (target 0).
 
 --heatmap: input {128, 256, 512, 1024, 2048} x output {32, 128, 512} (or --inputs / --outputs), base vs lora_8 and
 lora_1 on the same engine in the same run, each cell's slowdown beside its roofline floor: the LoRA share of FLOPs
@@ -198,6 +202,14 @@ def _plot(cells: list[dict], inputs: list[int], outputs: list[int], path: Path) 
     print(f"wrote {path}")
 
 
+def _compile_count() -> int:
+    """Graphs torch_xla has compiled so far in this process."""
+    import torch_xla.debug.metrics as metrics
+
+    data = metrics.metric_data("CompileTime")
+    return 0 if data is None else data[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", default=None, help="prompt lengths (default 128,512,2048; --heatmap: 128..2048)")
@@ -205,7 +217,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda[:i] or xla (not with --heatmap)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_slowdown.json"))
     parser.add_argument("--heatmap", action="store_true", help="the input x output grid, with floors and a PNG")
     parser.add_argument("--outputs", default="32,128,512", help="--heatmap: output lengths, comma separated")
@@ -216,6 +228,8 @@ def main() -> None:
         help="tokens per engine step (default: the engine's own, 512)",
     )
     args = parser.parse_args()
+    if args.heatmap and args.device == "xla":
+        parser.error("--heatmap runs on cpu or cuda; on xla run the rows (without --heatmap)")
     if args.heatmap:
         args.inputs = args.inputs or "128,256,512,1024,2048"
         heatmap(args)
@@ -224,7 +238,13 @@ def main() -> None:
     inputs = [int(n) for n in args.inputs.split(",")]
     results = {"device": args.device, "dtype": args.dtype, "requests": args.requests, "output": args.output, "rows": []}
     results["token_budget"] = args.token_budget  # None: the engine's default
-    with engine_workload(getattr(torch, args.dtype), args.device) as work:
+    if args.device == "xla":
+        import torch_xla
+
+        device = torch_xla.device()  # registers the XLA backend's ops before anything is placed
+    else:
+        device = args.device
+    with engine_workload(getattr(torch, args.dtype), device) as work:
         model, manager = work.model, work.manager
         gen = torch.Generator().manual_seed(0)
         for length in inputs:
@@ -232,6 +252,12 @@ def main() -> None:
             prompts = random_prompts(work, length, args.requests, gen)
             adapters = {name: work.mix(name, args.requests) for name in CONFIGS}
             serve(engine, prompts[:2], ["a0", None], 4)  # warm-up: loads, allocator, kernels
+            if args.device == "xla":  # every step graph, with the stacks and without (base), before any timing
+                engine.warm_up()
+                model.detach_lora()
+                engine.warm_up()
+                model.attach_lora(manager.stacks)
+            compiles = _compile_count() if args.device == "xla" else None
             throughput: dict[str, list[float]] = {c: [] for c in CONFIGS}
             for repeat in range(args.repeats):
                 for name in CONFIGS[repeat % 4 :] + CONFIGS[: repeat % 4]:  # rotated: no config always runs first
@@ -246,6 +272,8 @@ def main() -> None:
             row["spread_pct"] = {
                 n: round(100 * (max(v) - min(v)) / statistics.median(v), 1) for n, v in throughput.items()
             }
+            if compiles is not None:
+                row["compiles_after_warm_up"] = _compile_count() - compiles
             for name in TARGETS:
                 row[f"{name}_slowdown_pct"] = round(100 * (med[name] / med["base"] - 1), 2)
             results["rows"].append(row)
@@ -254,7 +282,8 @@ def main() -> None:
                 + " | ".join(
                     f"{n} {row[f'{n}_slowdown_pct']:+6.2f} % (target >= {t:+.0f} %)" for n, t in TARGETS.items()
                 )
-                + f" | max spread over repeats {max(row['spread_pct'].values()):.1f} %",
+                + f" | max spread over repeats {max(row['spread_pct'].values()):.1f} %"
+                + ("" if compiles is None else f" | compiles after warm-up {row['compiles_after_warm_up']} (target 0)"),
                 flush=True,
             )
     write_json(args.out, results)

@@ -12,6 +12,7 @@ graph is read from the source with :mod:`ast`, so an import inside a function co
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -278,3 +279,15 @@ def test_runtime_calls_the_facade_not_its_internals() -> None:
         if isinstance(node, ast.Attribute) and node.attr in internals and _names_a_manager(node.value)
     ]
     assert not wrong, "runtime reaches into AdapterManager's internals (add a facade method):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", ["adapter_manager", RUNTIME])
+def test_lazy_package_names_match_their_imports_for_type_checkers(package: str) -> None:
+    """A package root that loads its names on first use (PEP 562) lists each once for the loader and once under
+    TYPE_CHECKING for type checkers and this file's import graph: the two lists agree, and every name resolves."""
+    module = importlib.import_module(package)
+    tree = ast.parse(_modules()[package].read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING")
+    imported = {node.module: tuple(a.name for a in node.names) for node in guarded.body}
+    assert imported == module._EXPORTS
+    assert all(getattr(module, name) is not None for name in module.__all__)
