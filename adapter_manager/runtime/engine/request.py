@@ -62,7 +62,8 @@ class Request:
     resumed: tuple[int, ...] = ()  # output tokens at its last preemption: recomputed after the prompt
     blocks: list[int] = field(default_factory=list)  # its KV blocks in order (its block table) while running
     named: int = 0  # its leading blocks the prefix cache names (or found cached)
-    namespace: bytes = b""  # its prefix-cache namespace while running (adapter and revision, or the base model)
+    namespace: bytes = b""  # its prefix-cache namespace while running (adapter and content, or the base model)
+    content: str | None = None  # its adapter's content digest, set at its admission: every token it has is from it
     cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
     last_name: bytes = b""  # the prefix-cache name of its last named block
     context_names: tuple[bytes, tuple[bytes, ...]] = (b"", ())  # (namespace, names of its context's usable blocks)

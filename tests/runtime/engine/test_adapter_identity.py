@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from adapter_manager import AdapterConflictError
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from tests._rewrite import keeping_size_and_mtime
 
@@ -116,3 +117,33 @@ def test_a_prefetch_failure_of_an_earlier_registration_fails_no_request(make_eng
     assert waiting.result(timeout=0) == expected[(prompt, name)][:4]  # still waiting: served by the new registration
     engine.close()
     manager.close()
+
+
+def test_a_request_generating_through_a_refresh_to_new_content_fails_typed_never_mixing(make_engine, written, tmp_path):
+    folder = tmp_path / "tenant"
+    shutil.copytree(written["qv"][0], folder)
+    engine, manager = make_engine(adapters=())
+    manager.register(str(folder), adapter_id="tenant")
+    generating = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=12))
+    unchanged = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=12))
+    while generating.num_tokens < 3 or unchanged.num_tokens < 1:
+        engine.step()
+    os.utime(folder / "adapter_model.safetensors", ns=(2, 2))  # the same bytes: nothing ends
+    assert manager.register(str(folder), adapter_id="tenant", refresh=True).action == "unchanged"
+    engine.step()
+    assert not generating.done
+    rewrite_same_size_and_mtime(folder)
+    assert manager.register(str(folder), adapter_id="tenant", refresh=True).action == "updated"
+    after = engine.submit(PROMPT, "tenant", PARAMS)
+    engine.run_until_idle(max_steps=200)
+    for handle in (generating, unchanged):  # both had tokens of the old content: they end, typed
+        with pytest.raises(Exception, match="updated to new content while this request was generating"):
+            handle.result(timeout=0)
+        assert isinstance(handle._request.error, AdapterConflictError)  # noqa: SLF001
+    engine.close()
+    manager.close()
+    fresh_engine, fresh_manager = make_engine(engine_kwargs={"prefix_caching": False}, adapters=())
+    fresh_manager.register(str(folder), adapter_id="fresh")
+    assert after.result(timeout=0) == _serve(fresh_engine, PROMPT, "fresh")[0]
+    fresh_engine.close()
+    fresh_manager.close()
