@@ -7,7 +7,9 @@
 - ``steps``: one model's decode / prefill steps as closures; ``references``: the roofline references beside them;
 - ``trace``: the many-adapter population and its arrival trace, replayed on a stepping engine;
 - ``floors``: the prefill and decode floors (shared/DESIGN.md, Floors), one definition each;
-- ``results``: the JSON writer and the machine description.
+- ``results``: the JSON writer and the machine description;
+- ``soak_*``: the soak benchmark's pieces (population, trace, client, churn, expected registrations, checks, report),
+  imported by ``bench_soak`` alone.
 
 ``vllm_peer.py`` is vLLM's side of ``bench_peer``, run as a file in the peer venv, never imported.
 """
