@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
-from ..engine.request import RequestHandle
+from ..engine.request import RequestHandle, checked_prompt
 from ..engine.sampling import SamplingParams, TokenLogprobs
 from ..model.tokenizer import Tokenizer
 
@@ -108,6 +108,9 @@ class Generator:
         when they would exceed `max_pending`, and the engine's errors (unknown adapter, prompt too long) before
         anything is queued. Requests still running when the body exits (stop string, client gone) are cancelled;
         they count as in flight until the engine has dropped them."""
+        vocab_size, max_seq_len = self.engine.model.config.vocab_size, self.engine.config.max_seq_len
+        for prompt, params in requests:  # one that can never run is refused as such (400), not as an overload (503)
+            checked_prompt(prompt, params, vocab_size, max_seq_len)
         with self._lock:
             if self._pending + len(requests) > self.max_pending:
                 raise OverloadedError(

@@ -153,6 +153,8 @@ def test_overload_answers_503(files):
             client.completions.create(model=NAME, prompt="x", n=3, max_tokens=1)
         assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
         assert client.completions.create(model=NAME, prompt="x", n=2, max_tokens=1).choices  # within the bound
+        with pytest.raises(openai.BadRequestError):  # one that can never run is refused as such, not as an overload
+            client.completions.create(model=NAME, prompt="x", n=3, max_tokens=500)
 
 
 def test_admin_api_registers_by_hub_id_pins_and_unregisters(server, admin):
