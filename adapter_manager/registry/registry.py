@@ -330,6 +330,7 @@ class AdapterRegistry:
             self.config.dtype,
             self.config.pin_memory,
             self.layout,
+            files.digest,
         )
         if self._resolver.digest(files.config_path, files.weights_path) != files.digest:
             raise AdapterConflictError(adapter_id, f"its files in {files.weights_path.parent} changed while being read")

@@ -348,7 +348,7 @@ class SlotAllocator:
                 ) from error
             self.metrics.record(Move.HOST_TO_SLOT, residency.adapter_id, seconds, prepared.nbytes)
             with self._cond:
-                residency.nbytes = prepared.nbytes
+                residency.nbytes, residency.content = prepared.nbytes, prepared.digest
                 residency.ready = True
                 self._settle(residency)
                 self._cond.notify_all()

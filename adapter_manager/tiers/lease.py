@@ -29,6 +29,7 @@ class Residency:
     draining: bool = False  # unregistered while pinned or loading: freed at the last release
     nbytes: int = 0
     last_used: float = 0.0
+    content: str = ""  # the content digest of the block loaded into it (`PreparedAdapter.digest`)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class SlotLease:
     slots: Mapping[str, int]  # adapter id -> slot, stable until released
     slot_rows: Mapping[int, int]  # slot -> the adapter's rank: rows [slot * G, slot * G + rank) hold it
     _entries: tuple[Residency, ...] = field(repr=False)
+
+    @property
+    def contents(self) -> Mapping[str, str]:
+        """Adapter id -> the content digest its pinned slot holds: what the batch's tokens are computed with."""
+        return {r.adapter_id: r.content for r in self._entries}
 
     def slot_indices(
         self, adapter_ids: Sequence[str | None], pad_to: int | None = None, device: torch.device | str | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class PreparedAdapter:
     sha: str  # revision the weights came from
     modules: Mapping[ModuleKey, ModuleWeights]  # targeted modules only; the others are zero
     storage: torch.Tensor  # Shape: [r, width], the block every module's `a` and `bt` view into
+    digest: str = ""  # the content digest of the files it was prepared from (`sources.digests`)
 
     @property
     def rows(self) -> int:
@@ -66,6 +67,7 @@ def prepare_adapter(
     dtype: torch.dtype,
     pin_memory: bool = False,
     layout: RowLayout | None = None,
+    digest: str = "",
 ) -> PreparedAdapter:
     """Validate `adapter_model.safetensors` against the resolved modules and build the prepared adapter.
 
@@ -76,7 +78,8 @@ def prepare_adapter(
         tensors = _match_keys(adapter_id, list(handle.keys()), modules)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
         layout = layout or RowLayout.of(spec)  # over N tensor-parallel shards: RowLayout.of(spec, tp)
-        return _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory)
+        prepared = _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory)
+    return replace(prepared, digest=digest)
 
 
 def check_weights(

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from adapter_manager import AdapterConflictError, AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
+from adapter_manager import AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
 from adapter_manager.kernels import select_backend
 
 from ..model.llama import Llama
@@ -42,7 +42,7 @@ from .request import Request, RequestHandle, checked_prompt
 from .sampling import SamplingParams, sample_step
 from .scheduler import ScheduledChunk, StepPlan, plan_step
 from .step_batch import place_chunks
-from .step_lease import acquire_step
+from .step_lease import acquire_step, hold_contents
 from .step_loop import StepLoop
 from .step_runner import make_runner
 from .step_sampling import plan_sampling, record_sampling
@@ -84,7 +84,6 @@ class Engine:
         self._work = threading.Condition(self._lock)
         self._loop = StepLoop(self.step, self._work, lambda: bool(self._waiting or self._running))
         self._finished_in_step = 0
-        self._retired: set[str] = set()  # adapters whose content was retired since the last step looked
         manager.on_prefetched(self._adapter_moved)
         manager.on_retired(self._adapter_retired)
 
@@ -142,7 +141,6 @@ class Engine:
         it waits (up to `_IDLE_WAIT_S`) for the prefetcher to make one ready: nothing else is running to stall."""
         self._finished_in_step = 0
         self._drop_cancelled()
-        self._end_retired()
         self._fail_prefetch_errors()
         plan, pinned = self._plan()
         deadline = time.monotonic() + _IDLE_WAIT_S
@@ -165,8 +163,6 @@ class Engine:
             for request in plan.admitted:
                 self._kv.admit(request)
                 self._running.append(request)
-                if request.adapter_id is not None and request.content is None:
-                    request.content = self._digest_of(request.adapter_id)
             plan = dataclasses.replace(plan, chunks=place_chunks(plan.chunks, self._kv, self._preempt))
             self._step += 1
         unpinned = self.manager.num_units - sum(pinned.values())
@@ -178,6 +174,7 @@ class Engine:
         running = {r.adapter_id for r in self._running if r not in plan.admitted}
         fail = lambda request, err: self._finish(request, "error", err)
         lease = acquire_step(self.manager, chunks, plan.admitted, running, self._requeue, fail)
+        hold_contents(chunks, lease, self._restart, fail)
         try:
             if chunks:
                 self._forward(chunks, lease)
@@ -319,6 +316,12 @@ class Engine:
             self._kv.reset(request)
             self._waiting.appendleft(request)
 
+    def _restart(self, request: Request) -> None:
+        """A running request with no token yet goes back to waiting, to begin again on its adapter's new content."""
+        with self._lock:
+            request.content = None
+            self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         """Under the lock: a running request gives its blocks back and waits again at its arrival place; it will
         recompute its prompt and the output it has (its cached blocks likely still there), losing nothing."""
@@ -336,40 +339,9 @@ class Engine:
 
     def _adapter_retired(self, adapter_id: str) -> None:
         """The manager forgot an adapter's content (unregistered, or refreshed to new bytes): its cached prefix
-        blocks go, and no request reads them again; the next step ends its requests begun on the old content."""
+        blocks go, and no request reads them again (a request begun on the old content: `hold_contents`)."""
         with self._lock:
             self._kv.drop(adapter_id)
-            self._retired.add(adapter_id)
-
-    def _end_retired(self) -> None:
-        """Requests begun on an adapter's content that is no longer served (refreshed to new bytes, unregistered):
-        one with no token yet starts again on the new content; one with tokens fails, typed (`AdapterConflictError`,
-        HTTP 409; `AdapterNotFoundError` when unregistered), since the rest of its answer would come from other
-        weights than its first tokens and match neither version."""
-        with self._lock:
-            retired, self._retired = self._retired, set()
-            if not retired:
-                return
-            begun = [r for r in (*self._running, *self._waiting) if r.adapter_id in retired and r.content is not None]
-            stale = [r for r in begun if r.content != self._digest_of(r.adapter_id)]
-            for request in stale:
-                if not request.output:
-                    request.content = None  # no token yet: its next admission computes it on the new content
-                    if request in self._running:
-                        self._preempt(request)
-            ended = [r for r in stale if r.output]
-            if ended:
-                dropped = {id(r) for r in ended}
-                self._waiting = deque(r for r in self._waiting if id(r) not in dropped)
-        for request in ended:
-            adapter_id = request.adapter_id
-            if self.manager.is_registered(adapter_id):
-                error: Exception = AdapterConflictError(
-                    adapter_id, "was updated to new content while this request was generating; send it again"
-                )
-            else:
-                error = AdapterNotFoundError(adapter_id, "was unregistered while this request was generating")
-            self._finish(request, "error", error)
 
     def kv_metrics(self) -> KVMetrics:
         """The KV blocks and the prefix cache now: blocks used / free / cached, hit rates, preemptions."""

@@ -63,7 +63,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # its KV blocks in order (its block table) while running
     named: int = 0  # its leading blocks the prefix cache names (or found cached)
     namespace: bytes = b""  # its prefix-cache namespace while running (adapter and content, or the base model)
-    content: str | None = None  # its adapter's content digest, set at its admission: every token it has is from it
+    content: str | None = None  # the content digest its adapter's slot held at its first step: its tokens' source
     cached_tokens: int = 0  # prompt tokens its last admission found in the prefix cache
     last_name: bytes = b""  # the prefix-cache name of its last named block
     context_names: tuple[bytes, tuple[bytes, ...]] = (b"", ())  # (namespace, names of its context's usable blocks)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
-from adapter_manager import AdapterError, AdapterManager, AdapterNotReadyError, SlotLease, SlotsExhaustedError
+from adapter_manager import (
+    AdapterConflictError,
+    AdapterError,
+    AdapterManager,
+    AdapterNotReadyError,
+    SlotLease,
+    SlotsExhaustedError,
+)
 
 from .request import Request
 from .scheduler import ScheduledChunk
@@ -59,3 +66,31 @@ def acquire_step(
                 if request in requeueable:
                     requeueable.remove(request)
                 fail(request, err)
+
+
+def hold_contents(
+    chunks: list[ScheduledChunk],
+    lease: SlotLease,
+    restart: Callable[[Request], None],
+    fail: Callable[[Request, AdapterError], None],
+) -> None:
+    """Keep in the step only the requests whose pinned slot holds the content their tokens so far came from (edited
+    in place). A request's content is the one its first step's slot held (not the registry's, which a refresh
+    changes before the slot does). Where a refresh or an unregistration has changed it since, a request with no
+    token yet starts again on the new content (``restart``) and one with tokens fails (``fail``, typed): the rest
+    of its answer would come from other weights than its first tokens, matching neither version."""
+    contents = lease.contents
+    for chunk in list(chunks):
+        request = chunk.request
+        if request.adapter_id is None:
+            continue
+        content = contents[request.adapter_id]
+        if request.content is None:
+            request.content = content
+        elif request.content != content:
+            chunks.remove(chunk)
+            if request.output:
+                message = "was updated to new content while this request was generating; send it again"
+                fail(request, AdapterConflictError(request.adapter_id, message))
+            else:
+                restart(request)

@@ -147,3 +147,35 @@ def test_a_request_generating_through_a_refresh_to_new_content_fails_typed_never
     assert after.result(timeout=0) == _serve(fresh_engine, PROMPT, "fresh")[0]
     fresh_engine.close()
     fresh_manager.close()
+
+
+def test_a_request_admitted_while_a_refresh_is_half_applied_keeps_its_slots_content(make_engine, written, tmp_path):
+    """The soak's wrong-version answer: a refresh publishes the new record before the old slot goes, so a request
+    admitted in between computes with the old slot. Its content is the slot's, so it ends typed, never mixing."""
+    folder = tmp_path / "tenant"
+    shutil.copytree(written["qv"][0], folder)
+    engine, manager = make_engine(adapters=())
+    manager.register(str(folder), adapter_id="tenant")
+    old = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=3))
+    engine.run_until_idle(max_steps=50)
+    rewrite_same_size_and_mtime(folder)
+    # the manager's update, step by step (manager.register runs these three in a row): the record first ...
+    assert manager.registry.register(str(folder), "tenant", refresh=True).action == "updated"
+    window = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=12))
+    while window.num_tokens < 2:  # ... a request admitted now runs on the old slot ...
+        engine.step()
+    manager.allocator.forget("tenant")  # ... then the old slot and the old prefix blocks go
+    manager._retired("tenant")  # noqa: SLF001
+    after = engine.submit(PROMPT, "tenant", PARAMS)
+    engine.run_until_idle(max_steps=200)
+    tokens = window._request.output  # noqa: SLF001
+    assert len(tokens) >= 2 and old.result(timeout=0)[: len(tokens)] == tokens  # the old content's, every one
+    with pytest.raises(Exception, match="updated to new content while this request was generating"):
+        window.result(timeout=0)
+    engine.close()
+    manager.close()
+    fresh_engine, fresh_manager = make_engine(engine_kwargs={"prefix_caching": False}, adapters=())
+    fresh_manager.register(str(folder), adapter_id="fresh")
+    assert after.result(timeout=0) == _serve(fresh_engine, PROMPT, "fresh")[0]  # served whole on the new content
+    fresh_engine.close()
+    fresh_manager.close()
