@@ -32,6 +32,7 @@ _RANK = {
     "adapter_manager.metrics": 1,
     "adapter_manager.sharding": 1,  # the tensor-parallel plan: which features a shard holds
     "adapter_manager.spmd": 1,  # the SPMD mesh and its sharding marks (XLA)
+    "adapter_manager.lazy_names": 1,  # the package roots' names loaded on first use (stdlib only)
     "adapter_manager.sources": 2,  # where adapters come from
     "adapter_manager.tiers": 3,  # where they live: disk, host, the row pool
     "adapter_manager.registry": 4,  # what is registered (moves records through the tiers)

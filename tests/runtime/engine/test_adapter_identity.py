@@ -42,11 +42,27 @@ def _serve(engine, prompt, adapter):
     return handle.result(timeout=0), [e.logprob for e in handle.logprobs]
 
 
-def test_a_folder_rewritten_with_the_same_size_and_mtime_is_an_update(make_engine, written, tmp_path):
-    folder = tmp_path / "tenant"
-    shutil.copytree(written["qv"][0], folder)
-    engine, manager = make_engine(engine_kwargs={"kv_block_size": BLOCK}, adapters=())
+def _tenant(make_engine, written, tmp_path, **engine_kwargs):
+    """A copy of the "qv" adapter's folder registered as "tenant" on a fresh engine: (folder, engine, manager)."""
+    folder = shutil.copytree(written["qv"][0], tmp_path / "tenant")
+    engine, manager = make_engine(engine_kwargs=engine_kwargs, adapters=())
     manager.register(str(folder), adapter_id="tenant")
+    return folder, engine, manager
+
+
+def _fresh(make_engine, folder: Path):
+    """The oracle: ``folder``'s weights served from nothing with the prefix cache off, (tokens, logprobs)."""
+    engine, manager = make_engine(engine_kwargs={"prefix_caching": False}, adapters=())
+    manager.register(str(folder), adapter_id="fresh")
+    try:
+        return _serve(engine, PROMPT, "fresh")
+    finally:
+        engine.close()
+        manager.close()
+
+
+def test_a_folder_rewritten_with_the_same_size_and_mtime_is_an_update(make_engine, written, tmp_path):
+    folder, engine, manager = _tenant(make_engine, written, tmp_path, kv_block_size=BLOCK)
     old = _serve(engine, PROMPT, "tenant")
     assert engine.kv_metrics().blocks_cached >= 3
     old_digest = manager.record("tenant").digest
@@ -61,20 +77,13 @@ def test_a_folder_rewritten_with_the_same_size_and_mtime_is_an_update(make_engin
     manager.close()
 
     # the oracle: the rewritten weights served from nothing, prefix cache off
-    fresh_engine, fresh_manager = make_engine(engine_kwargs={"prefix_caching": False}, adapters=())
-    fresh_manager.register(str(folder), adapter_id="fresh")
-    fresh = _serve(fresh_engine, PROMPT, "fresh")
-    fresh_engine.close()
-    fresh_manager.close()
+    fresh = _fresh(make_engine, folder)
     assert new[0] == fresh[0] and new[1] == pytest.approx(fresh[1], abs=1e-5)
     assert new[1] != pytest.approx(old[1], abs=1e-5)
 
 
 def test_the_same_bytes_elsewhere_keep_their_blocks_and_a_changed_folder_is_refused(make_engine, written, tmp_path):
-    folder = tmp_path / "tenant"
-    shutil.copytree(written["qv"][0], folder)
-    engine, manager = make_engine(engine_kwargs={"kv_block_size": BLOCK}, adapters=())
-    manager.register(str(folder), adapter_id="tenant")
+    folder, engine, manager = _tenant(make_engine, written, tmp_path, kv_block_size=BLOCK)
     first = _serve(engine, PROMPT, "tenant")
     digest = manager.record("tenant").digest
 
@@ -120,10 +129,7 @@ def test_a_prefetch_failure_of_an_earlier_registration_fails_no_request(make_eng
 
 
 def test_a_request_generating_through_a_refresh_to_new_content_fails_typed_never_mixing(make_engine, written, tmp_path):
-    folder = tmp_path / "tenant"
-    shutil.copytree(written["qv"][0], folder)
-    engine, manager = make_engine(adapters=())
-    manager.register(str(folder), adapter_id="tenant")
+    folder, engine, manager = _tenant(make_engine, written, tmp_path)
     generating = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=12))
     unchanged = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=12))
     while generating.num_tokens < 3 or unchanged.num_tokens < 1:
@@ -142,20 +148,13 @@ def test_a_request_generating_through_a_refresh_to_new_content_fails_typed_never
         assert isinstance(handle._request.error, AdapterConflictError)  # noqa: SLF001
     engine.close()
     manager.close()
-    fresh_engine, fresh_manager = make_engine(engine_kwargs={"prefix_caching": False}, adapters=())
-    fresh_manager.register(str(folder), adapter_id="fresh")
-    assert after.result(timeout=0) == _serve(fresh_engine, PROMPT, "fresh")[0]
-    fresh_engine.close()
-    fresh_manager.close()
+    assert after.result(timeout=0) == _fresh(make_engine, folder)[0]
 
 
 def test_a_request_admitted_while_a_refresh_is_half_applied_keeps_its_slots_content(make_engine, written, tmp_path):
     """The soak's wrong-version answer: a refresh publishes the new record before the old slot goes, so a request
     admitted in between computes with the old slot. Its content is the slot's, so it ends typed, never mixing."""
-    folder = tmp_path / "tenant"
-    shutil.copytree(written["qv"][0], folder)
-    engine, manager = make_engine(adapters=())
-    manager.register(str(folder), adapter_id="tenant")
+    folder, engine, manager = _tenant(make_engine, written, tmp_path)
     old = engine.submit(PROMPT, "tenant", SamplingParams(max_tokens=3))
     engine.run_until_idle(max_steps=50)
     rewrite_same_size_and_mtime(folder)
@@ -174,8 +173,4 @@ def test_a_request_admitted_while_a_refresh_is_half_applied_keeps_its_slots_cont
         window.result(timeout=0)
     engine.close()
     manager.close()
-    fresh_engine, fresh_manager = make_engine(engine_kwargs={"prefix_caching": False}, adapters=())
-    fresh_manager.register(str(folder), adapter_id="fresh")
-    assert after.result(timeout=0) == _serve(fresh_engine, PROMPT, "fresh")[0]  # served whole on the new content
-    fresh_engine.close()
-    fresh_manager.close()
+    assert after.result(timeout=0) == _fresh(make_engine, folder)[0]  # served whole on the new content
