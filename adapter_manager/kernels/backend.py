@@ -14,7 +14,12 @@ _EAGER_DEVICES = ("cpu", "cuda")
 _TORCH_FORMS = (BackendKind.TORCH, BackendKind.CPU)
 
 
-def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
+def _build(kind: BackendKind, config: KernelConfig, deterministic: bool = False) -> KernelBackend:
+    if deterministic and kind is not BackendKind.CPU:
+        raise ValueError(
+            f"the deterministic mode runs on the cpu backend (a CPU device with the C++ library built); "
+            f"backend {kind.value!r} has no batch-invariant form yet"
+        )
     if kind is BackendKind.REFERENCE:
         from adapter_manager.kernels.reference import ReferenceBackend
 
@@ -29,7 +34,9 @@ def _build(kind: BackendKind, config: KernelConfig) -> KernelBackend:
         from adapter_manager.kernels.dispatch_table import TorchDispatchTable
 
         table = TorchDispatchTable.load(config.dispatch_table)
-        return CpuFusedBackend(table, form=config.torch_form, fused_max_tokens=config.fused_max_tokens)
+        return CpuFusedBackend(
+            table, form=config.torch_form, fused_max_tokens=config.fused_max_tokens, deterministic=deterministic
+        )
     if kind is BackendKind.XLA:
         from adapter_manager.kernels.xla_laned import XlaLanedBackend
 
@@ -103,7 +110,9 @@ def first_contact(backend: KernelBackend, device: torch.device | str, config: Ke
     return backend
 
 
-def select_backend(device: torch.device | str, config: KernelConfig | None = None) -> KernelBackend:
+def select_backend(
+    device: torch.device | str, config: KernelConfig | None = None, deterministic: bool = False
+) -> KernelBackend:
     """Pick the backend once, outside the hot path: cpu -> cpu (the torch forms plus the C++ kernel; torch, with a
     warning, where the kernel cannot be built), cuda -> triton (torch, with one warning naming why, where triton cannot
     be imported), xla -> ``config.xla_backend``.
@@ -114,10 +123,16 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
     before triton is first imported and when the backend is built: its kernels then run in numpy on CPU tensors), and
     the Pallas backend refuses anything
     but an XLA device; a forced ``torch_form`` needs the torch or cpu backend (FUSED: cpu). AUTO never picks triton
-    on a CPU device.
+    on a CPU device. ``deterministic``: the backend's batch-invariant forms (the cpu backend's alone, so far: any
+    other choice is refused).
     """
     config = config or KernelConfig()
     device_type = torch.device(device).type
+    if deterministic and device_type != "cpu":
+        raise ValueError(
+            f"the deterministic mode runs on a CPU device so far, got {device_type!r} (what CUDA and XLA need: "
+            "docs/engine.md, Deterministic mode)"
+        )
     kind = config.backend
     if kind is BackendKind.AUTO:
         if device_type == "cpu" and config.torch_form in (LoRAForm.AUTO, LoRAForm.FUSED):
@@ -162,4 +177,4 @@ def select_backend(device: torch.device | str, config: KernelConfig | None = Non
         )
     if config.torch_form is LoRAForm.FUSED and kind is not BackendKind.CPU:
         raise ValueError(f"torch_form='fused' needs the cpu backend (its C++ kernel); got {kind.value!r}")
-    return _build(kind, config)
+    return _build(kind, config, deterministic)

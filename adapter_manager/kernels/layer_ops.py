@@ -16,11 +16,14 @@ from adapter_manager.kernels.device_kernels import CudaLayerKernels, LayerKernel
 from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
 
 
-def layer_kernels(device: torch.device | str) -> LayerKernels:
-    """The seam: the layer kernels of ``device``'s type (a new object; hold it for the device's lifetime)."""
+def layer_kernels(device: torch.device | str, deterministic: bool = False) -> LayerKernels:
+    """The seam: the layer kernels of ``device``'s type (a new object; hold it for the device's lifetime).
+    ``deterministic``: batch-invariant base matmuls (a CPU device with the library built; refused elsewhere)."""
     kind = torch.device(device).type
     if kind == "cpu":
-        return CpuLayerKernels()
+        return CpuLayerKernels(deterministic)
+    if deterministic:
+        raise ValueError(f"the deterministic mode runs on a CPU device so far, got {kind!r}")
     return CudaLayerKernels() if kind == "cuda" else LayerKernels()
 
 

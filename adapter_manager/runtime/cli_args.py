@@ -66,6 +66,12 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
         "most half the device's free memory); --max-batch stays a cap",
     )
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="every request's tokens and logprobs independent of what shares its batch (fixed-order matmuls on plain "
+        "weights, attention per token; CPU; costs speed: docs/engine.md)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",

@@ -46,11 +46,14 @@ def build_engine(
     max_seq_len: int,
     token_budget: int | None = None,
     kernels: KernelConfig | None = None,
+    deterministic: bool = False,
 ) -> Engine:
     """The eager engine over ``model`` and ``manager``; ``token_budget`` None: the scheduler's default; ``kernels``
-    None: the backend the device gets by default."""
+    None: the backend the device gets by default; ``deterministic``: EngineConfig's mode (it unpacks the model)."""
     scheduler = SchedulerConfig() if token_budget is None else SchedulerConfig(token_budget=token_budget)
-    config = EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, scheduler=scheduler, kernels=kernels)
+    config = EngineConfig(
+        max_batch=max_batch, max_seq_len=max_seq_len, scheduler=scheduler, kernels=kernels, deterministic=deterministic
+    )
     return Engine(model, manager, config)
 
 
@@ -132,11 +135,20 @@ def engine_workload(
             manager.close()
 
 
-def engine_step_ms(work: EngineWorkload, adapters: list[str | None], context: int, steps: int) -> dict[str, float]:
+def engine_step_ms(
+    work: EngineWorkload,
+    adapters: list[str | None],
+    context: int,
+    steps: int,
+    model: Llama | None = None,
+    deterministic: bool = False,
+) -> dict[str, float]:
     """The real engine's decode step (scheduling, lease, forward, sampling) over ``steps`` decode steps: the median
     step (ms), the median forward inside those same steps (metadata + model, ms) and the median of each step's
-    overhead over its own forward, so that the overhead is not a difference of two noisy phases."""
-    engine = work.engine(max_batch=len(adapters), max_seq_len=context + steps + 8)
+    overhead over its own forward, so that the overhead is not a difference of two noisy phases. ``model`` None:
+    the workload's; ``deterministic``: the engine's mode."""
+    max_seq_len = context + steps + 8
+    engine = build_engine(model or work.model, work.manager, len(adapters), max_seq_len, deterministic=deterministic)
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
     for adapter in adapters:

@@ -26,7 +26,14 @@ import torch
 
 from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.cpu.library import load, unavailable_reason
-from adapter_manager.kernels.cpu.linear_ops import LINEAR_MAX_TOKENS, lora_apply, lora_blocked, lora_linear, lora_onednn
+from adapter_manager.kernels.cpu.linear_ops import (
+    LINEAR_MAX_TOKENS,
+    fixed_linear,
+    lora_apply,
+    lora_blocked,
+    lora_linear,
+    lora_onednn,
+)
 from adapter_manager.kernels.dispatch_table import TorchDispatchTable
 from adapter_manager.kernels.executor import CpuExecutor
 from adapter_manager.kernels.meta import LoRAKernelMeta
@@ -48,17 +55,24 @@ class CpuFusedBackend(TorchEagerBackend):
         max_segment_runs: int = 16,
         form: LoRAForm = LoRAForm.AUTO,
         fused_max_tokens: int = 128,
+        deterministic: bool = False,
     ) -> None:
         """``form``: AUTO, or a forced FUSED / SEGMENTS / GROUPED / LANED for every step with an adapter.
         ``fused_max_tokens``: AUTO takes FUSED for steps of at most this many tokens (0: never); the default 128 is
-        where MKL's matmul per run caught up with one adapter on the bench model (8 adapters: still 2x apart)."""
+        where MKL's matmul per run caught up with one adapter on the bench model (8 adapters: still 2x apart).
+        ``deterministic``: every step with an adapter takes the FUSED form through ``fixed_linear`` on plain weights
+        (each token's result summed in an order fixed by the shapes: the engine's deterministic mode); a forced
+        ``form`` other than FUSED is refused."""
         if fused_max_tokens < 0:
             raise ValueError(f"fused_max_tokens must be >= 0, got {fused_max_tokens}")
         if not load():
             raise ValueError(f"the CPU LoRA kernel cannot be built here: {unavailable_reason()}")
+        if deterministic and form not in (LoRAForm.AUTO, LoRAForm.FUSED):
+            raise ValueError(f"the deterministic mode applies the LoRA in the fused form only, got form={form.value!r}")
         super().__init__(table, max_segment_runs, LoRAForm.AUTO if form is LoRAForm.FUSED else form)
-        self.form = form
+        self.form = LoRAForm.FUSED if deterministic else form
         self.fused_max_tokens = fused_max_tokens
+        self.deterministic = deterministic
 
     def choose_form(self, num_tokens: int, active_slots: int, rank: int, runs: int) -> LoRAForm:
         if self.form is LoRAForm.FUSED or (self.form is LoRAForm.AUTO and num_tokens <= self.fused_max_tokens):
@@ -77,6 +91,9 @@ class CpuFusedBackend(TorchEagerBackend):
         one expand per part. Shape: y [T, sum(out)] (updated in place, returned); x [T, in]; a_parts [N, P, in];
         bt_parts P × [N, out_p]."""
         unit = a_parts.stride(2) == 1 and y.stride(1) == 1 and all(bt.stride(1) == 1 for bt in bt_parts)
+        if self.deterministic and not unit:  # lora_apply's loops are per token: the other forms are not
+            a_parts, bt_parts = a_parts.contiguous(), [bt.contiguous() for bt in bt_parts]
+            unit = y.stride(1) == 1
         if meta.form is LoRAForm.FUSED and unit:
             assert meta.runs is not None
             lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, bt_parts, meta.runs)
@@ -96,6 +113,10 @@ class CpuFusedBackend(TorchEagerBackend):
             return None
         a_groups, bts, offsets = groups
         w = weight.tensor
+        if self.deterministic:
+            if weight.layout is not WeightLayout.PLAIN:
+                raise ValueError(f"the deterministic mode reads plain weights, not {weight.layout.value} ones")
+            return fixed_linear(x, w, a_groups, bts, offsets, runs)
         if weight.layout is WeightLayout.INT8:  # its matmul, then the LoRA (kernels.base_linear, apply_parts)
             return None
         if weight.layout is WeightLayout.BLOCKED:  # any step with an adapter: prefill too

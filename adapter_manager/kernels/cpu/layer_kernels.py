@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from adapter_manager.kernels.cpu import decode_ops, layout_choice, weights
+from adapter_manager.kernels.cpu.library import load, unavailable_reason
+from adapter_manager.kernels.cpu.linear_ops import fixed_linear
 from adapter_manager.kernels.device_kernels import LayerKernels
 from adapter_manager.kernels.layer_reference import TorchDecodeOps
 from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
@@ -24,7 +26,15 @@ class CompiledDecodeOps:
 
 
 class CpuLayerKernels(LayerKernels):
-    """:class:`LayerKernels` on CPU."""
+    """:class:`LayerKernels` on CPU. ``deterministic``: every base matmul is :func:`kernels.cpu.fixed_linear` on a
+    plain weight (each token's outputs summed in an order fixed by the shapes alone); needs the C++ library."""
+
+    def __init__(self, deterministic: bool = False) -> None:
+        if deterministic and not load():
+            raise ValueError(
+                f"the deterministic mode needs the CPU library, which cannot be built: {unavailable_reason()}"
+            )
+        self.deterministic = deterministic
 
     def decode_ops(self, like: torch.Tensor, compiled: bool = True) -> DecodeOps:
         """The C++ decode glue where it serves tensors like ``like`` (the library built) and ``compiled``, else the
@@ -32,11 +42,16 @@ class CpuLayerKernels(LayerKernels):
         return CompiledDecodeOps() if compiled and decode_ops.available(like) else TorchDecodeOps()
 
     def linear(self, x: torch.Tensor, weight: LinearWeight, fast: bool = False, reorder: bool = True) -> torch.Tensor:
-        """Semantics: :meth:`kernels.layer_ops.LayerKernels.linear` (:func:`kernels.cpu.weights.linear`)."""
+        """Semantics: :meth:`kernels.layer_ops.LayerKernels.linear` (:func:`kernels.cpu.weights.linear`; deterministic:
+        :func:`kernels.cpu.fixed_linear`)."""
+        if self.deterministic:
+            if weight.layout is not WeightLayout.PLAIN:
+                raise ValueError(f"the deterministic mode reads plain weights, not {weight.layout.value} ones")
+            return fixed_linear(x if x.stride(1) == 1 else x.contiguous(), weight.tensor, (), (), (), None)
         return weights.linear(x, weight, fast, reorder)
 
     def plain_matmul(self, x: torch.Tensor, weight: LinearWeight) -> bool:
-        return weights.plain_matmul(x, weight)
+        return not self.deterministic and weights.plain_matmul(x, weight)
 
     def pack(self, weight: torch.Tensor, layout: WeightLayout | None = None) -> LinearWeight | None:
         return weights.pack(weight, layout)

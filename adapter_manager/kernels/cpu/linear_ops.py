@@ -16,6 +16,7 @@ _linear_op = None  # torch.ops.adapter_manager.lora_linear.default, once resolve
 _onednn_op = None  # torch.ops.adapter_manager.lora_onednn.default, once resolved
 _blocked_op = None  # torch.ops.adapter_manager.lora_blocked.default, once resolved
 _q8_op = None  # torch.ops.adapter_manager.q8_linear.default, once resolved
+_fixed_op = None  # torch.ops.adapter_manager.fixed_linear.default, once resolved
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], runs: torch.Tensor) -> None:
@@ -65,6 +66,26 @@ def lora_onednn(
     if _onednn_op is None:
         _onednn_op = torch.ops.adapter_manager.lora_onednn.default
     return _onednn_op(x, packed, a_groups, bts, offsets, runs)
+
+
+def fixed_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    a_groups: Sequence[torch.Tensor],
+    bts: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    runs: torch.Tensor | None,
+) -> torch.Tensor:
+    """Semantics: ``y = x @ w.T`` plus each group's :func:`lora_apply` onto its columns (groups as
+    :func:`lora_linear`'s; ``runs`` None or empty: the base matmul only), every token's outputs summed in one order
+    fixed by the shapes alone (the deterministic mode: a token's result never depends on the other tokens of the call,
+    their number, or the threads). Any number of tokens; fp32, bf16 or fp16 (x and w alike), fp32 accumulation rounded
+    once. See its csrc/ source. Load the library first. Shape: x [T, in]; w [out, in] contiguous; returns a new
+    [T, out]."""
+    global _fixed_op
+    if _fixed_op is None:
+        _fixed_op = torch.ops.adapter_manager.fixed_linear.default
+    return _fixed_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
 
 
 BLOCK = 32

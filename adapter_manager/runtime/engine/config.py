@@ -25,6 +25,9 @@ class EngineConfig:
     # (generation_config.json, else config.json); () never stops on eos. A request's ignore_eos skips them.
     token_buckets: tuple[int, ...] | None = None  # traced devices: step token counts padded up to one of these
     # (ascending; the last >= the token budget); None: powers of two from 16 up to the budget. Eager devices ignore it.
+    deterministic: bool = False  # every request's tokens and logprobs independent of the batch it shares (its
+    # size, the other adapters, chunking, preemption, prefix hits): fixed-order matmuls on plain weights and attention
+    # per token (CPU with the C++ library; SGLang's deterministic inference, vLLM's VLLM_BATCH_INVARIANT)
     cuda_graphs: bool = True  # cuda with the triton backend: replay decode steps from CUDA graphs (False: eager, as
     # vLLM's enforce_eager); every other device ignores it
 

@@ -65,7 +65,8 @@ class Engine:
         self.config = config or EngineConfig()
         eos = self.config.eos_ids if self.config.eos_ids is not None else model.config.eos_token_ids
         self.eos_ids: frozenset[int] = frozenset(eos)  # end every request not submitted with ignore_eos
-        backend = select_backend(model.device, self.config.kernels)
+        model.set_deterministic(self.config.deterministic)
+        backend = select_backend(model.device, self.config.kernels, self.config.deterministic)
         max_batch = self.config.max_batch
         block_size = self.config.kv_block_size
         per_block = block_bytes(model.config, model.dtype, block_size)

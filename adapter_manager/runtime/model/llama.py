@@ -66,6 +66,10 @@ class Llama(nn.Module):
         self.cpu_ops = True
         """Eager steps run the device's compiled decode glue where it has one (the CPU library's C++ ops; False: the
         torch forms only)."""
+        self.deterministic = False
+        """Every op's result for a token depends on that token's inputs alone (the engine's deterministic mode): base
+        matmuls in one fixed order on plain weights, and attention per token over its own cached keys, prefill too
+        (the CPU library's ops). Set before :meth:`setup_caches`."""
         self.kernels: LayerKernels | None = None
         """The device's base matmuls and decode glue (:func:`kernels.layer_kernels`), set by :meth:`setup_caches`."""
         self.rope_table: torch.Tensor | None
@@ -137,7 +141,9 @@ class Llama(nn.Module):
             dense[:max_batch] = torch.arange(max_batch * width).view(max_batch, width)
             self.dense_tables = dense.to(self.device)
         self.rope_table = rope_table(config, max_seq_len, self.device)
-        self.kernels = layer_kernels(self.device)
+        if self.deterministic and (self.packed or not self.cpu_ops):
+            raise ValueError("the deterministic mode reads plain weights with the compiled ops on: unpack_weights()")
+        self.kernels = layer_kernels(self.device, self.deterministic)
         self.kernels.decode_ops(self.rope_table, self.cpu_ops)  # builds the CPU library now (first use), not in a step
 
     @property
@@ -163,6 +169,18 @@ class Llama(nn.Module):
         """Plain weights again (same values)."""
         for module in (m for m in self.modules() if isinstance(m, LoRALinear)):
             module.unpack()
+
+    def set_deterministic(self, on: bool) -> None:
+        """The :attr:`deterministic` mode on or off, before :meth:`setup_caches`. On: packed weights are unpacked (the
+        same values); refused for int8 weights, a model sharded over devices, and without the compiled ops."""
+        if on and (self.weight_layout == WeightLayout.INT8.value or self.tensor_parallel.size > 1 or not self.cpu_ops):
+            raise ValueError(
+                "the deterministic mode serves one device's model in its dtype with the compiled ops: got weights "
+                f"{self.weight_layout}, tensor_parallel_size {self.tensor_parallel.size}, cpu_ops {self.cpu_ops}"
+            )
+        if on and self.packed:
+            self.unpack_weights()
+        self.deterministic = on
 
     def attach_lora(self, stacks: Mapping[ModuleKey, Stacks]) -> None:
         """Route every module's LoRA through the slot pool's rows (by reference: later slot loads are seen).
@@ -212,7 +230,7 @@ class Llama(nn.Module):
         no stacks attached) runs exactly the base model. Every block runs the device's decode glue
         (:class:`kernels.DecodeOps`): norms with the residual adds and SwiGLU's activation, and on decode-only steps
         where it is compiled (CPU, :attr:`cpu_ops`) RoPE, the cache write and attention in one call (same semantics,
-        fp32 accumulation); the torch forms elsewhere.
+        fp32 accumulation), on every step in the :attr:`deterministic` mode; the torch forms elsewhere.
         """
         if self.rope_table is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
@@ -231,8 +249,11 @@ class Llama(nn.Module):
         assert self.kernels is not None
         h = self._embed(batch.tokens)  # [T, H]
         ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
+        if self.deterministic and not ops.compiled:
+            raise ValueError("the deterministic mode runs eager batches (with spans) through the compiled ops")
         linear = LinearStep.make(lora_meta, self.kernels, ops.compiled)
-        if ops.compiled and all(span.count == 1 for span in batch.spans):  # decode only: attention in one op
+        if ops.compiled and (self.deterministic or all(span.count == 1 for span in batch.spans)):
+            # decode only (or the deterministic mode): RoPE, the cache write and attention in one op
             step = BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]

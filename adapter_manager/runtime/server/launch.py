@@ -63,7 +63,8 @@ def build_serving(
         shards = start_shard_workers(ShardLaunch(folder, tp, dtype, str(device), quantize=quantize))
         model = shards.load_model()
     else:
-        model = load_model(folder, dtype=dtype, device=device, quantize=quantize, tensor_parallel_size=tp)
+        plain = False if engine_config.deterministic else None  # the mode reads plain weights: none packed
+        model = load_model(folder, dtype, device, pack_weights=plain, quantize=quantize, tensor_parallel_size=tp)
     try:
         max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
         engine_config = replace(engine_config, max_seq_len=max_seq_len)

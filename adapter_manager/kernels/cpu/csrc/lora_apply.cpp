@@ -146,6 +146,25 @@ void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tens
                                   [&] { apply_impl<scalar_t>(y, col0, x, a, bts, list); });
 }
 
+void apply_groups(const char* op, at::Tensor& y, const at::Tensor& x, at::TensorList a_groups, at::TensorList bts,
+                  at::IntArrayRef offsets, const at::Tensor& runs) {
+  TORCH_CHECK(a_groups.size() == offsets.size(), op, ": one column offset per group");
+  std::vector<Run> list;
+  if (!a_groups.empty()) list = parse_runs(op, runs, x.size(0), a_groups[0].size(0));
+  size_t next = 0;  // the first Bt of the group
+  for (size_t g = 0; g < a_groups.size(); ++g) {
+    const at::Tensor& a = a_groups[g];
+    const size_t count = static_cast<size_t>(a.size(1));
+    TORCH_CHECK(next + count <= bts.size(), op, ": group ", g, " has ", count, " parts, past the ", bts.size(), " Bt");
+    const at::TensorList group = bts.slice(next, count);
+    TORCH_CHECK(a.size(0) == a_groups[0].size(0), op, ": every group's A has the same rows");
+    check_apply(y, offsets[g], x, a, group);  // no narrow of y: one operator call per linear in a profile
+    apply_runs(y, offsets[g], x, a, group, list);
+    next += count;
+  }
+  TORCH_CHECK(next == bts.size(), op, ": ", bts.size(), " Bt for ", next, " parts");
+}
+
 }  // namespace adapter_manager_cpu
 
 namespace {

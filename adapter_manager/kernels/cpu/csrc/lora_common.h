@@ -232,5 +232,9 @@ inline std::vector<Run> parse_runs(const char* op, const at::Tensor& runs, int64
 void check_apply(const at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts);
 void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tensor& a, at::TensorList bts,
                 const std::vector<Run>& list);
+// Each group's lora_apply onto y's columns from offsets[g] on (group g: its parts a_groups[g] [N, P_g, in], their Bt
+// the next P_g of bts), every run of `runs`; `op` names the caller in its errors.
+void apply_groups(const char* op, at::Tensor& y, const at::Tensor& x, at::TensorList a_groups, at::TensorList bts,
+                  at::IntArrayRef offsets, const at::Tensor& runs);
 
 }  // namespace adapter_manager_cpu

@@ -1,0 +1,145 @@
+"""The deterministic mode against the default, side by side on the bench model (8 rank-16 adapters), per dtype:
+
+1. how often a request gives the same tokens (and logprobs) served alone and served with others: ``--requests``
+   prompts of 16–64 random tokens, half on an adapter, ``--tokens`` greedy tokens each, one at a time and then all
+   together with as many more (the issue's "same request at two load levels");
+2. the decode step (8 sequences, one per adapter, context 144): the mode's ÷ the default's, beside one read pass over
+   the base weights (the memory floor of a decode step, measured in the same rounds);
+3. saturated serving throughput (16 requests of 128 prompt tokens and 32 new ones, lora_8 mix, submitted at once):
+   generated tokens / s, the mode's ÷ the default's.
+
+Rounds alternate the two modes; the figures are medians. The default keeps the weight layout measured fastest here
+(``ADAPTER_MANAGER_WEIGHT_LAYOUT``: auto unless set); the mode reads plain weights (a second copy of the model).
+
+    python -m scripts.bench_determinism [--dtypes float32,bfloat16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model.llama import Llama
+from scripts.harness import References, build_engine, cpu_model, engine_step_ms, engine_workload, median_ms, write_json
+from scripts.harness.workload import EngineWorkload
+
+MODES = ("default", "deterministic")
+
+
+def same_rate(work: EngineWorkload, models: dict[str, Llama], requests: int, tokens: int) -> dict[str, dict]:
+    """Per mode: of ``requests`` requests, how many give the same tokens / the same logprobs alone and in company."""
+    rng = random.Random(0)
+    mix = work.mix("lora_8", 2 * requests)
+    batch = [
+        ([rng.randrange(3, work.config.vocab_size) for _ in range(rng.randrange(16, 65))], mix[i] if i % 2 else None)
+        for i in range(2 * requests)
+    ]
+    params = SamplingParams(max_tokens=tokens, logprobs=0, ignore_eos=True)
+    out = {}
+
+    def serve(mode: str, chosen: list) -> list:
+        engine = build_engine(models[mode], work.manager, len(chosen), 256, 512, deterministic=mode == "deterministic")
+        handles = [engine.submit(prompt, adapter, params) for prompt, adapter in chosen]
+        engine.run_until_idle()
+        engine.close()
+        return [(h.result(timeout=0), [lp.logprob for lp in h.logprobs]) for h in handles]
+
+    for mode in models:
+        alone = [serve(mode, [request])[0] for request in batch[:requests]]
+        together = serve(mode, batch)[:requests]
+        out[mode] = {
+            "requests": requests,
+            "same_tokens": sum(a[0] == b[0] for a, b in zip(alone, together, strict=True)),
+            "same_logprobs": sum(a[1] == b[1] for a, b in zip(alone, together, strict=True)),
+        }
+    return out
+
+
+def throughput(work: EngineWorkload, model: Llama, deterministic: bool) -> float:
+    """Generated tokens / s serving 16 requests (128 prompt tokens, 32 new, lora_8) submitted at once."""
+    gen = torch.Generator().manual_seed(2)
+    engine = build_engine(model, work.manager, 16, 176, 512, deterministic=deterministic)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = [torch.randint(3, work.config.vocab_size, (128,), generator=gen).tolist() for _ in range(16)]
+    start = time.perf_counter()
+    handles = [engine.submit(p, a, params) for p, a in zip(prompts, work.mix("lora_8", 16), strict=True)]
+    engine.run_until_idle()
+    elapsed = time.perf_counter() - start
+    engine.close()
+    return sum(len(h.result(timeout=0)) for h in handles) / elapsed
+
+
+def bench(dtype: torch.dtype, rounds: int, requests: int, tokens: int, steps: int) -> dict:
+    with engine_workload(dtype=dtype) as work:
+        models = {"default": work.model, "deterministic": work.load_model(pack_weights=False)}
+        same = same_rate(work, models, requests, tokens)
+        plain = models["deterministic"]
+        read = References(plain, 8).decode["ref/read"]
+        weight_bytes = References(plain, 8).nbytes
+        step: dict[str, list[float]] = {mode: [] for mode in MODES}
+        rate: dict[str, list[float]] = {mode: [] for mode in MODES}
+        floor = []
+        adapters = work.mix("lora_8", 8)
+        for _ in range(rounds):
+            for mode in MODES:
+                det = mode == "deterministic"
+                step[mode].append(engine_step_ms(work, adapters, 144, steps, models[mode], det)["step_ms"])
+                rate[mode].append(throughput(work, models[mode], det))
+            floor.append(median_ms(read, 5))
+        result = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "layout_default": work.model.weight_layout,
+            "same": same,
+            "decode_step_ms": {mode: statistics.median(v) for mode, v in step.items()},
+            "read_floor_ms": statistics.median(floor),
+            "weight_bytes": weight_bytes,
+            "throughput_tok_s": {mode: statistics.median(v) for mode, v in rate.items()},
+        }
+        result["decode_ratio"] = result["decode_step_ms"]["deterministic"] / result["decode_step_ms"]["default"]
+        rates = result["throughput_tok_s"]
+        result["throughput_ratio"] = rates["deterministic"] / rates["default"]
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("out"))
+    args = parser.parse_args()
+    os.environ.setdefault("ADAPTER_MANAGER_WEIGHT_LAYOUT", "auto")
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads", flush=True)
+    results = []
+    for name in args.dtypes.split(","):
+        r = bench(getattr(torch, name), args.rounds, args.requests, args.tokens, args.steps)
+        results.append(r)
+        steps, rates = r["decode_step_ms"], r["throughput_tok_s"]
+        for mode in MODES:
+            same = r["same"][mode]
+            print(
+                f"{r['dtype']:>8} {mode:>13}: same tokens {same['same_tokens']}/{same['requests']}, same logprobs "
+                f"{same['same_logprobs']}/{same['requests']}; decode step {steps[mode]:.2f} ms; "
+                f"{rates[mode]:.1f} tok/s saturated",
+                flush=True,
+            )
+        print(
+            f"{r['dtype']:>8} mode ÷ default ({r['layout_default']} layout): decode step {r['decode_ratio']:.2f}x, "
+            f"throughput {r['throughput_ratio']:.2f}x; floor: one read pass over the {r['weight_bytes'] / 2**20:.0f} "
+            f"MiB of base weights {r['read_floor_ms']:.2f} ms",
+            flush=True,
+        )
+    write_json(args.out / "bench_determinism.json", {"cpu": cpu_model(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
