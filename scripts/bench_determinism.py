@@ -11,7 +11,7 @@
 Rounds alternate the two modes; the figures are medians. The default keeps the weight layout measured fastest here
 (``ADAPTER_MANAGER_WEIGHT_LAYOUT``: auto unless set); the mode reads plain weights (a second copy of the model).
 
-    python -m scripts.bench_determinism [--dtypes float32,bfloat16] [--rounds 3]
+    python -m scripts.bench_determinism [--dtypes float32,bfloat16] [--rounds 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -27,7 +27,16 @@ import torch
 
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model.llama import Llama
-from scripts.harness import References, build_engine, cpu_model, engine_step_ms, engine_workload, median_ms, write_json
+from scripts.harness import (
+    References,
+    base_linears,
+    build_engine,
+    cpu_model,
+    engine_step_ms,
+    engine_workload,
+    median_ms,
+    write_json,
+)
 from scripts.harness.workload import EngineWorkload
 
 MODES = ("default", "deterministic")
@@ -76,13 +85,22 @@ def throughput(work: EngineWorkload, model: Llama, deterministic: bool) -> float
     return sum(len(h.result(timeout=0)) for h in handles) / elapsed
 
 
-def bench(dtype: torch.dtype, rounds: int, requests: int, tokens: int, steps: int) -> dict:
-    with engine_workload(dtype=dtype) as work:
+def bench(dtype: torch.dtype, rounds: int, requests: int, tokens: int, steps: int, device: str) -> dict:
+    with engine_workload(dtype=dtype, device=device) as work:
         models = {"default": work.model, "deterministic": work.load_model(pack_weights=False)}
         same = same_rate(work, models, requests, tokens)
         plain = models["deterministic"]
-        read = References(plain, 8).decode["ref/read"]
-        weight_bytes = References(plain, 8).nbytes
+        weights = [m.weight.detach() for m in base_linears(plain)]
+        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        if device == "cpu":
+            read = References(plain, 8).decode["ref/read"]
+        else:  # a device's read pass: one sum over the same bytes, synchronized
+            flat = torch.cat([w.reshape(-1) for w in weights])
+
+            def read() -> None:
+                flat.sum()
+                torch.cuda.synchronize()
+
         step: dict[str, list[float]] = {mode: [] for mode in MODES}
         rate: dict[str, list[float]] = {mode: [] for mode in MODES}
         floor = []
@@ -115,13 +133,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda: the mode's torch forms against the triton backend"
+    )
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args()
     os.environ.setdefault("ADAPTER_MANAGER_WEIGHT_LAYOUT", "auto")
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads", flush=True)
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    print(f"CPU: {cpu_model()}; {where}", flush=True)
     results = []
     for name in args.dtypes.split(","):
-        r = bench(getattr(torch, name), args.rounds, args.requests, args.tokens, args.steps)
+        r = bench(getattr(torch, name), args.rounds, args.requests, args.tokens, args.steps, args.device)
         results.append(r)
         steps, rates = r["decode_step_ms"], r["throughput_tok_s"]
         for mode in MODES:
@@ -135,10 +157,12 @@ def main() -> None:
         print(
             f"{r['dtype']:>8} mode ÷ default ({r['layout_default']} layout): decode step {r['decode_ratio']:.2f}x, "
             f"throughput {r['throughput_ratio']:.2f}x; floor: one read pass over the {r['weight_bytes'] / 2**20:.0f} "
-            f"MiB of base weights {r['read_floor_ms']:.2f} ms",
+            f"MiB of weights {r['read_floor_ms']:.2f} ms",
             flush=True,
         )
-    write_json(args.out / "bench_determinism.json", {"cpu": cpu_model(), "results": results})
+    write_json(
+        args.out / f"bench_determinism_{args.device.split(':')[0]}.json", {"cpu": cpu_model(), "results": results}
+    )
 
 
 if __name__ == "__main__":

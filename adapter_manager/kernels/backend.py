@@ -15,9 +15,9 @@ _TORCH_FORMS = (BackendKind.TORCH, BackendKind.CPU)
 
 
 def _build(kind: BackendKind, config: KernelConfig, deterministic: bool = False) -> KernelBackend:
-    if deterministic and kind is not BackendKind.CPU:
+    if deterministic and kind not in (BackendKind.CPU, BackendKind.REFERENCE):
         raise ValueError(
-            f"the deterministic mode runs on the cpu backend (a CPU device with the C++ library built); "
+            f"the deterministic mode applies the LoRA per token: the cpu backend's fused loops or the reference's; "
             f"backend {kind.value!r} has no batch-invariant form yet"
         )
     if kind is BackendKind.REFERENCE:
@@ -54,6 +54,21 @@ def _build(kind: BackendKind, config: KernelConfig, deterministic: bool = False)
         blocks = TritonBlockTable.load(config.triton_block_size_table)
         return TritonBackend(TorchDispatchTable.load(config.dispatch_table), blocks, config.bgmv_max_tokens)
     raise ValueError(f"no backend for {kind!r}")
+
+
+def _deterministic(device_type: str, config: KernelConfig) -> KernelBackend:
+    """The deterministic mode's backend: the cpu backend's per-token loops on a CPU with the library built, else
+    the reference's per-token loops (CUDA, a CPU without the library); refused on XLA (docs/engine.md)."""
+    if device_type not in _EAGER_DEVICES:
+        raise ValueError(f"the deterministic mode runs on eager devices (cpu, cuda), got {device_type!r}")
+    kind = config.backend
+    if kind is BackendKind.AUTO:
+        from adapter_manager.kernels.cpu import load
+
+        kind = BackendKind.CPU if device_type == "cpu" and load() else BackendKind.REFERENCE
+    if kind is BackendKind.CPU and device_type != "cpu":
+        raise ValueError(f"backend 'cpu' runs on CPU tensors only, got device type {device_type!r}")
+    return _build(kind, config, deterministic=True)
 
 
 def triton_unavailable_reason() -> str | None:
@@ -128,11 +143,8 @@ def select_backend(
     """
     config = config or KernelConfig()
     device_type = torch.device(device).type
-    if deterministic and device_type != "cpu":
-        raise ValueError(
-            f"the deterministic mode runs on a CPU device so far, got {device_type!r} (what CUDA and XLA need: "
-            "docs/engine.md, Deterministic mode)"
-        )
+    if deterministic:
+        return _deterministic(device_type, config)
     kind = config.backend
     if kind is BackendKind.AUTO:
         if device_type == "cpu" and config.torch_form in (LoRAForm.AUTO, LoRAForm.FUSED):

@@ -12,19 +12,23 @@ from collections.abc import Sequence
 import torch
 
 from adapter_manager.kernels.cpu.layout_choice import LayoutChoice
-from adapter_manager.kernels.layer_reference import TorchDecodeOps
+from adapter_manager.kernels.layer_reference import RowwiseDecodeOps, TorchDecodeOps, rowwise_linear
 from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
 from adapter_manager.kernels.quantize import dequantize_int8, int8_matmul, quantize_int8
 
 
 class LayerKernels:
     """A device's base matmuls, weight layouts and decode glue: the torch forms (plain weights; int8 dequantized
-    inside the matmul)."""
+    inside the matmul). ``deterministic``: each token's matmuls and norms alone (:func:`rowwise_linear`,
+    :class:`RowwiseDecodeOps`), so no result depends on the batch's shape."""
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
 
     def decode_ops(self, like: torch.Tensor, compiled: bool = True) -> DecodeOps:
         """The decode glue for tensors like ``like``: compiled where the device has it and ``compiled`` (its
         ``compiled`` True), else the torch forms."""
-        return TorchDecodeOps()
+        return RowwiseDecodeOps() if self.deterministic else TorchDecodeOps()
 
     def linear(self, x: torch.Tensor, weight: LinearWeight, fast: bool = False, reorder: bool = True) -> torch.Tensor:
         """Semantics: ``x @ W.T`` whichever layout W is held in. ``fast``: the compiled decode glue is on (a CPU
@@ -34,12 +38,12 @@ class LayerKernels:
         if weight.layout is WeightLayout.INT8:
             assert weight.scales is not None
             return int8_matmul(x, weight.tensor, weight.scales)
-        return x @ weight.tensor.t()
+        return rowwise_linear(x, weight.tensor) if self.deterministic else x @ weight.tensor.t()
 
     def plain_matmul(self, x: torch.Tensor, weight: LinearWeight) -> bool:
         """Whether :meth:`linear` of ``x`` is torch's own ``x @ W.T``: then a caller may write its LoRA terms first
         and add the base matmul on top with one ``addmm_``."""
-        return weight.layout is WeightLayout.PLAIN
+        return weight.layout is WeightLayout.PLAIN and not self.deterministic
 
     def pack(self, weight: torch.Tensor, layout: WeightLayout | None = None) -> LinearWeight | None:
         """``weight`` [out, in] as a new copy in ``layout``; None where the plain layout stays (here: always)."""
@@ -80,7 +84,8 @@ class LayerKernels:
 class CudaLayerKernels(LayerKernels):
     """CUDA: the torch forms plus the Triton paged decode attention, built on first use (None without triton)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        super().__init__(deterministic)
         self._paged = None  # kernels.triton.attention.PagedAttention once built; False: triton is missing
 
     def paged_attention(

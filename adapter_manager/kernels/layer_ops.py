@@ -18,13 +18,15 @@ from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayo
 
 def layer_kernels(device: torch.device | str, deterministic: bool = False) -> LayerKernels:
     """The seam: the layer kernels of ``device``'s type (a new object; hold it for the device's lifetime).
-    ``deterministic``: batch-invariant base matmuls (a CPU device with the library built; refused elsewhere)."""
+    ``deterministic``: batch-invariant base matmuls and norms (eager devices; refused on XLA)."""
     kind = torch.device(device).type
     if kind == "cpu":
         return CpuLayerKernels(deterministic)
+    if kind == "cuda":
+        return CudaLayerKernels(deterministic)
     if deterministic:
-        raise ValueError(f"the deterministic mode runs on a CPU device so far, got {kind!r}")
-    return CudaLayerKernels() if kind == "cuda" else LayerKernels()
+        raise ValueError(f"the deterministic mode runs on eager devices (cpu, cuda), got {kind!r}")
+    return LayerKernels()
 
 
 def decode_ops(x: torch.Tensor) -> DecodeOps | None:

@@ -36,7 +36,7 @@ def decode_attention(
     slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
     k_cache.view(-1, num_kv_heads, dim).index_put_((slots,), rope(k.reshape(tokens, num_kv_heads, dim)))
     v_cache.view(-1, num_kv_heads, dim).index_put_((slots,), v.reshape(tokens, num_kv_heads, dim))
-    out = torch.empty(tokens, num_heads, dim, dtype=qkv.dtype)
+    out = torch.empty(tokens, num_heads, dim, dtype=qkv.dtype, device=qkv.device)
     for t in range(tokens):
         end = int(positions[t]) + 1
         blocks = block_tables[rows[t], : (end - 1) // block_size + 1]
@@ -87,3 +87,25 @@ class TorchDecodeOps:
         if h.dtype == torch.float32 and h.device.type != "xla":  # fp32: the same math as one fused op
             return F.rms_norm(h, weight.shape, weight, eps)
         return add_rms_norm(h, None, weight, eps)
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Semantics: ``x @ weight.T``, one token per matmul: every call has the same shape whatever the step holds, so a
+    token's result never depends on the others (the deterministic mode's torch form; slow: the weight is read once
+    per token). Shape: x [T, in]; weight [out, in]; returns a new [T, out]."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    return torch.cat([x[t : t + 1] @ weight.t() for t in range(x.shape[0])])
+
+
+class RowwiseDecodeOps(TorchDecodeOps):
+    """:class:`TorchDecodeOps` with the norms one token at a time (a reduction a device may split by the batch's shape,
+    as CUDA's does): the deterministic mode's torch forms. Attention is per token already (``decode_attention``)."""
+
+    @staticmethod
+    def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Semantics: :meth:`DecodeOps.add_rms_norm`, each row alone."""
+        if delta is not None:
+            h += delta
+        rows = [TorchDecodeOps.add_rms_norm(h[t : t + 1], None, weight, eps) for t in range(h.shape[0])]
+        return torch.cat(rows) if rows else torch.empty_like(h)

@@ -69,7 +69,7 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
         "--deterministic",
         action="store_true",
         help="every request's tokens and logprobs independent of what shares its batch (fixed-order matmuls on plain "
-        "weights, attention per token; CPU; costs speed: docs/engine.md)",
+        "weights, attention per token; CPU and CUDA; costs speed: docs/engine.md)",
     )
     parser.add_argument(
         "--no-prefix-caching",

@@ -84,3 +84,25 @@ def test_only_a_capturing_backend_is_a_decode_capture(triton_interpret: None) ->
     assert inputs.tolist() == [[8, 8, 0, 0], [8, 8, 0, 0]]
     static = triton.static_inputs(4, torch.device("cpu"))
     assert static.shape == inputs.shape and not static.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_deterministic_torch_forms_give_a_token_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """The deterministic mode's torch forms (any eager device; CPU where the library is not built): the base matmul
+    and the norm of a token are the same bits alone, in any subset, in any order."""
+    from adapter_manager.kernels.device_kernels import LayerKernels
+
+    gen = torch.Generator().manual_seed(4)
+    kernels = LayerKernels(deterministic=True)
+    assert not kernels.plain_matmul(torch.zeros(1, 8), LinearWeight(WeightLayout.PLAIN, torch.zeros(4, 8), 4))
+    x, w = torch.randn(23, 96, generator=gen).to(dtype), torch.randn(40, 96, generator=gen).to(dtype)
+    norm_w = torch.randn(96, generator=gen).to(dtype)
+    weight = LinearWeight(WeightLayout.PLAIN, w, 40)
+    ops = kernels.decode_ops(x)
+    whole, normed = kernels.linear(x, weight), ops.add_rms_norm(x.clone(), None, norm_w, 1e-6)
+    torch.testing.assert_close(whole.double(), (x.double() @ w.double().t()), atol=0.3, rtol=2e-2)
+    for index in ([5], [22, 0, 7], list(range(23))[::-1], list(range(0, 23, 2))):
+        picked = x[index]
+        assert torch.equal(kernels.linear(picked, weight), whole[index])
+        assert torch.equal(ops.add_rms_norm(picked.clone(), None, norm_w, 1e-6), normed[index])
+    assert kernels.linear(x[:0], weight).shape == (0, 40)

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from adapter_manager.kernels.cpu import decode_ops, layout_choice, weights
-from adapter_manager.kernels.cpu.library import load, unavailable_reason
+from adapter_manager.kernels.cpu.library import load
 from adapter_manager.kernels.cpu.linear_ops import fixed_linear
 from adapter_manager.kernels.device_kernels import LayerKernels
-from adapter_manager.kernels.layer_reference import TorchDecodeOps
 from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
 
 
@@ -27,19 +26,15 @@ class CompiledDecodeOps:
 
 class CpuLayerKernels(LayerKernels):
     """:class:`LayerKernels` on CPU. ``deterministic``: every base matmul is :func:`kernels.cpu.fixed_linear` on a
-    plain weight (each token's outputs summed in an order fixed by the shapes alone); needs the C++ library."""
-
-    def __init__(self, deterministic: bool = False) -> None:
-        if deterministic and not load():
-            raise ValueError(
-                f"the deterministic mode needs the CPU library, which cannot be built: {unavailable_reason()}"
-            )
-        self.deterministic = deterministic
+    plain weight (each token's outputs summed in an order fixed by the shapes alone), or one token per matmul where
+    the C++ library is not built."""
 
     def decode_ops(self, like: torch.Tensor, compiled: bool = True) -> DecodeOps:
         """The C++ decode glue where it serves tensors like ``like`` (the library built) and ``compiled``, else the
         torch forms."""
-        return CompiledDecodeOps() if compiled and decode_ops.available(like) else TorchDecodeOps()
+        if compiled and decode_ops.available(like):
+            return CompiledDecodeOps()
+        return super().decode_ops(like, compiled)
 
     def linear(self, x: torch.Tensor, weight: LinearWeight, fast: bool = False, reorder: bool = True) -> torch.Tensor:
         """Semantics: :meth:`kernels.layer_ops.LayerKernels.linear` (:func:`kernels.cpu.weights.linear`; deterministic:
@@ -47,6 +42,8 @@ class CpuLayerKernels(LayerKernels):
         if self.deterministic:
             if weight.layout is not WeightLayout.PLAIN:
                 raise ValueError(f"the deterministic mode reads plain weights, not {weight.layout.value} ones")
+            if not load():
+                return super().linear(x, weight)
             return fixed_linear(x if x.stride(1) == 1 else x.contiguous(), weight.tensor, (), (), (), None)
         return weights.linear(x, weight, fast, reorder)
 

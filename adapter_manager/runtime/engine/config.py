@@ -27,7 +27,8 @@ class EngineConfig:
     # (ascending; the last >= the token budget); None: powers of two from 16 up to the budget. Eager devices ignore it.
     deterministic: bool = False  # every request's tokens and logprobs independent of the batch it shares (its
     # size, the other adapters, chunking, preemption, prefix hits): fixed-order matmuls on plain weights and attention
-    # per token (CPU with the C++ library; SGLang's deterministic inference, vLLM's VLLM_BATCH_INVARIANT)
+    # per token (the CPU library's ops, else their torch forms; SGLang's deterministic inference, vLLM's
+    # VLLM_BATCH_INVARIANT; refused on XLA)
     cuda_graphs: bool = True  # cuda with the triton backend: replay decode steps from CUDA graphs (False: eager, as
     # vLLM's enforce_eager); every other device ignores it
 

@@ -68,8 +68,8 @@ class Llama(nn.Module):
         torch forms only)."""
         self.deterministic = False
         """Every op's result for a token depends on that token's inputs alone (the engine's deterministic mode): base
-        matmuls in one fixed order on plain weights, and attention per token over its own cached keys, prefill too
-        (the CPU library's ops). Set before :meth:`setup_caches`."""
+        matmuls in one fixed order on plain weights, norms per row, and attention per token over its own cached keys,
+        prefill too (the CPU library's ops, or their torch forms a token at a time). Set before :meth:`setup_caches`."""
         self.kernels: LayerKernels | None = None
         """The device's base matmuls and decode glue (:func:`kernels.layer_kernels`), set by :meth:`setup_caches`."""
         self.rope_table: torch.Tensor | None
@@ -141,8 +141,8 @@ class Llama(nn.Module):
             dense[:max_batch] = torch.arange(max_batch * width).view(max_batch, width)
             self.dense_tables = dense.to(self.device)
         self.rope_table = rope_table(config, max_seq_len, self.device)
-        if self.deterministic and (self.packed or not self.cpu_ops):
-            raise ValueError("the deterministic mode reads plain weights with the compiled ops on: unpack_weights()")
+        if self.deterministic and self.packed:
+            raise ValueError("the deterministic mode reads plain weights: unpack_weights() first")
         self.kernels = layer_kernels(self.device, self.deterministic)
         self.kernels.decode_ops(self.rope_table, self.cpu_ops)  # builds the CPU library now (first use), not in a step
 
@@ -172,11 +172,11 @@ class Llama(nn.Module):
 
     def set_deterministic(self, on: bool) -> None:
         """The :attr:`deterministic` mode on or off, before :meth:`setup_caches`. On: packed weights are unpacked (the
-        same values); refused for int8 weights, a model sharded over devices, and without the compiled ops."""
-        if on and (self.weight_layout == WeightLayout.INT8.value or self.tensor_parallel.size > 1 or not self.cpu_ops):
+        same values); refused for int8 weights and a model sharded over devices."""
+        if on and (self.weight_layout == WeightLayout.INT8.value or self.tensor_parallel.size > 1):
             raise ValueError(
-                "the deterministic mode serves one device's model in its dtype with the compiled ops: got weights "
-                f"{self.weight_layout}, tensor_parallel_size {self.tensor_parallel.size}, cpu_ops {self.cpu_ops}"
+                "the deterministic mode serves one device's model in its dtype: got weights "
+                f"{self.weight_layout}, tensor_parallel_size {self.tensor_parallel.size}"
             )
         if on and self.packed:
             self.unpack_weights()
@@ -249,11 +249,11 @@ class Llama(nn.Module):
         assert self.kernels is not None
         h = self._embed(batch.tokens)  # [T, H]
         ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
-        if self.deterministic and not ops.compiled:
-            raise ValueError("the deterministic mode runs eager batches (with spans) through the compiled ops")
+        if self.deterministic and batch.spans is None:
+            raise ValueError("the deterministic mode runs eager batches (with spans), not traced ones")
         linear = LinearStep.make(lora_meta, self.kernels, ops.compiled)
-        if ops.compiled and (self.deterministic or all(span.count == 1 for span in batch.spans)):
-            # decode only (or the deterministic mode): RoPE, the cache write and attention in one op
+        if self.deterministic or (ops.compiled and all(span.count == 1 for span in batch.spans)):
+            # decode only (or the deterministic mode, compiled or not): RoPE, the cache write and attention per token
             step = BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]

@@ -2,7 +2,8 @@
 shares a step with. The oracle is each request served alone; every other way of serving the same requests must give
 exactly its answers: batches of every size up to max_batch (other adapters and base rows around it, hot swaps through
 fewer slots than adapters), chunked prefill at several token budgets, preemption and recompute, prefix-cache hits; in
-fp32 and bf16, greedy and seeded sampling."""
+fp32 and bf16, greedy and seeded sampling; through the CPU library's ops and through the torch forms (CUDA too,
+where a GPU is present)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model, write_random_checkpoint
 from adapter_manager.runtime.model.config import LlamaConfig
-
-pytestmark = pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
 
 # head_dim 64 with 4 query heads per KV head: the attention op's vector form; a tied lm_head
 CONFIG = LlamaConfig(
@@ -64,13 +63,25 @@ def folders(tmp_path_factory) -> dict[str | None, Path]:
     return out
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# (device, the ops: the CPU library's, or the torch forms a token at a time) x dtype
+FORMS = [("cpu", "compiled"), ("cpu", "torch")] + ([("cuda", "torch")] if torch.cuda.is_available() else [])
+PARAMS = [(device, ops, dtype) for device, ops in FORMS for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.fixture(scope="module", params=PARAMS, ids=[f"{d}-{o}-{str(t)[6:]}" for d, o, t in PARAMS])
 def served(request, folders):
-    """serve(order, **engine options) -> each request's (tokens, logprobs) and the engine's KV metrics."""
-    dtype = request.param
-    model = load_model(folders[None], dtype=dtype)
+    """serve(order, **engine options) -> each request's (tokens, logprobs) and the engine's KV metrics. The torch
+    forms: attention, norms and the reference backend's LoRA a token at a time (on CPU the base matmuls stay the
+    library's fixed_linear; tests/kernels/test_layer_ops.py checks the torch form's)."""
+    device, ops, dtype = request.param
+    if ops == "compiled" and not load():
+        pytest.skip(f"no CPU kernels: {unavailable_reason()}")
+    model = load_model(folders[None], dtype=dtype, device=device)
+    model.cpu_ops = ops == "compiled"
+    kernels = KernelConfig(BackendKind.REFERENCE) if ops == "torch" else None
     manager = AdapterManager(
-        CONFIG.to_spec("det"), AdapterManagerConfig(max_slots=2, max_rank=8, dtype=dtype, prefetch_workers=0)
+        CONFIG.to_spec("det"),
+        AdapterManagerConfig(max_slots=2, max_rank=8, dtype=dtype, device=device, prefetch_workers=0),
     )
     for name in ADAPTERS:
         manager.register(str(folders[name]), adapter_id=name)
@@ -78,7 +89,13 @@ def served(request, folders):
     def serve(order: list[int], token_budget: int = 64, waves: int = 1, max_seq_len: int = 128, **options):
         scheduler = SchedulerConfig(token_budget=token_budget)
         config = EngineConfig(
-            max_batch=MAX_BATCH, max_seq_len=max_seq_len, scheduler=scheduler, eos_ids=(), deterministic=True, **options
+            max_batch=MAX_BATCH,
+            max_seq_len=max_seq_len,
+            scheduler=scheduler,
+            eos_ids=(),
+            deterministic=True,
+            kernels=kernels,
+            **options,
         )
         engine = Engine(model, manager, config)
         try:
@@ -134,6 +151,7 @@ def test_prefix_cache_hits_give_the_same_bits(served, alone):
     assert answers == alone
 
 
+@pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
 def test_the_mode_unpacks_packed_weights_and_refuses_what_it_cannot_serve(folders):
     manager = AdapterManager(CONFIG.to_spec("det"), AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0))
     try:
@@ -147,7 +165,7 @@ def test_the_mode_unpacks_packed_weights_and_refuses_what_it_cannot_serve(folder
         torch_forms = EngineConfig(
             max_batch=2, max_seq_len=32, deterministic=True, kernels=KernelConfig(BackendKind.TORCH)
         )
-        with pytest.raises(ValueError, match="no batch-invariant form"):
+        with pytest.raises(ValueError, match="no batch-invariant form"):  # the torch forms' matmul per run
             Engine(load_model(folders[None], dtype=torch.float32), manager, torch_forms)
     finally:
         manager.close()
