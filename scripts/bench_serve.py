@@ -30,12 +30,12 @@ import numpy as np
 
 from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import cpu_model, write_adapters, write_checkpoint, write_json
+from scripts.harness.peer import peer_env
 from scripts.harness.serving import (
     Server,
     body,
     free_port,
     ours_argv,
-    peer_env,
     replay,
     vllm_argv,
 )

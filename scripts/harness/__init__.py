@@ -11,7 +11,8 @@
 - ``soak_*``: the soak benchmark's pieces (population, trace, client, churn, expected registrations, checks, report),
   imported by ``bench_soak`` alone.
 
-``vllm_peer.py`` is vLLM's side of ``bench_peer``, run as a file in the peer venv, never imported.
+``peer``: the vLLM peer's environment and its scripts' runner; ``vllm_peer.py`` (``bench_peer``'s side) and
+``vllm_same.py`` (``bench_determinism``'s) run as files in the peer venv, never imported.
 """
 
 from scripts.harness.checkpoint import write_adapters, write_checkpoint

@@ -23,7 +23,6 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-PEER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"}
 """vLLM-CPU's environment (shared/DESIGN.md, environment facts): its KV cache space is 2 GiB."""
 
 
@@ -118,12 +117,6 @@ def vllm_argv(python: str, checkpoint: Path, adapters: dict[str, Path], port: in
         "--lora-modules",
         *modules,
     ]
-
-
-def peer_env() -> dict[str, str]:
-    env = {**os.environ, **PEER_ENV}
-    env.pop("PYTHONPATH", None)
-    return env
 
 
 @dataclass
