@@ -4,7 +4,8 @@ Only repositories the manager itself resolved are counted and evicted (`own`); a
 the base model's checkpoint, is never touched. With a `store` (the state directory's `StateStore`) ownership is
 durable: a tier built after a restart still owns, and evicts, the repos of adapters unregistered before it. Eviction
 goes through huggingface_hub's own cache API (its per-repo scan and `HFCacheInfo.delete_revisions(...).execute()`),
-least recently used revision first, revisions no registration needs before any that one does. A repository is
+least recently used revision first, revisions no registration needs before any that one does; a revision is deleted
+from its own repo alone (another repo holding the same commit sha, a mirror say, keeps its files). A repository is
 pinned while one of its revisions is downloaded or prepared (`using`), and a pinned repository is never evicted, so a
 preparation never loses its files mid-read.
 
@@ -84,6 +85,7 @@ class DiskTier:
         self._reserved: dict[str, int] = {}  # repo -> bytes held for its download under way
         self._owned: set[str] = set()
         self._repos: dict[str, CachedRepoInfo] = {}  # owned repo -> its folder as last read; absent: not cached
+        self._on_disk = 0  # the sum of _repos' sizes on disk, kept as they are read
         self._pins: dict[str, int] = {}
         self._last_used: dict[tuple[str, str], float] = {}
         self.evicted_bytes = 0
@@ -173,35 +175,22 @@ class DiskTier:
 
     def _used(self) -> int:
         """Bytes counted against the bound: owned repos on disk plus reservations. Lock held."""
-        return sum(r.size_on_disk for r in self._repos.values()) + sum(self._reserved.values())
+        return self._on_disk + sum(self._reserved.values())
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict least recently used revisions of unpinned, unreserved repos (ones no registration needs first)
         until `nbytes` more fit under the bound; whether they do. Lock held."""
-        kept: set[str] = set()
-        while True:
-            used = self._used()
-            if used + nbytes <= self.capacity_bytes:
-                break
+        needed: set[tuple[str, str]] | None = None  # asked once a call: an eviction changes no registration
+        while self._used() + nbytes > self.capacity_bytes:
             busy = self._pins.keys() | self._reserved.keys()
-            candidates = [
-                (r, rev)
-                for r in self._repos.values()
-                if r.repo_id not in busy
-                for rev in r.revisions
-                if rev.commit_hash not in kept
-            ]
+            candidates = [(r, rev) for r in self._repos.values() if r.repo_id not in busy for rev in r.revisions]
             if not candidates:
                 break
-            needed = self._needed()
+            needed = self._needed() if needed is None else needed
             repo, revision = min(
                 candidates, key=lambda c: ((c[0].repo_id, c[1].commit_hash) in needed, self._used_at(*c))
             )
             sha = revision.commit_hash
-            if self._shared(repo, sha):
-                log.warning("disk tier: %s@%s shares its sha with another repo; kept", repo.repo_id, sha)
-                kept.add(sha)
-                continue
             info = HFCacheInfo(
                 size_on_disk=repo.size_on_disk,
                 repos=frozenset({repo}),
@@ -209,7 +198,7 @@ class DiskTier:
                 warnings=[],
                 cache_dir=self.cache_dir,
             )
-            strategy = info.delete_revisions(sha)  # within this one repo
+            strategy = info.delete_revisions(sha)  # within this one repo: a repo sharing the sha keeps its own files
             strategy.execute()
             self.evicted_bytes += strategy.expected_freed_size
             self._last_used.pop((repo.repo_id, sha), None)
@@ -217,8 +206,7 @@ class DiskTier:
                 self._disown(repo.repo_id)
             self._metrics.evicted(Tier.DISK)
             log.info("disk tier: evicted %s@%s (%d bytes)", repo.repo_id, sha[:12], strategy.expected_freed_size)
-        used = sum(r.size_on_disk for r in self._repos.values())
-        self._metrics.disk_usage(used, self.capacity_bytes, self.evicted_bytes)
+        self._metrics.disk_usage(self._on_disk, self.capacity_bytes, self.evicted_bytes)
         return self._used() + nbytes <= self.capacity_bytes
 
     def _own(self, repo_id: str) -> None:
@@ -239,19 +227,16 @@ class DiskTier:
     def _read(self, repo_id: str) -> bool:
         """Read one owned repo's folder into `_repos`; False when the repo is not in the cache. Lock held."""
         path = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
-        self._repos.pop(repo_id, None)
+        old = self._repos.pop(repo_id, None)
+        self._on_disk -= old.size_on_disk if old is not None else 0
         if not path.is_dir():
             return False
         try:
-            self._repos[repo_id] = _cache_manager._scan_cached_repo(path)
+            self._repos[repo_id] = info = _cache_manager._scan_cached_repo(path)
+            self._on_disk += info.size_on_disk
         except CorruptedCacheException as err:  # a download under way, or broken by hand: counted as empty
             log.warning("disk tier: %s not counted: %s", repo_id, err)
         return True
-
-    def _shared(self, repo: CachedRepoInfo, sha: str) -> bool:
-        """Whether another repo in the cache holds the same commit sha (a mirror, a copy of the base model); such a
-        revision is kept, as `delete_revisions` over the whole cache would delete it from every holder."""
-        return any(path.parent.parent != repo.repo_path for path in self.cache_dir.glob(f"*/snapshots/{sha}"))
 
     def _used_at(self, repo: CachedRepoInfo, revision: CachedRevisionInfo) -> float:
         return self._last_used.get((repo.repo_id, revision.commit_hash), revision.last_modified)

@@ -99,18 +99,22 @@ def test_capacity_must_be_positive(cache):
         DiskTier(cache, 0, SwapMetrics())
 
 
-def test_a_sha_shared_with_a_repo_not_owned_is_kept(tmp_path, tiny_spec, monkeypatch):
-    """delete_revisions deletes a sha from every repo holding it, so a sha the base model shares is never deleted."""
+def test_a_sha_shared_with_a_repo_not_owned_leaves_that_repo_whole(tmp_path, tiny_spec, monkeypatch):
+    """An eviction deletes the revision from the owned repo alone (its own snapshot and blobs): another repo holding
+    the same commit sha, such as a mirror the manager did not download, keeps every file."""
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     for name in ("org/twin", "other/twin"):
         write_synthetic_adapter(tmp_path / "hub" / name, tiny_spec, r=2, seed=0)  # same files: same commit sha
     with LocalHub(tmp_path / "hub") as hub:
         for name in ("org/twin", "other/twin"):
             snapshot_download(name, endpoint=hub.endpoint, cache_dir=tmp_path / "cache")
+    other = tmp_path / "cache" / "models--other--twin"
+    before = {p.relative_to(other): p.read_bytes() for p in other.rglob("*") if p.is_file()}
     tier = DiskTier(tmp_path / "cache", 1, SwapMetrics())
     tier.own("org/twin")
-    assert tier.enforce() == 0
-    assert set(_repos(tmp_path / "cache")) == {"org/twin", "other/twin"}
+    assert tier.enforce() > 0
+    assert set(_repos(tmp_path / "cache")) == {"other/twin"}
+    assert {p.relative_to(other): p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
 
 
 def test_ownership_is_kept_in_the_state_store_across_tiers(cache, tmp_path):
