@@ -148,10 +148,11 @@ class AdapterRegistry:
         on first use through the host tier, as after a host eviction. What only reading every value finds (NaN or
         infinity) is found then, and fails that request as a cold load's would; the adapter stays registered.
         """
-        restored = []
+        restored, mismatched = [], []
         for row in self.store.load() if self.store is not None else []:
             try:
-                self._restore(row)
+                if self._restore(row).warnings:
+                    mismatched.append(row.adapter_id)
             except Exception as err:  # noqa: BLE001 - one broken adapter must not stop the others
                 log.error("adapter %r (%s at %s) could not be restored: %s", row.adapter_id, row.ref, row.sha, err)
                 self.metrics.restored(False)
@@ -160,6 +161,13 @@ class AdapterRegistry:
                 continue
             self.metrics.restored(True)
             restored.append(row)
+        if mismatched:  # one line, not one per adapter (each record keeps its warning: /v1/adapters lists it)
+            log.warning(
+                "%d restored adapters were trained on another base model, e.g. %r: %s",
+                len(mismatched),
+                mismatched[0],
+                self.get(mismatched[0]).warnings[0],
+            )
         if self.disk is not None:
             self.disk.enforce()  # also applies a bound lowered since the last run
         return restored
@@ -248,7 +256,7 @@ class AdapterRegistry:
             self.host.unreserve(key)
         return True
 
-    def _restore(self, row: Registration) -> None:
+    def _restore(self, row: Registration) -> AdapterRecord:
         if row.is_local:
             ref = AdapterRef(None, None, Path(row.ref))
         else:
@@ -260,9 +268,17 @@ class AdapterRegistry:
             # were recorded takes the directory as it is).
             files = AdapterFiles(Path(), Path(), row.sha, 0, row.digest or "")
             stand_in = AdapterRecord(row.adapter_id, ref, files, {}, 0, None, row.registered_at)
-            files = self._disk_files.files(stand_in)
-            config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config)
-            check_weights(row.adapter_id, files.weights_path, modules, self.spec)
+            away = ref.repo_id is not None and self._disk_files.resolver.cached(ref.repo_id, row.sha) is None
+            if away and row.config is not None and row.digest and row.disk_bytes is not None:
+                # a hub revision the disk bound evicted: its stored config stands for the files, which the first
+                # preparation fetches again (as after an eviction while running), its weights checked there
+                config, warnings, modules = read_config(row.adapter_id, row.config, self.spec, self.config, True)
+                disk_bytes = row.disk_bytes
+            else:
+                files = self._disk_files.files(stand_in)
+                config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config, True)
+                check_weights(row.adapter_id, files.weights_path, modules, self.spec)
+                disk_bytes = files.nbytes()
             nbytes = max(m.rank for m in modules.values()) * self.layout.row_bytes(self.config.dtype)
             base = config.base_model_name_or_path
             record = AdapterRecord(
@@ -274,7 +290,7 @@ class AdapterRegistry:
                 base,
                 row.registered_at,
                 warnings,
-                files.nbytes(),
+                disk_bytes,
                 next(self._generations),
             )
             with self._lock:
@@ -282,6 +298,7 @@ class AdapterRegistry:
                 self._unrestored.pop(row.adapter_id, None)
         # the disk bound is enforced once all are restored
         self._disk_files.used(record, files.downloaded_bytes > 0, enforce=False)
+        return record
 
     def _persist(self, record: AdapterRecord, keep_pin: bool = True) -> None:
         """Commit the registration to the durable store (before it is published or answered)."""
@@ -289,8 +306,17 @@ class AdapterRegistry:
             return
         ref = record.ref
         source = ref.repo_id if ref.repo_id is not None else str(ref.path)
+        config = record.files.config_path.read_text(encoding="utf-8")  # validated: the restore needs no files
         row = Registration(
-            record.adapter_id, source, ref.revision, record.sha, False, record.registered_at, record.digest
+            record.adapter_id,
+            source,
+            ref.revision,
+            record.sha,
+            False,
+            record.registered_at,
+            record.digest,
+            config,
+            record.disk_bytes,
         )
         self.store.put(row, keep_pin)
 

@@ -32,7 +32,9 @@ CREATE TABLE IF NOT EXISTS registrations (
     sha           TEXT NOT NULL,     -- the resolved commit sha ("local-..." digest for a directory)
     pinned        INTEGER NOT NULL DEFAULT 0,
     registered_at REAL NOT NULL,
-    digest        TEXT               -- the content digest (NULL in a row written before it was recorded)
+    digest        TEXT,              -- the content digest (NULL in a row written before it was recorded)
+    config        TEXT,              -- adapter_config.json as registered (NULL: read from the files at restore)
+    disk_bytes    INTEGER            -- its two files' bytes (what downloading them again reserves)
 )
 """,
     """
@@ -56,6 +58,9 @@ class Registration:
     pinned: bool  # operator pin, re-applied on restore
     registered_at: float  # time.time()
     digest: str | None = None  # the adapter's content digest; None in a row stored before digests were
+    config: str | None = None  # its adapter_config.json text: a hub adapter whose files left the cache restores
+    # from it without downloading them (they are fetched at first use); None in a row stored before it was
+    disk_bytes: int | None = None  # its two files' bytes on disk (None: unknown)
 
     @property
     def is_local(self) -> bool:
@@ -87,20 +92,22 @@ class StateStore:
         for statement in _SCHEMA:
             self._db.execute(statement)
         columns = {name for _, name, *_ in self._db.execute("PRAGMA table_info(registrations)")}
-        if "digest" not in columns:  # a state directory from before content digests (its rows keep NULL)
-            self._db.execute("ALTER TABLE registrations ADD COLUMN digest TEXT")
+        for column, kind in (("digest", "TEXT"), ("config", "TEXT"), ("disk_bytes", "INTEGER")):
+            if column not in columns:  # a state directory from before the column (its rows keep NULL)
+                self._db.execute(f"ALTER TABLE registrations ADD COLUMN {column} {kind}")
 
     def put(self, row: Registration, keep_pin: bool = True) -> None:
         """Insert or replace the registration of `row.adapter_id`; an update keeps a stored pin if `keep_pin`."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO registrations (adapter_id, ref, revision, sha, pinned, registered_at, digest) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(adapter_id) DO UPDATE SET ref = excluded.ref, "
-                "revision = excluded.revision, sha = excluded.sha, registered_at = excluded.registered_at, "
-                "digest = excluded.digest, "
+                "INSERT INTO registrations (adapter_id, ref, revision, sha, pinned, registered_at, digest, config, "
+                "disk_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(adapter_id) DO UPDATE SET "
+                "ref = excluded.ref, revision = excluded.revision, sha = excluded.sha, "
+                "registered_at = excluded.registered_at, digest = excluded.digest, config = excluded.config, "
+                "disk_bytes = excluded.disk_bytes, "
                 "pinned = CASE WHEN ? THEN MAX(pinned, excluded.pinned) ELSE excluded.pinned END",
                 (row.adapter_id, row.ref, row.revision, row.sha, int(row.pinned), row.registered_at, row.digest)
-                + (keep_pin,),
+                + (row.config, row.disk_bytes, keep_pin),
             )
 
     def set_pinned(self, adapter_id: str, pinned: bool) -> None:
@@ -115,10 +122,10 @@ class StateStore:
         """Every registration, sorted by adapter id."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT adapter_id, ref, revision, sha, pinned, registered_at, digest FROM registrations "
-                "ORDER BY adapter_id"
+                "SELECT adapter_id, ref, revision, sha, pinned, registered_at, digest, config, disk_bytes "
+                "FROM registrations ORDER BY adapter_id"
             ).fetchall()
-        return [Registration(a, ref, rev, sha, bool(p), at, digest) for a, ref, rev, sha, p, at, digest in rows]
+        return [Registration(a, ref, rev, sha, bool(p), *rest) for a, ref, rev, sha, p, *rest in rows]
 
     def owned_repos(self, cache_dir: Path) -> set[str]:
         """The repos the disk tier of `cache_dir` owns."""

@@ -6,6 +6,7 @@ restore, every value finite at preparation.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -19,17 +20,23 @@ log = logging.getLogger(__name__)
 
 
 def read_config(
-    adapter_id: str, files: AdapterFiles, spec: BaseModelSpec, config: RegistryConfig
+    adapter_id: str, source: AdapterFiles | str, spec: BaseModelSpec, config: RegistryConfig, quiet: bool = False
 ) -> tuple[LoraAdapterConfig, tuple[str, ...], dict[ModuleKey, ModuleLora]]:
-    """The adapter's validated config, its base-model warnings and the modules it targets."""
-    adapter_config = LoraAdapterConfig.from_file(files.config_path, adapter_id)
-    warnings = check_base_model(adapter_id, adapter_config.base_model_name_or_path, spec, config)
+    """The adapter's validated config (from its files, or ``source`` as the config file's stored text), its
+    base-model warnings (logged unless ``quiet``) and the modules it targets."""
+    if isinstance(source, str):
+        adapter_config = LoraAdapterConfig.from_dict(json.loads(source), adapter_id)
+    else:
+        adapter_config = LoraAdapterConfig.from_file(source.config_path, adapter_id)
+    warnings = check_base_model(adapter_id, adapter_config.base_model_name_or_path, spec, config, quiet)
     return adapter_config, warnings, adapter_config.resolve(spec, adapter_id, config.max_rank)
 
 
-def check_base_model(adapter_id: str, base: str | None, spec: BaseModelSpec, config: RegistryConfig) -> tuple[str, ...]:
-    """The warning for an adapter trained on another base model than `spec` (none if the same or unknown); with
-    `base_model_mismatch="refuse"`, `BaseModelMismatchError` instead."""
+def check_base_model(
+    adapter_id: str, base: str | None, spec: BaseModelSpec, config: RegistryConfig, quiet: bool = False
+) -> tuple[str, ...]:
+    """The warning for an adapter trained on another base model than `spec` (none if the same or unknown), logged
+    unless `quiet`; with `base_model_mismatch="refuse"`, `BaseModelMismatchError` instead."""
     served = spec.identities
     if not base or not served or any(_same_model(base, name) for name in served):
         return ()
@@ -37,7 +44,8 @@ def check_base_model(adapter_id: str, base: str | None, spec: BaseModelSpec, con
     message = f"trained on base model {base!r}, serving {spec.name or served[0]!r} (compared with {compared})"
     if config.base_model_mismatch == "refuse":
         raise BaseModelMismatchError(adapter_id, message)
-    log.warning("adapter %r: %s", adapter_id, message)
+    if not quiet:
+        log.warning("adapter %r: %s", adapter_id, message)
     return (message,)
 
 

@@ -17,6 +17,7 @@ from adapter_manager import (
     AdapterManagerConfig,
     AdapterNotFoundError,
     HubConfig,
+    HubUnavailableError,
     LocalHub,
     Move,
     NonFiniteWeightsError,
@@ -92,7 +93,10 @@ def test_a_new_manager_restores_every_registration_offline(hub_root, tmp_path, t
         second.release(lease)
 
 
-def test_files_that_left_the_cache_are_fetched_again_at_the_recorded_sha(hub_root, tmp_path, tiny_spec):
+def test_files_that_left_the_cache_are_fetched_again_at_the_recorded_sha_on_first_use(hub_root, tmp_path, tiny_spec):
+    """A restart downloads nothing: a revision whose files left the cache (the disk bound evicted it) is restored from
+    its stored config, and its first use fetches exactly that sha again (a row from before configs were stored is
+    fetched at restore, as before)."""
     with LocalHub(hub_root) as hub:
         with manager_for(tiny_spec, tmp_path, hub.endpoint) as first:
             sha_a = first.register("org/a").record.sha
@@ -105,11 +109,23 @@ def test_files_that_left_the_cache_are_fetched_again_at_the_recorded_sha(hub_roo
         hub.clear_requests()
         with manager_for(tiny_spec, tmp_path, hub.endpoint) as second:
             assert second.registry.get("org/a").sha == sha_a and second.registry.get("org/b").sha == sha_b
-            assert second.registry.get("org/a").rank == 4
+            assert second.registry.get("org/a").rank == 4 and second.registry.get("org/b").rank == 4
+            assert not [r for r in hub.requests if "/resolve/" in r.path]  # the restart fetched nothing
+            assert Move.HUB_TO_DISK.value not in second.metrics().moves
+            second.release(second.acquire(["org/a", "org/b"]))  # first use: org/b's files again, at its sha
             fetched = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
             assert fetched and all("org/b" in path and sha_b in path for path in fetched), fetched
             assert second.metrics().moves[Move.HUB_TO_DISK.value].count == 1
-            assert second.metrics().misses["disk"] == 1 and second.metrics().hits["disk"] == 1
+            assert second.metrics().misses["disk"] == 1 and second.metrics().hits["disk"] == 2
+        old_rows = sqlite3.connect(tmp_path / "state" / "registrations.sqlite3")
+        old_rows.execute("UPDATE registrations SET config = NULL")  # rows from before configs were stored
+        old_rows.commit()
+        old_rows.close()
+        shutil.rmtree(tmp_path / "cache" / "models--org--b" / "blobs")
+        hub.clear_requests()
+        with manager_for(tiny_spec, tmp_path, hub.endpoint) as third:
+            assert sorted(third.restored) == ["org/a", "org/b"]
+            assert third.metrics().moves[Move.HUB_TO_DISK.value].count == 1  # fetched at restore
 
 
 def test_an_adapter_that_cannot_be_restored_is_reported_and_the_others_serve(
@@ -126,17 +142,20 @@ def test_an_adapter_that_cannot_be_restored_is_reported_and_the_others_serve(
     shutil.rmtree(local)
     shutil.rmtree(tmp_path / "cache" / "models--org--b")  # gone from the cache, and the hub is down
     with manager_for(tiny_spec, tmp_path, endpoint, max_rank=8) as second:
-        assert second.restored == ["org/a"]
+        # org/b restores from its stored config: its files come back at first use, which fails while the hub is down
+        assert second.restored == ["org/a", "org/b"]
         unrestored = {u.registration.adapter_id: u for u in second.registry.unrestored()}
-        assert set(unrestored) == {"mine", "org/b"}
-        assert "does not exist" in unrestored["mine"].error and "Hub" in unrestored["org/b"].error
-        assert second.metrics().restore == {"restored": 1, "failed": 2}
+        assert set(unrestored) == {"mine"} and "does not exist" in unrestored["mine"].error
+        assert second.metrics().restore == {"restored": 2, "failed": 1}
         second.release(second.acquire(["org/a"]))
+        with pytest.raises(HubUnavailableError, match="org/b"):
+            second.acquire(["org/b"])
+        assert "org/b" in second.registry  # still registered: served once the hub is back
         assert second.unregister("mine") is None  # an unrestored adapter can be unregistered
         with pytest.raises(AdapterNotFoundError):
             second.unregister("mine")
     with manager_for(tiny_spec, tmp_path, endpoint) as third:
-        assert [u.registration.adapter_id for u in third.registry.unrestored()] == ["org/b"]
+        assert third.registry.unrestored() == [] and sorted(third.restored) == ["org/a", "org/b"]
 
 
 def test_rows_without_a_state_dir_are_not_written(hub_root, tmp_path, tiny_spec):
