@@ -138,8 +138,8 @@ def select_backend(
     before triton is first imported and when the backend is built: its kernels then run in numpy on CPU tensors), and
     the Pallas backend refuses anything
     but an XLA device; a forced ``torch_form`` needs the torch or cpu backend (FUSED: cpu). AUTO never picks triton
-    on a CPU device. ``deterministic``: the backend's batch-invariant forms (the cpu backend's alone, so far: any
-    other choice is refused).
+    on a CPU device. ``deterministic``: a backend whose LoRA is per token (:func:`_deterministic`: the cpu backend,
+    else the reference; any other choice, and XLA, refused).
     """
     config = config or KernelConfig()
     device_type = torch.device(device).type
