@@ -30,27 +30,35 @@ class DiskFiles:
         self.metrics = metrics
 
     def files(self, record: AdapterRecord, disk_wait_s: float = 0.0) -> AdapterFiles:
-        """The record's files on disk now: a local dir whose content is unchanged since registration, or the hub
-        revision at the recorded sha, fetched again (a disk miss) only if it left the cache, its bytes reserved first
-        in a bounded disk tier (waiting up to `disk_wait_s` for room)."""
+        """The record's files on disk now (:meth:`on_hand`), or the hub revision at the recorded sha fetched again (a
+        disk miss) when it left the cache, its bytes reserved first in a bounded disk tier (waiting up to
+        `disk_wait_s` for room)."""
+        found = self.on_hand(record)
+        if found is not None:
+            return found
         adapter_id = record.adapter_id
-        if record.ref.is_local:
-            files = self.resolver.resolve(record.ref, adapter_id)
-            if record.digest and files.digest != record.digest:
-                raise AdapterConflictError(
-                    adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
-                )
-            return files
-        cached = self.resolver.cached(record.ref.repo_id, record.sha)
-        if cached is not None:
-            self.metrics.hit(Tier.DISK)
-            return cached
         self.metrics.miss(Tier.DISK)
         start = time.perf_counter()
         with self._download_room(record, disk_wait_s):
             files = self.resolver.resolve(AdapterRef(record.ref.repo_id, record.sha, None), adapter_id)
         self.metrics.record(Move.HUB_TO_DISK, adapter_id, time.perf_counter() - start, files.downloaded_bytes)
         return files
+
+    def on_hand(self, record: AdapterRecord) -> AdapterFiles | None:
+        """The record's files without fetching anything: a local dir whose content is unchanged since registration
+        (`AdapterConflictError` otherwise), or the hub revision at the recorded sha if it is in the cache (a disk
+        hit); None when it left the cache."""
+        if record.ref.is_local:
+            files = self.resolver.resolve(record.ref, record.adapter_id)
+            if record.digest and files.digest != record.digest:
+                raise AdapterConflictError(
+                    record.adapter_id, f"files in {record.ref} changed since registration; register with refresh=True"
+                )
+            return files
+        cached = self.resolver.cached(record.ref.repo_id, record.sha)
+        if cached is not None:
+            self.metrics.hit(Tier.DISK)
+        return cached
 
     @contextmanager
     def on_disk(self, repo_id: str | None) -> Iterator[None]:

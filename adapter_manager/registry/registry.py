@@ -268,14 +268,14 @@ class AdapterRegistry:
             # were recorded takes the directory as it is).
             files = AdapterFiles(Path(), Path(), row.sha, 0, row.digest or "")
             stand_in = AdapterRecord(row.adapter_id, ref, files, {}, 0, None, row.registered_at)
-            away = ref.repo_id is not None and self._disk_files.resolver.cached(ref.repo_id, row.sha) is None
-            if away and row.config is not None and row.digest and row.disk_bytes is not None:
+            found = self._disk_files.on_hand(stand_in)
+            if found is None and row.config is not None and row.digest and row.disk_bytes is not None:
                 # a hub revision the disk bound evicted: its stored config stands for the files, which the first
                 # preparation fetches again (as after an eviction while running), its weights checked there
                 config, warnings, modules = read_config(row.adapter_id, row.config, self.spec, self.config, True)
                 disk_bytes = row.disk_bytes
             else:
-                files = self._disk_files.files(stand_in)
+                files = found or self._disk_files.files(stand_in)  # a row from before configs were stored: fetched
                 config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config, True)
                 check_weights(row.adapter_id, files.weights_path, modules, self.spec)
                 disk_bytes = files.nbytes()

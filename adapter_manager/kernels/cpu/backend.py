@@ -91,9 +91,8 @@ class CpuFusedBackend(TorchEagerBackend):
         one expand per part. Shape: y [T, sum(out)] (updated in place, returned); x [T, in]; a_parts [N, P, in];
         bt_parts P × [N, out_p]."""
         unit = a_parts.stride(2) == 1 and y.stride(1) == 1 and all(bt.stride(1) == 1 for bt in bt_parts)
-        if self.deterministic and not unit:  # lora_apply's loops are per token: the other forms are not
-            a_parts, bt_parts = a_parts.contiguous(), [bt.contiguous() for bt in bt_parts]
-            unit = y.stride(1) == 1
+        if self.deterministic and not unit:  # lora_apply's loops are per token, the other forms are not
+            raise ValueError("the deterministic mode applies the LoRA on rows of unit inner stride (the pool's layout)")
         if meta.form is LoRAForm.FUSED and unit:
             assert meta.runs is not None
             lora_apply(y, x if x.stride(1) == 1 else x.contiguous(), a_parts, bt_parts, meta.runs)
