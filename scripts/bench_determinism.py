@@ -24,6 +24,7 @@ import os
 import random
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from scripts.harness import (
     median_ms,
     write_json,
 )
+from scripts.harness.company import answers, same_in_company
 from scripts.harness.peer import run_peer
 from scripts.harness.workload import EngineWorkload
 
@@ -61,24 +63,15 @@ def same_rate(work: EngineWorkload, models: dict[str, Llama], requests: int, tok
     """Per mode: of ``requests`` requests, how many give the same tokens / the same logprobs alone and in company."""
     batch = company(work, requests)
     params = SamplingParams(max_tokens=tokens, logprobs=0, ignore_eos=True)
-    out = {}
 
     def serve(mode: str, chosen: list) -> list:
         engine = build_engine(models[mode], work.manager, len(chosen), 256, 512, deterministic=mode == "deterministic")
         handles = [engine.submit(prompt, adapter, params) for prompt, adapter in chosen]
         engine.run_until_idle()
         engine.close()
-        return [(h.result(timeout=0), [lp.logprob for lp in h.logprobs]) for h in handles]
+        return answers(handles)
 
-    for mode in models:
-        alone = [serve(mode, [request])[0] for request in batch[:requests]]
-        together = serve(mode, batch)[:requests]
-        out[mode] = {
-            "requests": requests,
-            "same_tokens": sum(a[0] == b[0] for a, b in zip(alone, together, strict=True)),
-            "same_logprobs": sum(a[1] == b[1] for a, b in zip(alone, together, strict=True)),
-        }
-    return out
+    return {mode: same_in_company(partial(serve, mode), batch, requests) for mode in models}
 
 
 def peer_same(python: str, work: EngineWorkload, requests: int, tokens: int, folder: Path) -> dict:

@@ -8,6 +8,7 @@
 - ``trace``: the many-adapter population and its arrival trace, replayed on a stepping engine;
 - ``floors``: the prefill and decode floors (shared/DESIGN.md, Floors), one definition each;
 - ``results``: the JSON writer and the machine description;
+- ``company``: a request served alone against in company (the same-tokens rate);
 - ``soak_*``: the soak benchmark's pieces (population, trace, client, churn, expected registrations, checks, report),
   imported by ``bench_soak`` alone.
 

@@ -29,6 +29,7 @@ from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model, write_random_checkpoint
 from adapter_manager.runtime.model.config import LlamaConfig
 from scripts.harness import cpu_model, write_json
+from scripts.harness.company import answers, same_in_company
 
 SHAPES = ((1024, 1536), (2816, 1024), (576, 49152))  # (in, out): q|k|v-like, down-like, a large vocabulary
 CONFIG = LlamaConfig(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=384)
@@ -78,16 +79,11 @@ def engine(device: torch.device, dtype: torch.dtype, requests: int) -> dict:
             def serve(chosen: list) -> list:
                 handles = [served.submit(prompt, adapter, params) for prompt, adapter in chosen]
                 served.run_until_idle()
-                return [(h.result(timeout=0), [lp.logprob for lp in h.logprobs]) for h in handles]
+                return answers(handles)
 
-            alone = [serve([request])[0] for request in batch[:requests]]
-            together = serve(batch)[:requests]
+            same = same_in_company(serve, batch, requests)
             served.close()
-    return {
-        "requests": requests,
-        "same_tokens": sum(a[0] == b[0] for a, b in zip(alone, together, strict=True)),
-        "same_logprobs": sum(a[1] == b[1] for a, b in zip(alone, together, strict=True)),
-    }
+    return same
 
 
 def main() -> None:
