@@ -39,7 +39,8 @@ if TYPE_CHECKING:
         TensorShapeError,
         UnsupportedAdapterError,
     )
-    from .manager import AdapterManager, AdapterManagerConfig
+    from .manager import AdapterManager
+    from .manager_config import AdapterManagerConfig
     from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, Move, MoveStats, SwapMetrics, Tier, WaitStats
     from .policy import FrequencySketch, PrefetchConfig, Prefetcher, SketchConfig, background_executor
     from .registry import (
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         LocalHub,
         LoraAdapterConfig,
         ModuleLora,
+        Variant,
         is_local_ref,
         write_synthetic_adapter,
     )
@@ -109,7 +111,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the names it gives the 
         "TensorShapeError",
         "UnsupportedAdapterError",
     ),
-    "manager": ("AdapterManager", "AdapterManagerConfig"),
+    "manager": ("AdapterManager",),
+    "manager_config": ("AdapterManagerConfig",),
     "metrics": (
         "AdapterMove",
         "AdapterResidency",
@@ -140,6 +143,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the names it gives the 
         "LocalHub",
         "LoraAdapterConfig",
         "ModuleLora",
+        "Variant",
         "is_local_ref",
         "write_synthetic_adapter",
     ),

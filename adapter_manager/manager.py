@@ -17,87 +17,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
 
 import torch
 
 from .base_model import BaseModelSpec, ModuleKey
+from .manager_config import AdapterManagerConfig
 from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, SwapMetrics
-from .policy.admission import FrequencySketch, SketchConfig
-from .policy.prefetch import PrefetchConfig, Prefetcher
-from .registry import AdapterRecord, AdapterRegistry, RegisterResult, RegistryConfig, UnrestoredAdapter
-from .sources.hub import HubConfig
+from .policy.admission import FrequencySketch
+from .policy.prefetch import Prefetcher
+from .registry import AdapterRecord, AdapterRegistry, RegisterResult, UnrestoredAdapter
 from .tiers.allocator import SlotAllocator, SlotLease
 from .tiers.lease import SlotState
-from .tiers.slot_pool import SlotPool, SlotPoolConfig, SlotStacks
+from .tiers.slot_pool import SlotPool, SlotStacks
+from .tiers.vectors import BaseWeight
 
 log = logging.getLogger(__name__)
-_GIB = 1 << 30
-
-
-@dataclass
-class AdapterManagerConfig:
-    """Everything the manager is built from."""
-
-    max_slots: int | Literal["auto"] = 8  # pool rows for this many max-rank adapters; "auto": slot_memory_bytes
-    max_rank: int = 64  # R: highest rank accepted; an adapter takes pool rows in proportion to its own rank
-    host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier of prepared adapters
-    device: torch.device | str = "cpu"  # serving device of the slot stacks: cpu, cuda[:i] or xla[:i]
-    dtype: torch.dtype = torch.float32  # serving dtype of prepared weights and slots
-    slot_memory_bytes: int | None = None  # with max_slots="auto": device bytes the row pool may take
-    granule: int | None = None  # pool rows per unit (slot index step); None: min(8, max_rank)
-    prefetch_workers: int = 2  # prefetch threads; 0 turns prefetching off
-    prefetch_depth: int = 16  # the most queued adapters not yet in a slot one prefetch call moves up the tiers
-    prefetch_popular: int = 4  # the most popular adapters (TinyLFU) kept warm beside the queue; 0: none
-    admission: Literal["tinylfu", "lru"] = "tinylfu"  # host/slot eviction and admission: popularity + recency, or LRU
-    sketch: SketchConfig = field(default_factory=SketchConfig)  # the TinyLFU frequency sketch's size and aging
-    base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
-    allowed_local_roots: tuple[Path, ...] | None = None  # if set, local refs must lie under one of these
-    hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded (token, offline, cache, endpoint)
-    state_dir: Path | None = None  # if set, registrations are stored durably here and restored when the manager starts
-    disk_cache_bytes: int | None = None  # if set, byte bound on the manager's adapter repos in the HF cache (LRU)
-    tensor_parallel_size: int = 1  # N: the pool's rows split in N sections, one per device (the model's N-way TP)
-
-    def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
-        if self.admission not in ("tinylfu", "lru"):
-            raise ValueError(f"admission must be 'tinylfu' or 'lru', got {self.admission!r}")
-        if self.max_slots == "auto" and self.slot_memory_bytes is None:
-            raise ValueError("max_slots='auto' needs slot_memory_bytes (the device bytes the slot stacks may take)")
-        # Each component validates its own part; building them here reports a bad value before anything is made.
-        self.pool_config()
-        self.prefetch_config()
-        self.registry_config()
-
-    def pool_config(self) -> SlotPoolConfig:
-        return SlotPoolConfig(
-            self.max_slots,
-            self.max_rank,
-            self.dtype,
-            self.device,
-            self.slot_memory_bytes,
-            self.granule,
-            self.tensor_parallel_size,
-        )
-
-    def prefetch_config(self) -> PrefetchConfig:
-        return PrefetchConfig(self.prefetch_workers, self.prefetch_depth, self.prefetch_popular)
-
-    def registry_config(self) -> RegistryConfig:
-        return RegistryConfig(
-            max_rank=self.max_rank,
-            dtype=self.dtype,
-            host_cache_bytes=self.host_cache_bytes,
-            base_model_mismatch=self.base_model_mismatch,
-            pin_memory=torch.device(self.device).type == "cuda",
-            allowed_local_roots=self.allowed_local_roots,
-            hub=self.hub,
-            state_dir=self.state_dir,
-            disk_cache_bytes=self.disk_cache_bytes,
-            tensor_parallel_size=self.tensor_parallel_size,
-        )
 
 
 class AdapterManager:
@@ -149,6 +83,11 @@ class AdapterManager:
         return self.pool.tensor_parallel.size
 
     @property
+    def lora_vectors(self) -> bool:
+        """Whether the pool keeps a vector row per slot (DoRA, lora_bias adapters are served)."""
+        return self.pool.vectors is not None
+
+    @property
     def pool_nbytes(self) -> int:
         """Device bytes of the row pool, every device's together."""
         return self.pool.nbytes
@@ -172,6 +111,11 @@ class AdapterManager:
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
         """`A [N, in]` and `Bt [N, out]` row views of every module, for the LoRA linears."""
         return self.pool.stacks
+
+    def attach_base_weights(self, base_weight: BaseWeight) -> None:
+        """The served model's weights (``base_weight(key)``: a module's ``[out, in]`` as served), what DoRA adapters'
+        scales are prepared from; an engine attaches its model's. Prepared blocks already on the host are kept."""
+        self.registry.base_weight = base_weight
 
     @property
     def device_lock(self) -> threading.Lock:

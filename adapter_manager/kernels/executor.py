@@ -23,6 +23,7 @@ from adapter_manager.kernels.linear_lora import LinearLoRA
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
 from adapter_manager.kernels.protocol import LinearWeight, WeightLayout
+from adapter_manager.kernels.vectors import apply_vectors
 
 if TYPE_CHECKING:
     from adapter_manager.kernels.device_kernels import LayerKernels
@@ -56,12 +57,14 @@ class LinearExecutor:
             y = x @ W.T                                         # all parts in one matmul, W in its layout
             for each part p with rows (A_p, Bt_p), unless step.meta is None or meta.no_adapter:
                 y[:, part p] += x[t] @ A_p[rows of slot[t]].T @ Bt_p[rows of slot[t]]  per token t
+            then each part's vector epilogue (:func:`kernels.vectors.apply_vectors`: DoRA's scale, LoRA's bias)
 
         Shape: x [T, in]; returns a new [T, sum(out)]."""
         meta = step.meta
         if lora is None or meta is None or meta.no_adapter:
             return step.kernels.linear(x, weight, step.fast)
-        return self._with_lora(x, weight, lora, meta, step)
+        y = self._with_lora(x, weight, lora, meta, step)
+        return y if meta.bias_index is None and meta.scale_index is None else apply_vectors(y, lora, meta)
 
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep

@@ -20,6 +20,9 @@ class Stacks(Protocol):
     @property
     def bt(self) -> torch.Tensor: ...  # Shape: [N, out]
 
+    @property
+    def vector(self) -> torch.Tensor | None: ...  # Shape: [S + 1, out]: each slot's vector row piece; None: none
+
 
 class FusedParts(NamedTuple):
     """Consecutive parts whose A rows are adjacent column blocks of one pool tensor: one fused shrink for all."""

@@ -55,6 +55,9 @@ class LoRAKernelMeta:
     """G, pool rows per slot id."""
     active_buckets: tuple[int, ...]
     """Ascending widths A of the compact active table."""
+    vectors: bool = False
+    """The pool keeps a vector row per slot (:mod:`kernels.vectors`): a traced step always carries the vector
+    indices, so its graph has the epilogue whatever the step's adapters are."""
     num_tokens: int = field(init=False, default=0)
     active_adapters: tuple[AdapterRows, ...] = field(init=False, default=())
     """The step's distinct slots ≥ 0 with their pool rows, ascending by slot (compact id c = position here)."""
@@ -92,6 +95,13 @@ class LoRAKernelMeta:
     form: LoRAForm | None = field(init=False, default=None)
     """Eager only: the form this step takes (none, single, segments, grouped, laned); None on traced devices, whose
     backend has one static form. Each new (token count, form) pair is logged once at DEBUG."""
+    bias_index: torch.Tensor | None = field(init=False, default=None)
+    """Shape: [T] int64 on ``device``: the vector row each token adds to a linear's output (its slot where its
+    adapter's vector is a bias, else the zero row S). None: no token's adapter has one (eager; traced: ``vectors``
+    off)."""
+    scale_index: torch.Tensor | None = field(init=False, default=None)
+    """Shape: [T] int64 on ``device``: the vector row each token scales a linear's output by (``y += y ⊙ v``: its slot
+    where its adapter's vector is DoRA's scale, else the zero row S). None as ``bias_index``."""
     executor: object = field(init=False, repr=False)
     """The backend's linear executor (``backend.executor_type``: :mod:`kernels.executor`), made once with the
     metadata: what every linear of a step calls."""
@@ -109,16 +119,17 @@ class LoRAKernelMeta:
         *,
         granule: int | None = None,
         active_buckets: Sequence[int] | None = None,
+        vectors: bool = False,
     ) -> LoRAKernelMeta:
         """Allocate the metadata for row pools of ``num_slots`` slot ids (``granule`` rows each, default ``rank``),
-        adapters of rank ≤ ``rank`` and batches of ≤ ``max_tokens`` tokens."""
+        adapters of rank ≤ ``rank`` and batches of ≤ ``max_tokens`` tokens; ``vectors``: the pool keeps vector rows."""
         granule = rank if granule is None else granule
         checks = (("num_slots", num_slots), ("rank", rank), ("max_tokens", max_tokens), ("granule", granule))
         for name, value in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         buckets = default_active_buckets(num_slots) if active_buckets is None else check_active_buckets(active_buckets)
-        return cls(backend, num_slots, rank, max_tokens, torch.device(device), granule, buckets)
+        return cls(backend, num_slots, rank, max_tokens, torch.device(device), granule, buckets, vectors)
 
     def __post_init__(self) -> None:
         self.executor = self.backend.executor_type(self.backend)
@@ -143,12 +154,16 @@ class LoRAKernelMeta:
         """k, the step's distinct active slots."""
         return len(self.active_adapters)
 
-    def prepare(self, slot_indices: torch.Tensor, slot_rows: Mapping[int, int]) -> None:
+    def prepare(
+        self, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slot_vectors: Mapping[int, str] | None = None
+    ) -> None:
         """Fill the metadata for one step.
 
         ``slot_indices``: Shape: [T] int32, each in [-1, S); on the host for traced backends. ``slot_rows``: r_s for
-        (at least) every slot in slot_indices, 1 ≤ r_s ≤ R.
+        (at least) every slot in slot_indices, 1 ≤ r_s ≤ R. ``slot_vectors``: how each slot's vector row applies
+        ("bias", "scale"), for the slots that have one.
         """
+        slot_vectors = slot_vectors or {}
         if slot_indices.dim() != 1 or slot_indices.dtype != torch.int32:
             raise ValueError(
                 f"slot_indices must be a 1-D int32 tensor, got shape {tuple(slot_indices.shape)} {slot_indices.dtype}"
@@ -162,7 +177,9 @@ class LoRAKernelMeta:
                 f"got one on {slot_indices.device}"
             )
         if not self.backend.traced:
-            self._prepare_eager(slot_indices, slot_indices.tolist(), slot_rows)  # the step's one host sync
+            slots = slot_indices.tolist()  # the step's one host sync
+            self._prepare_eager(slot_indices, slots, slot_rows)
+            self._vector_indices(slots, slot_vectors, any(a.slot in slot_vectors for a in self.active_adapters))
             return
         host = slot_indices.numpy()
         self._check_range(int(host.min()), int(host.max()))
@@ -171,6 +188,21 @@ class LoRAKernelMeta:
         self._set_active(num_tokens, adapters)
         self._build_table(compact, adapters)
         self.lane_owner = self._lane_owner(self.active_width)
+        self._vector_indices(host.tolist(), slot_vectors, self.vectors)
+
+    def _vector_indices(self, slots: list[int], slot_vectors: Mapping[int, str], wanted: bool) -> None:
+        """``bias_index`` and ``scale_index`` from the step's slots (eager: only the kinds its adapters have)."""
+        if not set(slot_vectors.values()) <= {"bias", "scale"}:
+            raise ValueError(f"slot_vectors must map slots to 'bias' or 'scale', got {dict(slot_vectors)}")
+        if slot_vectors and self.backend.traced and not self.vectors:
+            raise ValueError(f"slot_vectors {dict(slot_vectors)} on traced metadata made without vectors")
+        self.bias_index = self.scale_index = None
+        if not wanted:
+            return
+        for kind in ("bias", "scale"):
+            if self.backend.traced or kind in slot_vectors.values():
+                rows = [s if s >= 0 and slot_vectors.get(s) == kind else self.num_slots for s in slots]
+                setattr(self, f"{kind}_index", torch.tensor(rows, dtype=torch.int64).to(self.device))
 
     def _check_range(self, low: int, high: int) -> None:
         if low < -1 or high >= self.num_slots:

@@ -14,7 +14,7 @@ from ..base_model import ModuleKey
 from ..errors import InvalidAdapterRefError
 from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubConfig
-from ..sources.peft_format import ModuleLora
+from ..sources.peft_format import ModuleLora, Variant
 
 _ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/-]{0,199}")
 _GIB = 1 << 30
@@ -42,6 +42,7 @@ class RegistryConfig:
     state_dir: Path | None = None  # if set, registrations are kept durably here and restored by `restore()`
     disk_cache_bytes: int | None = None  # if set, bound on the bytes of this registry's repos in the HF cache
     tensor_parallel_size: int = 1  # N: prepared blocks hold N sections, one per device's shard (RowLayout.of)
+    lora_vectors: bool = True  # accept variants with a per-output vector (DoRA, lora_bias): the pool has vector rows
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
@@ -71,6 +72,7 @@ class AdapterRecord:
     warnings: tuple[str, ...] = ()  # accepted-with-warning findings (e.g. base model mismatch)
     disk_bytes: int = 0  # size of its two files (what a download of them again reserves in a bounded disk tier)
     generation: int = 0  # this registration of its id: new at each register, update to new content and restore
+    variant: Variant = Variant.LORA  # what it adds beyond A and B (DoRA's scale, LoRA's bias)
 
     @property
     def sha(self) -> str:

@@ -17,14 +17,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..base_model import BaseModelSpec
-from ..errors import AdapterConflictError, AdapterNotFoundError, DiskTierFullError
+from ..errors import AdapterConflictError, AdapterNotFoundError, DiskTierFullError, UnsupportedAdapterError
 from ..metrics import Move, SwapMetrics, Tier
 from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubResolver
+from ..sources.peft_format import Variant
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
 from ..tiers.row_layout import RowLayout
+from ..tiers.vectors import BaseWeight
 from .disk_files import DiskFiles
 from .records import AdapterRecord, RegisterResult, RegistryConfig, check_adapter_id
 from .state_store import Registration, StateStore, UnrestoredAdapter
@@ -44,6 +46,9 @@ class AdapterRegistry:
         self.metrics = metrics or SwapMetrics()
         self.layout = RowLayout.of(spec, TensorParallel(self.config.tensor_parallel_size))
         """The row layout prepared blocks are built in: one section per tensor-parallel shard."""
+        self.base_weight: BaseWeight | None = None
+        """The served base model's weight of a module (`tiers.vectors.BaseWeight`): what a DoRA adapter's scale is
+        prepared from; None until a model is attached (`AdapterManager.attach_base_weights`)."""
         largest = self.config.max_rank * self.layout.row_bytes(self.config.dtype)
         if self.config.host_cache_bytes < largest:
             raise ValueError(
@@ -105,7 +110,8 @@ class AdapterRegistry:
                 with self._lock:
                     self._records[adapter_id] = record
                     self._unrestored.pop(adapter_id, None)
-            self.host.put((adapter_id, record.digest), prepared)
+            if prepared.complete:  # a DoRA adapter registered before a model is attached is prepared on first use
+                self.host.put((adapter_id, record.digest), prepared)
             if previous is not None:
                 self.host.discard((adapter_id, previous.digest))
                 log.info("adapter %r updated %s -> %s", adapter_id, previous.digest[:12], record.digest[:12])
@@ -209,8 +215,13 @@ class AdapterRegistry:
         def load() -> PreparedAdapter:
             with self._disk_files.on_disk(record.ref.repo_id):
                 files = self._disk_files.files(record, disk_wait_s)
-                prepared = self._prepare(adapter_id, files, record.modules)[0]
+                prepared = self._prepare(adapter_id, files, record.modules, record.variant)[0]
             self._disk_files.used(record, files.downloaded_bytes > 0)
+            if not prepared.complete:
+                raise UnsupportedAdapterError(
+                    adapter_id, "DoRA's scale needs the base model's weights, and none are attached (an Engine "
+                    "attaches its model's: AdapterManager.attach_base_weights)"
+                )  # fmt: skip
             return prepared
 
         return self.host.get_or_load((adapter_id, record.digest), load)
@@ -277,9 +288,9 @@ class AdapterRegistry:
             else:
                 files = found or self._disk_files.files(stand_in)  # a row from before configs were stored: fetched
                 config, warnings, modules = read_config(row.adapter_id, files, self.spec, self.config, True)
-                check_weights(row.adapter_id, files.weights_path, modules, self.spec)
+                check_weights(row.adapter_id, files.weights_path, modules, self.spec, config.variant)
                 disk_bytes = files.nbytes()
-            nbytes = max(m.rank for m in modules.values()) * self.layout.row_bytes(self.config.dtype)
+            nbytes = self._nbytes(modules, config.variant)
             base = config.base_model_name_or_path
             record = AdapterRecord(
                 row.adapter_id,
@@ -292,6 +303,7 @@ class AdapterRegistry:
                 warnings,
                 disk_bytes,
                 next(self._generations),
+                config.variant,
             )
             with self._lock:
                 self._records[row.adapter_id] = record
@@ -338,14 +350,20 @@ class AdapterRegistry:
     def _load(self, adapter_id: str, ref: AdapterRef, files: AdapterFiles):
         start = time.perf_counter()
         config, warnings, modules = read_config(adapter_id, files, self.spec, self.config)
-        prepared, _ = self._prepare(adapter_id, files, modules, start)
+        prepared, _ = self._prepare(adapter_id, files, modules, config.variant, start)
         base = config.base_model_name_or_path
         record = AdapterRecord(
-            adapter_id, ref, files, modules, prepared.nbytes, base, time.time(), warnings, files.nbytes()
-        )
+            adapter_id, ref, files, modules, self._nbytes(modules, config.variant), base, time.time(), warnings,
+            files.nbytes(), 0, config.variant,
+        )  # fmt: skip
         return record, prepared, time.perf_counter() - start
 
-    def _prepare(self, adapter_id: str, files: AdapterFiles, modules, start: float | None = None):
+    def _nbytes(self, modules, variant: Variant) -> int:
+        """Bytes of the adapter's prepared block (its highest rank's rows) and vector row, if its variant has one."""
+        vector = 0 if variant.vector is None else self.layout.vector_width * self.config.dtype.itemsize
+        return max(m.rank for m in modules.values()) * self.layout.row_bytes(self.config.dtype) + vector
+
+    def _prepare(self, adapter_id: str, files: AdapterFiles, modules, variant: Variant, start: float | None = None):
         start = time.perf_counter() if start is None else start
         prepared = prepare_adapter(
             adapter_id,
@@ -357,6 +375,8 @@ class AdapterRegistry:
             self.config.pin_memory,
             self.layout,
             files.digest,
+            variant,
+            self.base_weight,
         )
         if self._resolver.digest(files.config_path, files.weights_path) != files.digest:
             raise AdapterConflictError(adapter_id, f"its files in {files.weights_path.parent} changed while being read")

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from ..base_model import BaseModelSpec, ModuleKey
-from ..errors import BaseModelMismatchError, InvalidAdapterRefError
+from ..errors import BaseModelMismatchError, InvalidAdapterRefError, UnsupportedAdapterError
 from ..sources.hub import AdapterFiles, AdapterRef
 from ..sources.peft_format import LoraAdapterConfig, ModuleLora
 from .records import RegistryConfig
@@ -28,6 +28,17 @@ def read_config(
         adapter_config = LoraAdapterConfig.from_dict(json.loads(source), adapter_id)
     else:
         adapter_config = LoraAdapterConfig.from_file(source.config_path, adapter_id)
+    variant = adapter_config.variant
+    if variant.vector is not None and not config.lora_vectors:
+        raise UnsupportedAdapterError(
+            adapter_id, f"a {variant.value} adapter needs the pool's vector rows, which this server has off "
+            "(lora_vectors=False, --no-lora-vectors)"
+        )  # fmt: skip
+    if variant.vector is not None and config.tensor_parallel_size > 1:
+        raise UnsupportedAdapterError(
+            adapter_id, f"a {variant.value} adapter with tensor_parallel_size {config.tensor_parallel_size} is not "
+            "built (its vector joins after the row-parallel all-reduce)"
+        )  # fmt: skip
     warnings = check_base_model(adapter_id, adapter_config.base_model_name_or_path, spec, config, quiet)
     return adapter_config, warnings, adapter_config.resolve(spec, adapter_id, config.max_rank)
 

@@ -4,7 +4,7 @@ Hub HTTP API on loopback."""
 
 from .hub import AdapterFiles, AdapterRef, HubConfig, HubResolver, is_local_ref
 from .local_hub import HubFault, LocalHub
-from .peft_format import CONFIG_NAME, WEIGHTS_NAME, LoraAdapterConfig, ModuleLora
+from .peft_format import CONFIG_NAME, WEIGHTS_NAME, LoraAdapterConfig, ModuleLora, Variant
 from .synthetic import write_synthetic_adapter
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "LocalHub",
     "LoraAdapterConfig",
     "ModuleLora",
+    "Variant",
     "is_local_ref",
     "write_synthetic_adapter",
 ]

@@ -7,7 +7,9 @@ PEFT's rules, restated for the Llama module names of `BaseModelSpec.module_names
 - A module's rank and alpha come from `rank_pattern` / `alpha_pattern`: the first key `k` (in file order) for which
   `re.match(rf"(.*\\.)?({k})$", module_name)` matches, else `r` / `lora_alpha`.
 - scaling = alpha / r, or alpha / sqrt(r) with `use_rslora`.
-- Weights live at `base_model.model.<module_name>.lora_A.weight` `[r, in]` and `.lora_B.weight` `[out, r]`.
+- Weights live at `base_model.model.<module_name>.lora_A.weight` `[r, in]` and `.lora_B.weight` `[out, r]`; with
+  `lora_bias` also `.lora_B.bias` `[out]`, with `use_dora` also `.lora_magnitude_vector` `[out]` (PEFT refuses both
+  in one adapter, and so do we).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +33,12 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 _TENSOR_KEY = re.compile(
-    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+)\.lora_(?P<ab>[AB])\.weight"
+    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+)\."
+    r"(?:lora_(?P<ab>[AB])\.weight|(?P<bias>lora_B\.bias)|(?P<magnitude>lora_magnitude_vector))"
 )
 # Fields that change what the adapter computes; each must be absent or falsy.
 _REFUSED_FIELDS = {
-    "use_dora": "DoRA (use_dora)",
     "use_qalora": "QALoRA (use_qalora)",
-    "lora_bias": "lora_bias",
     "modules_to_save": "modules_to_save",
     "trainable_token_indices": "trainable token indices (embedding training)",
     "layer_replication": "layer_replication",
@@ -64,6 +66,8 @@ _KNOWN_FIELDS = {
     "layers_to_transform",
     "layers_pattern",
     "bias",
+    "use_dora",
+    "lora_bias",
     "fan_in_fan_out",
     "base_model_name_or_path",
     "revision",
@@ -94,6 +98,25 @@ class ModuleLora:
     scaling: float  # alpha / r, or alpha / sqrt(r) with rslora
 
 
+class Variant(StrEnum):
+    """What a LoRA adapter adds per token beyond its two matrices (what metrics and ``/v1/adapters`` name)."""
+
+    LORA = "lora"  # y = W x + s B A x
+    DORA = "dora"  # y = g ⊙ (W x + s B A x), g = m / ‖W + s B A‖ per output row (use_dora)
+    LORA_BIAS = "lora_bias"  # y = W x + s (B A x + b) (lora_bias)
+
+    @property
+    def vector(self) -> str | None:
+        """The per-output tensor each targeted module carries ("bias", "magnitude"), None for plain LoRA."""
+        return {Variant.DORA: "magnitude", Variant.LORA_BIAS: "bias"}.get(self)
+
+    @property
+    def epilogue(self) -> str | None:
+        """How the kernels apply its vector row v to a module's output y: "bias" (``y += v``), "scale"
+        (``y += y ⊙ v``); None for plain LoRA."""
+        return {Variant.DORA: "scale", Variant.LORA_BIAS: "bias"}.get(self)
+
+
 @dataclass(frozen=True)
 class LoraAdapterConfig:
     """The parts of adapter_config.json that decide what the adapter computes."""
@@ -108,6 +131,7 @@ class LoraAdapterConfig:
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     base_model_name_or_path: str | None
+    variant: Variant = Variant.LORA
 
     @classmethod
     def from_file(cls, path: Path, adapter: str) -> LoraAdapterConfig:
@@ -136,6 +160,12 @@ class LoraAdapterConfig:
             raise UnsupportedAdapterError(
                 adapter, f"init_lora_weights={init!r} rewrites the base weights; convert it to plain LoRA first"
             )
+        use_dora, lora_bias = raw.get("use_dora", False), raw.get("lora_bias", False)
+        for field, value in (("use_dora", use_dora), ("lora_bias", lora_bias)):
+            if not isinstance(value, bool):
+                raise fail(f"{field} must be a bool, got {value!r}")
+        if use_dora and lora_bias:
+            raise UnsupportedAdapterError(adapter, "use_dora and lora_bias together (PEFT refuses them too)")
         if raw.get("bias", "none") != "none":
             raise UnsupportedAdapterError(adapter, f"bias must be 'none', got {raw['bias']!r}")
         for field, value in raw.items():
@@ -176,6 +206,7 @@ class LoraAdapterConfig:
             rank_pattern=dict(rank_pattern),
             alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
             base_model_name_or_path=base,
+            variant=Variant.DORA if use_dora else Variant.LORA_BIAS if lora_bias else Variant.LORA,
         )
 
     def targets(self, name: str) -> bool:
@@ -232,18 +263,17 @@ class LoraAdapterConfig:
 
 
 def parse_tensor_key(key: str, adapter: str) -> tuple[ModuleKey, str]:
-    """`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (ModuleKey(3, "q_proj"), "A")."""
+    """`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (ModuleKey(3, "q_proj"), "A"); the kind
+    is "A", "B", "bias" (`.lora_B.bias`) or "magnitude" (`.lora_magnitude_vector`)."""
     match = _TENSOR_KEY.fullmatch(key)
     if match is None or match["proj"] not in PROJECTIONS:
         if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
             raise UnsupportedAdapterError(adapter, f"tensor {key!r}: embedding/lm_head LoRA is not supported")
-        if "lora_magnitude_vector" in key:
-            raise UnsupportedAdapterError(adapter, f"tensor {key!r}: DoRA is not supported")
         raise TensorKeyError(adapter, f"unexpected tensor key {key!r} in {WEIGHTS_NAME}")
     module = ModuleKey(int(match["layer"]), match["proj"])
     if module.module_name not in key:
         raise TensorKeyError(adapter, f"tensor {key!r}: {module.proj} does not belong under that submodule")
-    return module, match["ab"]
+    return module, match["ab"] or ("bias" if match["bias"] else "magnitude")
 
 
 def _pattern_key(patterns: dict[str, Any], name: str) -> str:

@@ -105,6 +105,7 @@ class SlotAllocator:
                 next(self._lease_ids),
                 {r.adapter_id: r.slot for r in entries},
                 {r.slot: r.rank for r in entries},
+                {r.slot: r.vector for r in entries if r.vector is not None},
                 tuple(entries),
             )
             self._leases.add(lease.lease_id)
@@ -349,6 +350,7 @@ class SlotAllocator:
             self.metrics.record(Move.HOST_TO_SLOT, residency.adapter_id, seconds, prepared.nbytes)
             with self._cond:
                 residency.nbytes, residency.content = prepared.nbytes, prepared.digest
+                residency.vector = prepared.variant.epilogue if prepared.vector is not None else None
                 residency.ready = True
                 self._settle(residency)
                 self._cond.notify_all()

@@ -30,6 +30,7 @@ class Residency:
     nbytes: int = 0
     last_used: float = 0.0
     content: str = ""  # the content digest of the block loaded into it (`PreparedAdapter.digest`)
+    vector: str | None = None  # how its vector row applies (`Variant.epilogue`: "bias", "scale"), None: no vector
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SlotLease:
     lease_id: int
     slots: Mapping[str, int]  # adapter id -> slot, stable until released
     slot_rows: Mapping[int, int]  # slot -> the adapter's rank: rows [slot * G, slot * G + rank) hold it
+    slot_vectors: Mapping[int, str]  # slot -> how its vector row applies ("bias", "scale"), for slots that have one
     _entries: tuple[Residency, ...] = field(repr=False)
 
     @property

@@ -2,7 +2,9 @@
 
 A prepared adapter of rank r (its highest module rank) is one ``[r, width]`` block in the pool's row layout
 (`row_layout.RowLayout`): pinned when serving on CUDA, its byte size proportional to its own rank, moved into the
-slot pool by one contiguous copy. Modules it does not target, and rows past a module's own rank, are zero.
+slot pool by one contiguous copy. Modules it does not target, and rows past a module's own rank, are zero. A variant
+with a per-output vector (DoRA, LoRA bias: `vectors`) also has one vector row in the layout's vector order, copied
+into its slot's vector row with the block.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from safetensors import SafetensorError, safe_open
 
 from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError, TensorShapeError
-from ..sources.peft_format import ModuleLora, parse_tensor_key
+from ..sources.peft_format import ModuleLora, Variant, parse_tensor_key
 from .row_layout import RowLayout
+from .vectors import BaseWeight, bias_vector, dora_vector
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -32,6 +35,7 @@ class ModuleWeights:
     a: torch.Tensor  # Shape: [r, in] (r: the adapter's rank); over N shards [r, N, in_s]
     bt: torch.Tensor  # Shape: [r, out] = (scaling * B).T, zero past the module's rank; over N shards [r, N, out_s]
     rank: int  # the module's own rank <= r
+    vector: torch.Tensor | None = None  # Shape: [out] (over N shards [N, out_s]): a view of the vector row, if any
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class PreparedAdapter:
     modules: Mapping[ModuleKey, ModuleWeights]  # targeted modules only; the others are zero
     storage: torch.Tensor  # Shape: [r, width], the block every module's `a` and `bt` view into
     digest: str = ""  # the content digest of the files it was prepared from (`sources.digests`)
+    variant: Variant = Variant.LORA  # what it adds beyond A and B
+    vector: torch.Tensor | None = None  # Shape: [vector_width], the vector row (DoRA's g - 1, LoRA's s · b); else None
 
     @property
     def rows(self) -> int:
@@ -50,8 +56,15 @@ class PreparedAdapter:
         return self.storage.shape[0]
 
     @property
+    def complete(self) -> bool:
+        """Whether it can be served: a variant with a vector has it (DoRA's needs the base model's weights)."""
+        return self.variant.vector is None or self.vector is not None
+
+    @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        """Bytes of its block and its vector row: what a host -> slot move copies."""
+        vector = 0 if self.vector is None else self.vector.numel() * self.vector.element_size()
+        return self.storage.numel() * self.storage.element_size() + vector
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,27 +81,38 @@ def prepare_adapter(
     pin_memory: bool = False,
     layout: RowLayout | None = None,
     digest: str = "",
+    variant: Variant = Variant.LORA,
+    base_weight: BaseWeight | None = None,
 ) -> PreparedAdapter:
     """Validate `adapter_model.safetensors` against the resolved modules and build the prepared adapter.
 
-    Every key must be the lora_A/lora_B of a targeted module, every targeted module must have both, shapes must be
-    `A [r, in]`, `B [out, r]`, values finite. Nothing is kept if any check fails.
+    Every key must be the lora_A/lora_B of a targeted module (and its variant's vector: `.lora_B.bias`,
+    `.lora_magnitude_vector`), every targeted module must have each, shapes must be `A [r, in]`, `B [out, r]`,
+    vectors `[out]`, values finite. DoRA needs ``base_weight`` (`vectors.BaseWeight`). Nothing is kept if any check
+    fails.
     """
     with _opened(adapter_id, weights_path) as handle:
-        tensors = _match_keys(adapter_id, list(handle.keys()), modules)
+        tensors = _match_keys(adapter_id, list(handle.keys()), modules, variant)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
         layout = layout or RowLayout.of(spec)  # over N tensor-parallel shards: RowLayout.of(spec, tp)
         prepared = _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory)
+        if variant is not Variant.LORA:
+            prepared = _with_vector(prepared, handle, tensors, modules, spec, layout, variant, base_weight)
     return replace(prepared, digest=digest)
 
 
 def check_weights(
-    adapter_id: str, weights_path: Path, modules: Mapping[ModuleKey, ModuleLora], spec: BaseModelSpec
+    adapter_id: str,
+    weights_path: Path,
+    modules: Mapping[ModuleKey, ModuleLora],
+    spec: BaseModelSpec,
+    variant: Variant = Variant.LORA,
 ) -> None:
     """Every check of `prepare_adapter` that needs only the file's header: a whole safetensors file (its length
     covers every tensor), the keys, every shape and dtype. Reads no tensor, so it cannot find non-finite values."""
     with _opened(adapter_id, weights_path) as handle:
-        _check_shapes(adapter_id, handle, _match_keys(adapter_id, list(handle.keys()), modules), modules, spec)
+        tensors = _match_keys(adapter_id, list(handle.keys()), modules, variant)
+        _check_shapes(adapter_id, handle, tensors, modules, spec)
 
 
 @contextmanager
@@ -103,28 +127,36 @@ def _opened(adapter_id: str, weights_path: Path) -> Iterator[Any]:
         raise CorruptWeightsError(adapter_id, f"{weights_path.name} is not a valid safetensors file: {err}") from None
 
 
+_KIND_NAMES = {"A": "lora_A", "B": "lora_B", "bias": "lora_B.bias", "magnitude": "lora_magnitude_vector"}
+
+
 def _match_keys(
-    adapter_id: str, keys: list[str], modules: Mapping[ModuleKey, ModuleLora]
+    adapter_id: str, keys: list[str], modules: Mapping[ModuleKey, ModuleLora], variant: Variant
 ) -> dict[ModuleKey, dict[str, str]]:
+    """Each targeted module's tensor keys by kind ("A", "B" and the variant's vector)."""
+    kinds = ("A", "B") if variant.vector is None else ("A", "B", variant.vector)
     found: dict[ModuleKey, dict[str, str]] = {}
     for key in keys:
-        module, ab = parse_tensor_key(key, adapter_id)
+        module, kind = parse_tensor_key(key, adapter_id)
         if module not in modules:
             raise TensorKeyError(adapter_id, f"tensor {key!r} is for a module adapter_config.json does not target")
-        found.setdefault(module, {})[ab] = key
-    for module in modules:
-        missing = [ab for ab in "AB" if ab not in found.get(module, {})]
-        if missing:
+        if kind not in kinds:
             raise TensorKeyError(
-                adapter_id, f"missing lora_{'/lora_'.join(missing)} for targeted module {module.module_name!r}"
-            )
+                adapter_id, f"tensor {key!r} is a {_KIND_NAMES[kind]}, which a {variant.value} adapter does not have "
+                f"(adapter_config.json: use_dora / lora_bias)"
+            )  # fmt: skip
+        found.setdefault(module, {})[kind] = key
+    for module in modules:
+        missing = [_KIND_NAMES[kind] for kind in kinds if kind not in found.get(module, {})]
+        if missing:
+            raise TensorKeyError(adapter_id, f"missing {'/'.join(missing)} for targeted module {module.module_name!r}")
     return found
 
 
 def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> None:
     for module, lora in modules.items():
         fan_in, fan_out = spec.projection_shape(module.proj)
-        expected = {"A": [lora.rank, fan_in], "B": [fan_out, lora.rank]}
+        expected = {"A": [lora.rank, fan_in], "B": [fan_out, lora.rank], "bias": [fan_out], "magnitude": [fan_out]}
         for ab, key in tensors[module].items():
             tensor_slice = handle.get_slice(key)
             shape = list(tensor_slice.get_shape())
@@ -163,6 +195,40 @@ def _build(adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, d
                         adapter_id, f"tensor {tensors[module][ab]!r} holds NaN or infinity (in {dtype} after scaling)"
                     )
     return PreparedAdapter(adapter_id=adapter_id, sha=sha, modules=prepared, storage=storage)
+
+
+def _with_vector(prepared, handle, tensors, modules, spec, layout: RowLayout, variant, base_weight) -> PreparedAdapter:
+    """The adapter with its vector row: each targeted module's `vectors.bias_vector` or `vectors.dora_vector`, zero
+    for the others (the epilogue's identity), in the block's dtype."""
+    storage, tp = prepared.storage, layout.tensor_parallel
+    vector = _block(1, layout.vector_width, storage.dtype, storage.is_pinned())  # [1, vector_width]
+    weights = dict(prepared.modules)
+    for module in sorted(modules):
+        lora, key = modules[module], tensors[module][variant.vector]
+        values = handle.get_tensor(key)  # [out]
+        if variant is Variant.LORA_BIAS:
+            values = bias_vector(values, lora.scaling)
+        elif base_weight is None:  # checked, not servable: `PreparedAdapter.complete` is False
+            if not bool(values.isfinite().all()):
+                raise NonFiniteWeightsError(prepared.adapter_id, f"tensor {key!r} holds NaN or infinity")
+            continue
+        else:
+            a, bt = handle.get_tensor(tensors[module]["A"]), handle.get_tensor(tensors[module]["B"]).t() * lora.scaling
+            values = dora_vector(values, a, bt, base_weight(module))
+        if not bool(values.isfinite().all()):
+            what = "bias" if variant is Variant.LORA_BIAS else "magnitude (or the row norms of W + s·B·A are zero)"
+            raise NonFiniteWeightsError(prepared.adapter_id, f"tensor {key!r}: the {what} gives NaN or infinity")
+        view = layout.vector_view(vector, module)[0]  # [out]; over N shards [N, out_s]
+        if layout.sections == 1:
+            view.copy_(values)
+        else:
+            for shard in range(layout.sections):
+                view[shard].copy_(values[tp.out_index(spec, module.proj, shard)])
+        weights[module] = replace(weights[module], vector=view)
+    if not bool(vector.isfinite().all()):
+        raise NonFiniteWeightsError(prepared.adapter_id, f"its {variant.value} vectors overflow {storage.dtype}")
+    complete = variant is not Variant.DORA or base_weight is not None
+    return replace(prepared, modules=weights, variant=variant, vector=vector[0] if complete else None)
 
 
 def _block(rows: int, width: int, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:

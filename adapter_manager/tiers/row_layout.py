@@ -16,6 +16,14 @@ s holding shard s's pieces in the same order: column-parallel modules' whole A a
 row-parallel modules' A columns of shard s and their whole Bt. A device holds its section of every row (the pool's
 row tensor is split by sections), and each module's views gain the section axis: ``A [r, N, in_s]``,
 ``Bt [r, N, out_s]``.
+
+An adapter with a per-output vector on each module (DoRA's scale, LoRA's bias: `sources.peft_format.Variant`) holds
+it in a **vector row** of ``vector_width`` elements, in the same order and sections as the Bt pieces of a row::
+
+    vector row = [ L0: v_q v_k v_v v_o v_gate v_up v_down | L1: ... ]     (v_p: out_p elements)
+
+The pool keeps one vector row per slot beside its rows (`slot_pool.SlotPool.vectors`): half a row's width, so an
+adapter's rows stay its rank's power-of-two units, and the parts of a fused linear are adjacent there as well.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class ModuleColumns:
     in_features: int  # the section's A width: a row-parallel module's shard of its input features
     bt_start: int
     out_features: int  # the section's Bt width: a column-parallel module's shard of its output features
+    vector_start: int  # where its vector (out_features wide) lies inside a vector row's section
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class RowLayout:
     sections: int  # N tensor-parallel shards, one section each; 1: the unsharded layout
     section_width: int  # elements of one section: sum over modules of (in_s + out_s)
     tensor_parallel: TensorParallel  # the plan the sections follow
+    vector_width: int  # elements of one vector row: every section's (sum over modules of out_s, times N)
 
     def __post_init__(self) -> None:
         if self.sections != self.tensor_parallel.size or self.width != self.sections * self.section_width:
@@ -61,7 +71,7 @@ class RowLayout:
         tp = tp or TensorParallel()
         tp.check(spec)
         columns: dict[ModuleKey, ModuleColumns] = {}
-        offset = 0
+        offset = vector_offset = 0
         for layer in range(spec.num_layers):
             shapes = [tp.local_shape(spec, proj) for proj in PROJECTIONS]
             a_starts, bt_starts = [], []
@@ -72,8 +82,11 @@ class RowLayout:
                 bt_starts.append(offset)
                 offset += fan_out
             for i, proj in enumerate(PROJECTIONS):
-                columns[ModuleKey(layer, proj)] = ModuleColumns(a_starts[i], shapes[i][0], bt_starts[i], shapes[i][1])
-        return cls(columns, offset * tp.size, tp.size, offset, tp)
+                fan_in, fan_out = shapes[i]
+                key = ModuleKey(layer, proj)
+                columns[key] = ModuleColumns(a_starts[i], fan_in, bt_starts[i], fan_out, vector_offset)
+                vector_offset += fan_out
+        return cls(columns, offset * tp.size, tp.size, offset, tp, vector_offset * tp.size)
 
     def a_view(self, rows: torch.Tensor, key: ModuleKey) -> torch.Tensor:
         """Module ``key``'s A rows of a ``[n, width]`` tensor. Shape: [n, in] (over N sections [n, N, in_s]), a
@@ -86,6 +99,13 @@ class RowLayout:
         strided view."""
         c = self.columns[key]
         return self._sectioned(rows)[..., c.bt_start : c.bt_start + c.out_features]
+
+    def vector_view(self, vectors: torch.Tensor, key: ModuleKey) -> torch.Tensor:
+        """Module ``key``'s vector of a ``[n, vector_width]`` tensor of vector rows. Shape: [n, out] (over N
+        sections [n, N, out_s]), a strided view."""
+        c = self.columns[key]
+        sectioned = vectors if self.sections == 1 else vectors.view(vectors.shape[0], self.sections, -1)
+        return sectioned[..., c.vector_start : c.vector_start + c.out_features]
 
     def _sectioned(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.sections == 1 else rows.view(rows.shape[0], self.sections, self.section_width)

@@ -11,7 +11,9 @@ adapter, and when a slot may be published to the kernels, is the allocator's bus
     at slot 2 (rows 16-23), a rank-3 one at slot 3 (rows 24-26; rows 27-31 unused), row 32 the zero row.
 
 `SlotPool.load(slot, prepared)` is one contiguous copy of the adapter's block into its rows, in place, and returns
-once the copy has completed on the device.
+once the copy has completed on the device. A variant's vector row (DoRA, LoRA bias) goes into ``vectors[slot]`` in
+the same load: one vector row per unit, ``vectors [S + 1, vector_width]``, the last one zero (the epilogue's
+identity for tokens whose adapter has none).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class SlotPoolConfig:
     memory_budget_bytes: int | None = None  # with max_slots="auto": device bytes the rows may take
     granule: int | None = None  # rows per unit (slot index step); None: min(8, max_rank)
     tensor_parallel_size: int = 1  # N: each row in N sections, one per device (XLA: the pool split over the mesh)
+    lora_vectors: bool = True  # a vector row per slot for DoRA's scale and LoRA's bias (not with N > 1: not built)
 
     def __post_init__(self) -> None:
         if self.max_slots == "auto":
@@ -79,6 +82,11 @@ class SlotPoolConfig:
         TensorParallel(self.tensor_parallel_size)  # validates it
 
     @property
+    def has_vectors(self) -> bool:
+        """Whether the pool keeps vector rows: ``lora_vectors`` without tensor parallelism."""
+        return self.lora_vectors and self.tensor_parallel_size == 1
+
+    @property
     def max_units(self) -> int:
         """Units of an adapter at max_rank: the largest block the allocator hands out."""
         assert self.granule is not None
@@ -90,8 +98,10 @@ class SlotPoolConfig:
         if self.max_slots != "auto":
             return self.max_slots * self.max_units
         assert self.memory_budget_bytes is not None
+        vector = RowLayout.of(spec).vector_width * self.dtype.itemsize if self.has_vectors else 0  # one per unit
         block = bytes_needed(spec, self.max_units * self.granule, self.dtype, self.tensor_parallel_size)
-        zero_row = bytes_needed(spec, 1, self.dtype, self.tensor_parallel_size)
+        block += self.max_units * vector
+        zero_row = bytes_needed(spec, 1, self.dtype, self.tensor_parallel_size) + vector
         if self.memory_budget_bytes < block + zero_row:
             raise ValueError(
                 f"memory_budget_bytes ({self.memory_budget_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
@@ -108,10 +118,11 @@ class SlotStacks:
     materialised as a copy of its own, and a slot load would then switch the step between two graphs.
     """
 
-    def __init__(self, rows: torch.Tensor, layout: RowLayout, key: ModuleKey) -> None:
-        self._rows, self._layout, self._key = rows, layout, key
+    def __init__(self, rows: torch.Tensor, layout: RowLayout, key: ModuleKey, vectors: torch.Tensor | None) -> None:
+        self._rows, self._layout, self._key, self._vectors = rows, layout, key, vectors
         self._fresh = rows.device.type == "xla"
         self._a, self._bt = layout.a_view(rows, key), layout.bt_view(rows, key)
+        self._vector = None if vectors is None else layout.vector_view(vectors, key)
 
     @property
     def a(self) -> torch.Tensor:
@@ -122,6 +133,13 @@ class SlotStacks:
     def bt(self) -> torch.Tensor:
         """Shape: [N, out]; over S tensor-parallel sections [N, S, out_s]."""
         return self._layout.bt_view(self._rows, self._key) if self._fresh else self._bt
+
+    @property
+    def vector(self) -> torch.Tensor | None:
+        """Shape: [S + 1, out]: each slot's vector of this module (the last row zero); None: the pool has none."""
+        if self._vectors is None or not self._fresh:
+            return self._vector
+        return self._layout.vector_view(self._vectors, self._key)
 
 
 class SlotPool:
@@ -150,7 +168,11 @@ class SlotPool:
             self.rows = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [N, width]
         if self.tensor_parallel.size > 1 and self.device.type == "xla":  # each device holds its section of each row
             mark(self.rows, self.tensor_parallel.size, (None, MODEL_AXIS))
-        self._stacks = {key: SlotStacks(self.rows, self.layout, key) for key in spec.module_keys()}
+        self.vectors: torch.Tensor | None = None
+        """Shape: [S + 1, vector_width]: slot s's vector row (`row_layout`), the last one zero; None: none kept."""
+        if self.config.has_vectors:
+            self.vectors = torch.zeros(self.num_units + 1, self.layout.vector_width, dtype=self.dtype).to(self.device)
+        self._stacks = {key: SlotStacks(self.rows, self.layout, key, self.vectors) for key in spec.module_keys()}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._xla_lock = threading.RLock()  # re-entrant: the engine holds it around a whole step
         self._load_listeners: list[Callable[[int, torch.Tensor], None]] = []
@@ -162,6 +184,9 @@ class SlotPool:
                 while units <= min(self.max_units, self.num_units):
                     self._copy_xla(0, torch.zeros(units * self.granule, self.layout.width, dtype=self.dtype))
                     units *= 2
+                if self.vectors is not None:
+                    for _ in range(2):  # the vector row's load graph, once past the fresh transfer's own
+                        self._copy_vector_xla(0, torch.zeros(self.layout.vector_width, dtype=self.dtype))
 
     @property
     def num_slots(self) -> int:
@@ -186,11 +211,13 @@ class SlotPool:
 
     @property
     def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
+        """Device bytes of the rows and the vector rows."""
+        vectors = 0 if self.vectors is None else self.vectors.numel() * self.vectors.element_size()
+        return self.rows.numel() * self.rows.element_size() + vectors
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes of one adapter at max_rank: the most one load can move host -> slot."""
+        """Bytes of one plain adapter at max_rank: its rows (a variant's vector row adds ``vector_width`` elements)."""
         return self.max_rank * self.layout.row_bytes(self.dtype)
 
     @property
@@ -220,9 +247,15 @@ class SlotPool:
                 f"prepared block is {list(storage.shape)} {storage.dtype}, the pool holds rows of "
                 f"{self.layout.width} in {self.dtype}",
             )
-        rank = storage.shape[0]
+        rank, vector = storage.shape[0], prepared.vector
         if not 0 < rank <= self.max_rank:
             raise SlotLoadError(prepared.adapter_id, f"rank {rank} is outside 1..max_rank {self.max_rank}")
+        if vector is not None and (self.vectors is None or vector.shape != self.vectors.shape[1:]):
+            kept = "none" if self.vectors is None else f"rows of {self.layout.vector_width}"
+            raise SlotLoadError(
+                prepared.adapter_id, f"its {prepared.variant.value} vector row is {list(vector.shape)}, the pool "
+                f"keeps {kept}"
+            )  # fmt: skip
         end_unit = slot + self.units_for(rank)
         if end_unit > self.num_units:
             raise SlotLoadError(
@@ -235,6 +268,8 @@ class SlotPool:
                 padded = torch.zeros(self.units_for(rank) * self.granule, self.layout.width, dtype=self.dtype)
                 padded[:rank].copy_(storage)  # the graph depends on the block size class only
                 self._copy_xla(slot, padded)
+                if vector is not None:
+                    self._copy_vector_xla(slot, vector)
         elif self._stream is not None:
             # One async host -> device copy from the pinned block, on a side stream that first waits for work
             # already queued on the compute stream (a kernel still reading the range's previous adapter); the host
@@ -242,11 +277,15 @@ class SlotPool:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 self.rows[start : start + rank].copy_(storage, non_blocking=True)
+                if vector is not None:
+                    self.vectors[slot].copy_(vector, non_blocking=True)  # type: ignore[index]
                 done = torch.cuda.Event()
                 done.record(self._stream)
             done.synchronize()
         else:
             self.rows[start : start + rank].copy_(storage)
+            if vector is not None:
+                self.vectors[slot].copy_(vector)  # type: ignore[index]
         for listener in list(self._load_listeners):
             listener(start, storage)
 
@@ -262,6 +301,11 @@ class SlotPool:
         sections = self.tensor_parallel.size
         placed = block.to(self.device) if sections == 1 else place(block, sections, 1)  # a device gets its section
         self.rows.index_copy_(0, index, placed)
+        _xla_sync()
+
+    def _copy_vector_xla(self, slot: int, vector: torch.Tensor) -> None:
+        index = torch.tensor([slot]).to(self.device)  # a device index: one graph for every slot
+        self.vectors.index_copy_(0, index, vector[None].to(self.device))  # type: ignore[union-attr]
         _xla_sync()
 
 

@@ -79,6 +79,18 @@ def drop_tensor(name: str) -> Callable[[Path], None]:
     return edit_tensors(lambda t: t.pop(name))
 
 
+def add_vectors(kind: str, width_of: Callable[[str], int]) -> Callable[[Path], None]:
+    """A variant's vector beside every lora_A: ``kind`` "lora_B.bias" or "lora_magnitude_vector", ``width_of(proj)``
+    wide (the right width is the module's out features)."""
+
+    def change(tensors):
+        for name in [n for n in tensors if n.endswith(".lora_A.weight")]:
+            proj = name.split(".")[-3]
+            tensors[name.replace("lora_A.weight", kind)] = torch.full((width_of(proj),), 0.5)
+
+    return edit_tensors(change)
+
+
 def poison(name: str, value: float) -> Callable[[Path], None]:
     def change(tensors):
         tensors[name] = tensors[name].clone()
@@ -109,9 +121,32 @@ CASES = [
         AdapterConfigError,
     ),
     Case("target_regex_invalid", edit_config(target_modules="(q_proj"), AdapterConfigError),
-    Case("use_dora", edit_config(use_dora=True), UnsupportedAdapterError),
+    Case("use_dora_without_magnitudes", edit_config(use_dora=True), TensorKeyError),
+    Case("use_dora_not_a_bool", edit_config(use_dora="yes"), AdapterConfigError),
+    Case("dora_and_lora_bias", edit_config(use_dora=True, lora_bias=True), UnsupportedAdapterError),
     Case("modules_to_save", edit_config(modules_to_save=["lm_head"]), UnsupportedAdapterError),
-    Case("lora_bias", edit_config(lora_bias=True), UnsupportedAdapterError),
+    Case("lora_bias_without_biases", edit_config(lora_bias=True), TensorKeyError),
+    Case(
+        "lora_bias_wrong_width",
+        both(edit_config(lora_bias=True), add_vectors("lora_B.bias", lambda proj: 32 if proj == "q_proj" else 17)),
+        TensorShapeError,
+    ),
+    Case(
+        "lora_bias_inf",
+        both(
+            edit_config(lora_bias=True),
+            add_vectors("lora_B.bias", lambda proj: {"q_proj": 32}.get(proj, 16)),
+            poison(
+                KEY.format(layer=1, parent="self_attn", proj="v_proj", ab="B").replace(".weight", ".bias"), float("inf")
+            ),
+        ),
+        NonFiniteWeightsError,
+    ),  # fmt: skip
+    Case(
+        "magnitudes_without_use_dora",
+        add_vectors("lora_magnitude_vector", lambda proj: {"q_proj": 32}.get(proj, 16)),
+        TensorKeyError,
+    ),
     Case("bias_all", edit_config(bias="all"), UnsupportedAdapterError),
     Case("pissa_init", edit_config(init_lora_weights="pissa"), UnsupportedAdapterError),
     Case("unknown_variant", edit_config(use_fancy_lora=True), UnsupportedAdapterError),
@@ -136,7 +171,7 @@ CASES = [
     Case(
         "dora_magnitude_key",
         add_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", torch.ones(32)),
-        UnsupportedAdapterError,
+        TensorKeyError,
     ),
     Case(
         "embedding_lora_key",

@@ -52,13 +52,14 @@ def step(
     static: bool = False,
     slot_rows: Mapping[int, int] | None = None,
     forward: Callable[[ForwardBatch, LoRAKernelMeta | None], torch.Tensor] | None = None,
+    slot_vectors: Mapping[int, str] | None = None,
 ) -> torch.Tensor:
     """One forward over the chunks (``forward``, default the model's own; e.g. captured decode steps'); prepares
-    ``meta`` from the chunks' slots first."""
+    ``meta`` from the chunks' slots first (``slot_vectors``: the slots whose adapter has a vector row)."""
     batch = ForwardBatch.from_chunks(chunks, device=model.device, logits=logits, static=static)  # type: ignore[arg-type]
     if meta is not None:
         assert batch.slot_indices is not None
-        meta.prepare(batch.slot_indices, slot_rows or {})
+        meta.prepare(batch.slot_indices, slot_rows or {}, slot_vectors)
     with torch.no_grad():
         return (forward or model)(batch, meta)
 
@@ -70,11 +71,12 @@ def prefill_logits(
     meta: LoRAKernelMeta | None = None,
     static: bool = False,
     slot_rows: Mapping[int, int] | None = None,
+    slot_vectors: Mapping[int, str] | None = None,
 ) -> list[torch.Tensor]:
     """Every prompt prefilled in one step (row i = cache row i); returns each prompt's [len, vocab] logits."""
     slots = slots or [-1] * len(prompts)
     chunks = [SequenceChunk(row, 0, tuple(p), slot) for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))]
-    out = step(model, chunks, meta, logits="all", static=static, slot_rows=slot_rows)
+    out = step(model, chunks, meta, logits="all", static=static, slot_rows=slot_rows, slot_vectors=slot_vectors)
     return list(out.split([len(p) for p in prompts]))
 
 
@@ -86,6 +88,7 @@ def greedy(
     meta: LoRAKernelMeta | None = None,
     static: bool = False,
     slot_rows: Mapping[int, int] | None = None,
+    slot_vectors: Mapping[int, str] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decoding of every prompt together: one prefill step, then one decode step per new token.
 
@@ -93,7 +96,7 @@ def greedy(
     """
     slots = slots or [-1] * len(prompts)
     chunks = [SequenceChunk(row, 0, tuple(p), slot) for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))]
-    logits = step(model, chunks, meta, static=static, slot_rows=slot_rows)  # [rows, vocab]
+    logits = step(model, chunks, meta, static=static, slot_rows=slot_rows, slot_vectors=slot_vectors)  # [rows, vocab]
     generated: list[list[int]] = [[] for _ in prompts]
     step_logits = [logits]
     for i in range(new_tokens):
@@ -106,7 +109,7 @@ def greedy(
             SequenceChunk(row, len(p) + i, (next_ids[row],), slot)
             for row, (p, slot) in enumerate(zip(prompts, slots, strict=True))
         ]
-        logits = step(model, chunks, meta, static=static, slot_rows=slot_rows)
+        logits = step(model, chunks, meta, static=static, slot_rows=slot_rows, slot_vectors=slot_vectors)
         step_logits.append(logits)
     return generated, step_logits
 

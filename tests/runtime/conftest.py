@@ -16,6 +16,7 @@ from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY_NAME, make_tiny_llama
 from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ENGINE_REQUESTS, write_adapter
+from tests.runtime._variants import VARIANTS, write_trained
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +30,17 @@ def written(tmp_path_factory) -> dict[str | None, tuple[Path, object]]:
     base = make_tiny_llama()
     base.save_pretrained(root / "base")
     out[None] = (root / "base", base)
+    return out
+
+
+@pytest.fixture(scope="session")
+def written_variants(tmp_path_factory, written) -> dict[str | None, tuple[Path, object]]:
+    """The variant adapters (`tests.runtime._variants`) trained and written by peft, with their PeftModels; the None
+    entry is the base model and its checkpoint (the same as `written`'s)."""
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("variant-oracle")
+    out = {name: write_trained(root / name, seed=i + 11, **kw) for i, (name, kw) in enumerate(VARIANTS.items())}
+    out[None] = written[None]
     return out
 
 
@@ -53,7 +65,7 @@ def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
 
     eos_ids=() as the oracle's generate runs with no eos; None takes the checkpoint's. ``model`` replaces the fp32 CPU
     model loaded from ``checkpoint`` (default: the base checkpoint); ``engine_kwargs`` go to `EngineConfig`, the other
-    keywords to `AdapterManagerConfig`.
+    keywords to `AdapterManagerConfig`; ``source``: the adapters (and base checkpoint) to serve, default `written`.
     """
 
     def make(
@@ -65,14 +77,16 @@ def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
         model: Llama | None = None,
         adapters: Iterable[str] = tuple(ADAPTERS),
         engine_kwargs: dict | None = None,
+        source: dict[str | None, tuple[Path, object]] | None = None,
         **manager_kwargs,
     ) -> tuple[Engine, AdapterManager]:
+        source = source or written
         if model is None:
-            model = load_model(checkpoint or written[None][0], dtype=torch.float32)
+            model = load_model(checkpoint or source[None][0], dtype=torch.float32)
         spec = model.config.to_spec(TINY_NAME)
         manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, max_rank=8, **manager_kwargs))
         for name in adapters:
-            manager.register(str(written[name][0]), adapter_id=name)
+            manager.register(str(source[name][0]), adapter_id=name)
         scheduler = SchedulerConfig(token_budget=token_budget)
         config = EngineConfig(
             max_batch=max_batch, max_seq_len=64, scheduler=scheduler, eos_ids=eos_ids, **(engine_kwargs or {})

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterNotFoundError, SlotLease, SlotsExhaustedError
+from adapter_manager import AdapterManager, AdapterNotFoundError, ModuleKey, SlotLease, SlotsExhaustedError
 from adapter_manager.kernels import select_backend
 
 from ..model.llama import Llama
@@ -76,6 +76,7 @@ class Engine:
         self._kv = KVSpace(pool, block_size, max_batch, self._digest_of)
         self._kv_bytes = num_blocks * per_block
         model.attach_lora(manager.stacks)
+        manager.attach_base_weights(self._base_weight)
         self._runner = make_runner(model, backend, manager, self.config)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the newest is preempted first
@@ -226,6 +227,12 @@ class Engine:
         with self._lock:
             return bool(self._waiting) and not self._running and self.manager.prefetching
 
+    def _base_weight(self, key: ModuleKey) -> torch.Tensor:
+        """The model's weight of ``key`` as served (a DoRA adapter's preparation, on a prefetch or step thread);
+        under the device lock, which keeps an XLA transfer out of a traced step."""
+        with self.manager.device_lock:
+            return self.model.base_weight(key)
+
     def _adapter_moved(self, adapter_id: str) -> None:
         """A prefetch job ended (prefetcher thread): a step waiting for an adapter looks again."""
         with self._work:
@@ -280,7 +287,7 @@ class Engine:
                 tables = self._kv.tables([c.request for c in chunks], *self._runner.table_shape(self._table_width))
             batch, device, pad_logits = self._runner.batch(chunks, lease.slots, tables)
             batch, sampling, draws = plan_sampling(chunks, batch, self.model.config.vocab_size, device, pad_logits)
-            logits = self._runner.run(batch, lease.slot_rows)  # [N, vocab]: the rows `sampling` names (then padding)
+            logits = self._runner.run(batch, lease.slot_rows, lease.slot_vectors)  # [N, vocab]: `sampling`'s rows
         finished = record_sampling(chunks, draws, sample_step(logits, sampling))
         with self._lock:
             for chunk in chunks:  # the blocks this step filled join the prefix cache

@@ -225,3 +225,4 @@ class _Rows:
     def __init__(self, rows: torch.Tensor, columns) -> None:  # noqa: ANN001 - a RowLayout's ModuleColumns
         self.a = rows[:, columns.a_start : columns.a_start + columns.in_features]
         self.bt = rows[:, columns.bt_start : columns.bt_start + columns.out_features]
+        self.vector = None  # no vector rows under tensor parallelism (variants with one are refused)

@@ -31,6 +31,7 @@ def step_meta(
         device,
         granule=manager.granule,
         active_buckets=active_buckets,
+        vectors=manager.lora_vectors,
     )
 
 

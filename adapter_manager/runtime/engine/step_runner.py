@@ -69,13 +69,16 @@ class EagerRunner:
         """The step's batch, where its logits are sampled, and the logits rows to pad to (None: no padding)."""
         return step_batch(chunks, slots, tables, self.model.device), self.model.device, None
 
-    def run(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
+    def run(
+        self, batch: ForwardBatch, slot_rows: Mapping[int, int], slot_vectors: Mapping[int, str] | None = None
+    ) -> torch.Tensor:
         """One forward (a decode step the CUDA graphs cover replays its graph); returns its logits [N, vocab].
-        ``slot_rows``: the rank (pool rows) of every slot in the batch."""
+        ``slot_rows``: the rank (pool rows) of every slot in the batch; ``slot_vectors``: how each slot's vector row
+        applies, for those that have one (:meth:`LoRAKernelMeta.prepare`)."""
         assert batch.slot_indices is not None
         if self.shards is not None:
             self.shards.send(batch, slot_rows)
-        self.meta.prepare(batch.slot_indices, slot_rows)
+        self.meta.prepare(batch.slot_indices, slot_rows, slot_vectors)
         with torch.inference_mode():
             return self.model(batch, self.meta) if self.graphs is None else self.graphs.forward(batch, self.meta)
 
@@ -113,11 +116,13 @@ class TracedRunner:
         batch = step_batch(chunks, slots, tables, self.model.device, padding)
         return batch, torch.device("cpu"), echo_logits_rows(batch.num_tokens, self.config.max_batch)
 
-    def run(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> torch.Tensor:
+    def run(
+        self, batch: ForwardBatch, slot_rows: Mapping[int, int], slot_vectors: Mapping[int, str] | None = None
+    ) -> torch.Tensor:
         """One forward and the sync that runs its graph; returns its logits [N, vocab] on the host."""
         assert batch.slot_indices is not None
         with self.device_lock:
-            self.meta.prepare(batch.slot_indices, slot_rows)
+            self.meta.prepare(batch.slot_indices, slot_rows, slot_vectors)
             with torch.no_grad():  # XLA refuses inference mode
                 logits = self.model(batch, self.meta)
             xla_sync()  # one graph: the step's KV cache writes and its logits

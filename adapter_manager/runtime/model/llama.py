@@ -217,6 +217,16 @@ class Llama(nn.Module):
             raise ValueError(f"unknown projection {key.proj!r}; expected one of {sorted(targets)}")
         return targets[key.proj]
 
+    def base_weight(self, key: ModuleKey) -> torch.Tensor:
+        """Module ``key``'s base weight as served (:meth:`LoRALinear.plain_weight`): Shape: [out, in], on the model's
+        device; on XLA a host copy (the whole fused weight moves, then the part is sliced: no graph to compile)."""
+        linear, part = self.lora_target(key)
+        weight = linear.plain_weight()
+        if weight.device.type == "xla":
+            weight = weight.cpu()
+        start = sum(linear.out_features[:part])
+        return weight[start : start + linear.out_features[part]]
+
     def forward(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None = None) -> torch.Tensor:
         """One step: embed, run every block (writing the KV cache), and return the requested tokens' logits.
 

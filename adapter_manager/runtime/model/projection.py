@@ -142,6 +142,11 @@ class LoRALinear(nn.Module):
             self.weight = nn.Parameter(unpack_weight(self._packed), requires_grad=False)
             self._packed = None
 
+    def plain_weight(self) -> torch.Tensor:
+        """The base weight as served, plain: the parameter's data, or a packed / int8 one unpacked (a new tensor).
+        Shape: [sum(out), in]."""
+        return self.weight.detach() if self._packed is None else unpack_weight(self._packed)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001 - nn.Module's signature
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._packed is not None:

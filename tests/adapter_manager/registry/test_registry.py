@@ -16,6 +16,7 @@ from adapter_manager import (
     InvalidAdapterRefError,
     Move,
     RegistryConfig,
+    TensorKeyError,
     write_synthetic_adapter,
 )
 from adapter_manager.sources.peft_format import CONFIG_NAME
@@ -86,8 +87,8 @@ def test_refresh_picks_up_changed_files_and_a_failed_update_keeps_the_old(good, 
     assert updated.record.rank == 8 and registry.host.keys() == {("a", updated.record.digest)}
     assert not torch.equal(registry.prepared("a").modules[next(iter(first.record.modules))].a[:4], old_a[:4])
     raw = json.loads((good / CONFIG_NAME).read_text())
-    (good / CONFIG_NAME).write_text(json.dumps({**raw, "use_dora": True}))
-    with pytest.raises(Exception, match="DoRA"):
+    (good / CONFIG_NAME).write_text(json.dumps({**raw, "use_dora": True}))  # a DoRA config, no magnitudes
+    with pytest.raises(TensorKeyError, match="missing lora_magnitude_vector"):
         registry.register(str(good), adapter_id="a", refresh=True)
     assert registry.get("a") == updated.record
     assert registry.prepared("a").sha == updated.record.sha

@@ -61,16 +61,16 @@ def test_a_size_that_does_not_split_the_model_is_refused_with_the_numbers():
 
 def documented_columns(spec: BaseModelSpec, shape_of) -> tuple[dict[ModuleKey, ModuleColumns], int]:
     """DESIGN.md's row, built independently: per layer every projection's A piece, then every projection's Bt piece;
-    ``shape_of(proj)`` gives a piece's (in, out) widths."""
-    columns, offset = {}, 0
+    ``shape_of(proj)`` gives a piece's (in, out) widths. A vector row is the Bt pieces alone, in the same order."""
+    columns, offset, vector = {}, 0, 0
     for layer in range(spec.num_layers):
         a_starts = {}
         for proj in PROJECTIONS:
             a_starts[proj], offset = offset, offset + shape_of(proj)[0]
         for proj in PROJECTIONS:
             fan_in, fan_out = shape_of(proj)
-            columns[ModuleKey(layer, proj)] = ModuleColumns(a_starts[proj], fan_in, offset, fan_out)
-            offset += fan_out
+            columns[ModuleKey(layer, proj)] = ModuleColumns(a_starts[proj], fan_in, offset, fan_out, vector)
+            offset, vector = offset + fan_out, vector + fan_out
     return columns, offset
 
 

@@ -34,11 +34,18 @@ def test_pool_size_granule_and_rows(tiny_spec):
     pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=3, max_rank=4, dtype=torch.bfloat16))
     assert (pool.granule, pool.max_units, pool.num_units, pool.num_slots) == (4, 1, 3, 3)
     assert pool.num_rows == 13 and pool.zero_row == 12 and pool.rows.shape == (13, RowLayout.of(tiny_spec).width)
-    assert pool.nbytes == bytes_needed(tiny_spec, 13, torch.bfloat16) and not pool.rows.any()
+    vector_width = RowLayout.of(tiny_spec).vector_width  # a vector row per unit and the zero one: 4 of them
+    assert pool.vectors is not None and pool.vectors.shape == (4, vector_width) and not pool.vectors.any()
+    assert pool.nbytes == bytes_needed(tiny_spec, 13, torch.bfloat16) + 4 * vector_width * 2 and not pool.rows.any()
     assert pool.slot_nbytes == bytes_needed(tiny_spec, 4, torch.bfloat16)
     stacks = pool.stacks[ModuleKey(0, "k_proj")]
     assert stacks.a.shape == (13, 32) and stacks.bt.shape == (13, 16) and stacks.a.dtype == torch.bfloat16
     assert stacks.a.untyped_storage().data_ptr() == pool.rows.untyped_storage().data_ptr()  # views, no copies
+    assert stacks.vector is not None and stacks.vector.shape == (4, 16)
+    assert stacks.vector.untyped_storage().data_ptr() == pool.vectors.untyped_storage().data_ptr()
+    plain = SlotPool(tiny_spec, SlotPoolConfig(max_slots=3, max_rank=4, dtype=torch.bfloat16, lora_vectors=False))
+    assert plain.vectors is None and plain.stacks[ModuleKey(0, "k_proj")].vector is None
+    assert plain.nbytes == bytes_needed(tiny_spec, 13, torch.bfloat16)
     assert len(pool.stacks) == tiny_spec.num_layers * 7
     wide = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=64))
     assert (wide.granule, wide.max_units, wide.num_units, wide.num_slots, wide.num_rows) == (8, 8, 16, 16, 129)

@@ -1,0 +1,116 @@
+"""Oracle (LoRA variants): each row of a batch mixing DoRA and LoRA-bias adapters with plain LoRA and base rows equals
+`PeftModel` with that row's adapter alone, on every eager backend.
+
+The adapters are trained a few steps by real `peft` (`tests.runtime._variants`), registered from their folders,
+prepared against the model's own weights (DoRA's row norms) and loaded into the pool's slots with their vector rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapter_manager import AdapterRegistry, RegistryConfig, Variant
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
+from tests.conftest import TINY_NAME
+from tests.runtime._oracle import BF16_ATOL, BF16_RTOL, FP32_TOL, MAX_RANK, max_diff, oracle_logits, slots_of
+from tests.runtime._steps import greedy, prefill_logits
+from tests.runtime._variants import VARIANT_ROWS, VARIANTS
+
+NAMES = tuple(VARIANTS)
+
+
+def variant_setup(written_variants, dtype: torch.dtype, backend: BackendKind = BackendKind.AUTO):
+    """Model, registry (DoRA prepared from the model's weights), pool with every variant adapter in slot i = NAMES[i],
+    metadata with vectors, each slot's rank and each vector slot's epilogue."""
+    model = load_model(written_variants[None][0], dtype=dtype)
+    model.setup_caches(max_batch=len(VARIANT_ROWS), max_seq_len=32)
+    spec = model.config.to_spec(TINY_NAME)
+    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))
+    registry.base_weight = model.base_weight
+    for name in NAMES:
+        registry.register(str(written_variants[name][0]), adapter_id=name)
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(NAMES), max_rank=MAX_RANK, dtype=dtype))
+    for slot, name in enumerate(NAMES):
+        pool.load(slot * pool.units_for(MAX_RANK), registry.prepared(name))
+    model.attach_lora(pool.stacks)
+    prepared = {slot * pool.units_for(MAX_RANK): registry.prepared(name) for slot, name in enumerate(NAMES)}
+    rows = {slot: p.rows for slot, p in prepared.items()}
+    vectors = {slot: p.variant.epilogue for slot, p in prepared.items() if p.variant.epilogue is not None}
+    meta = LoRAKernelMeta.make(
+        select_backend("cpu", KernelConfig(backend=backend)), pool.num_slots, MAX_RANK, 256, "cpu",
+        granule=pool.granule, vectors=True,
+    )  # fmt: skip
+    return model, registry, meta, rows, vectors
+
+
+def row_slots(pool_slots: dict[int, int]) -> list[int]:
+    layout = tuple(NAMES)
+    return [-1 if s < 0 else sorted(pool_slots)[s] for s in slots_of([a for _, a in VARIANT_ROWS], layout)]
+
+
+@pytest.mark.parametrize(
+    "backend", [BackendKind.TORCH, BackendKind.REFERENCE, BackendKind.CPU, BackendKind.TRITON], ids=lambda b: b.value
+)
+def test_variant_rows_equal_peft_per_row(written_variants, backend, request) -> None:
+    if backend is BackendKind.TRITON:
+        request.getfixturevalue("triton_interpret")
+    model, _, meta, rows, vectors = variant_setup(written_variants, torch.float32, backend)
+    prompts = [p for p, _ in VARIANT_ROWS]
+    ours = prefill_logits(model, prompts, row_slots(rows), meta, slot_rows=rows, slot_vectors=vectors)
+    assert meta.bias_index is not None and meta.scale_index is not None
+    for logits, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
+        assert max_diff(logits, oracle_logits(written_variants, name, prompt)) <= FP32_TOL, name
+
+
+def test_the_vectors_carry_the_variant(written_variants) -> None:
+    """Without the vector epilogue (the slots' vectors not named) the variant rows are off PEFT by far more than the
+    tolerance: the oracle above can fail, and the variants' trained vectors are not near the identity."""
+    model, _, meta, rows, _ = variant_setup(written_variants, torch.float32, BackendKind.TORCH)
+    prompts = [p for p, _ in VARIANT_ROWS]
+    ours = prefill_logits(model, prompts, row_slots(rows), meta, slot_rows=rows)
+    for logits, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
+        off = max_diff(logits, oracle_logits(written_variants, name, prompt))
+        assert (off > 100 * FP32_TOL) if name not in (None, "plain") else (off <= FP32_TOL), (name, off)
+
+
+def test_greedy_generations_equal_peft(written_variants) -> None:
+    model, _, meta, rows, vectors = variant_setup(written_variants, torch.float32, BackendKind.CPU)
+    prompts = [p for p, _ in VARIANT_ROWS]
+    ours, _ = greedy(model, prompts, 6, row_slots(rows), meta, slot_rows=rows, slot_vectors=vectors)
+    for tokens, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
+        hf = written_variants[name][1]
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert tokens == out[0, len(prompt) :].tolist(), name
+
+
+def test_bf16_within_documented_tolerance(written_variants) -> None:
+    model, _, meta, rows, vectors = variant_setup(written_variants, torch.bfloat16, BackendKind.CPU)
+    prompts = [p for p, _ in VARIANT_ROWS]
+    ours = prefill_logits(model, prompts, row_slots(rows), meta, slot_rows=rows, slot_vectors=vectors)
+    for logits, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
+        reference = oracle_logits(written_variants, name, prompt)
+        assert max_diff(logits, reference) <= BF16_ATOL + BF16_RTOL * reference.abs().max().item(), name
+
+
+def test_prepared_vectors_are_peft_s(written_variants) -> None:
+    """The bias vector is ``s · b`` and DoRA's ``m / ‖W + s·B·A‖_row - 1`` with the row norm PEFT's own layer
+    computes, for every targeted module."""
+    _, registry, _, _, _ = variant_setup(written_variants, torch.float32)
+    for name in ("bias", "dora"):
+        prepared, peft_model = registry.prepared(name), written_variants[name][1]
+        assert prepared.variant is (Variant.LORA_BIAS if name == "bias" else Variant.DORA) and prepared.complete
+        for key, weights in prepared.modules.items():
+            layer = peft_model.get_submodule(f"base_model.model.{key.module_name}")
+            scaling = layer.scaling["default"]
+            if name == "bias":
+                expected = scaling * layer.lora_B["default"].bias
+            else:
+                delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+                norm = layer.lora_magnitude_vector["default"].get_weight_norm(layer.weight, delta, scaling)
+                expected = layer.lora_magnitude_vector["default"].weight / norm - 1
+            assert weights.vector is not None and max_diff(weights.vector, expected.detach()) <= 1e-5, (name, key)
