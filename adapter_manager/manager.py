@@ -114,8 +114,16 @@ class AdapterManager:
 
     def attach_base_weights(self, base_weight: BaseWeight) -> None:
         """The served model's weights (``base_weight(key)``: a module's ``[out, in]`` as served), what DoRA adapters'
-        scales are prepared from; an engine attaches its model's. Prepared blocks already on the host are kept."""
-        self.registry.base_weight = base_weight
+        scales are prepared from; an engine attaches its model's. Each call is made under the device lock (a prefetch
+        thread's transfer off an XLA device stays out of a traced step). Prepared blocks already on the host are
+        kept."""
+        lock = self.pool.device_lock
+
+        def locked(key: ModuleKey) -> torch.Tensor:
+            with lock:
+                return base_weight(key)
+
+        self.registry.base_weight = locked
 
     @property
     def device_lock(self) -> threading.Lock:

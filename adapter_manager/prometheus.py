@@ -27,6 +27,7 @@ of "other", so no series is guaranteed monotonic.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -34,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from .manager import AdapterManager
 from .metrics import LatencyStats, Tier
+from .sources.peft_format import Variant
 
 _RESIDENCY = (Tier.SLOT.value, Tier.HOST.value, Tier.DISK.value)
 
@@ -107,6 +109,12 @@ class AdapterManagerCollector(Collector):
         for tier, count in by_tier.items():
             adapters.add_metric([tier], count)
         yield adapters
+        doc = "Registered adapters by LoRA variant (lora, dora, lora_bias)"
+        variants = GaugeMetricFamily(f"{ns}_adapters_by_variant", doc, labels=["variant"])
+        by_variant = Counter(record.variant.value for record in manager.records())
+        for variant in Variant:
+            variants.add_metric([variant.value], by_variant[variant.value])
+        yield variants
 
         states = manager.allocator.states()
         yield GaugeMetricFamily(f"{ns}_slots", "Device adapter slots", value=manager.num_slots)

@@ -72,6 +72,13 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
         "weights, attention per token; CPU and CUDA; costs speed: docs/engine.md)",
     )
     parser.add_argument(
+        "--no-lora-vectors",
+        dest="lora_vectors",
+        action="store_false",
+        help="no vector row per adapter slot (1/(2 x granule) of the pool's memory); DoRA and lora_bias adapters are "
+        "then refused (default: served, docs/pool.md)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",

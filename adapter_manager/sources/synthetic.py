@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..base_model import PROJECTIONS, BaseModelSpec
-from .peft_format import CONFIG_NAME, WEIGHTS_NAME, LoraAdapterConfig
+from .peft_format import CONFIG_NAME, WEIGHTS_NAME, LoraAdapterConfig, Variant
 
 
 def write_synthetic_adapter(
@@ -25,12 +25,15 @@ def write_synthetic_adapter(
     alpha_pattern: dict[str, float] | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    variant: Variant | str = Variant.LORA,
 ) -> Path:
     """Write `adapter_config.json` and `adapter_model.safetensors` as `peft`'s `save_pretrained` lays them out.
 
     A and B are both random (unlike a freshly initialised PEFT adapter, whose B is zero), so the adapter changes the
-    model's output.
+    model's output. ``variant`` "dora" adds a `lora_magnitude_vector` per module (``1 + 0.01 · noise``: the writer does
+    not know the base's row norms, so the scale it makes is arbitrary), "lora_bias" a small random `lora_B.bias`.
     """
+    variant = Variant(variant)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     raw = {
@@ -47,7 +50,8 @@ def write_synthetic_adapter(
         "lora_dropout": 0.0,
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "use_dora": False,
+        "use_dora": variant is Variant.DORA,
+        "lora_bias": variant is Variant.LORA_BIAS,
     }
     config = LoraAdapterConfig.from_dict(raw, str(folder))
     generator = torch.Generator().manual_seed(seed)
@@ -61,6 +65,11 @@ def write_synthetic_adapter(
         tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, lora.rank, generator=generator) / lora.rank).to(
             dtype
         )
+        if variant is Variant.DORA:
+            magnitude = 1 + 0.01 * torch.randn(fan_out, generator=generator)
+            tensors[f"{prefix}.lora_magnitude_vector"] = magnitude.to(dtype)
+        elif variant is Variant.LORA_BIAS:
+            tensors[f"{prefix}.lora_B.bias"] = (0.01 * torch.randn(fan_out, generator=generator)).to(dtype)
     save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     (folder / CONFIG_NAME).write_text(json.dumps(raw, indent=2))
     return folder

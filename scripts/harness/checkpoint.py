@@ -29,17 +29,19 @@ def write_adapters(
     *,
     lora_alpha: float | None = None,
     reuse: bool = False,
+    variant: str = "lora",
 ) -> list[Path]:
     """One synthetic adapter per id in ``root / id``: rank ``ranks[i]``, seed i, all seven projections.
 
     ``lora_alpha`` None: twice the adapter's rank. ``reuse``: keep a folder that holds adapter_config.json (written
-    last, so such a folder is complete). Returns the folders, in the order of ``ids``.
+    last, so such a folder is complete). ``variant``: "lora", "dora" or "lora_bias" (`write_synthetic_adapter`).
+    Returns the folders, in the order of ``ids``.
     """
     folders = []
     for i, (adapter_id, rank) in enumerate(zip(ids, ranks, strict=True)):
         folder = root / adapter_id
         if not (reuse and (folder / "adapter_config.json").exists()):
             alpha = 2 * rank if lora_alpha is None else lora_alpha
-            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i)
+            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i, variant=variant)
         folders.append(folder)
     return folders

@@ -17,27 +17,31 @@ def projection_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     return [spec.projection_shape(p) for p in PROJECTIONS]
 
 
-def prefill_floor(config: LlamaConfig, rank: int, prompt: int) -> float:
+def prefill_floor(config: LlamaConfig, rank: int, prompt: int, vectors: bool = False) -> float:
     """LoRA FLOPs / base FLOPs of prefilling one ``prompt``-token sequence (every adapter the same rank: the fraction
     does not depend on how many are distinct). The base does, per token, the seven projections of every layer and
     causal attention's QKᵀ and PV (on average ``heads · head_dim · (prompt + 1)`` multiply-adds a layer), and the
-    lm_head once for the sequence (the engine computes logits for the sampled row only)."""
+    lm_head once for the sequence (the engine computes logits for the sampled row only). ``vectors``: the adapters'
+    variant adds a vector epilogue (DoRA, LoRA bias): one multiply-add per output feature of every projection."""
     shapes = projection_shapes(config)
     linears = config.num_layers * sum(i * o for i, o in shapes)
     attention = config.num_layers * config.num_heads * config.head_dim * (prompt + 1)
     lm_head = config.hidden_size * config.vocab_size
-    lora = config.num_layers * sum(rank * (i + o) for i, o in shapes)
+    lora = config.num_layers * sum(rank * (i + o) + (o if vectors else 0) for i, o in shapes)
     return prompt * lora / (prompt * (linears + attention) + lm_head)
 
 
-def adapter_bytes(config: LlamaConfig, adapters: int, element: int, rank: int = RANK) -> int:
-    """The LoRA weight bytes of ``adapters`` rank-``rank`` adapters on every projection, ``element`` bytes a value."""
-    per_layer = sum(i + o for i, o in projection_shapes(config))
-    return adapters * rank * per_layer * config.num_layers * element
+def adapter_bytes(config: LlamaConfig, adapters: int, element: int, rank: int = RANK, vectors: bool = False) -> int:
+    """The LoRA weight bytes of ``adapters`` rank-``rank`` adapters on every projection, ``element`` bytes a value;
+    ``vectors``: with each adapter's vector row (one value per output feature of every projection)."""
+    shapes = projection_shapes(config)
+    per_layer = rank * sum(i + o for i, o in shapes) + (sum(o for _, o in shapes) if vectors else 0)
+    return adapters * per_layer * config.num_layers * element
 
 
-def decode_floor(config: LlamaConfig, rank: int, adapters: int) -> float:
-    """``adapters`` distinct rank-``rank`` adapters' LoRA weight bytes / the base weight bytes a decode step reads
-    (every projection and the lm_head; the KV cache's bytes are not counted: DESIGN.md's Floors)."""
+def decode_floor(config: LlamaConfig, rank: int, adapters: int, vectors: bool = False) -> float:
+    """``adapters`` distinct rank-``rank`` adapters' LoRA weight bytes (``vectors``: and their vector rows) / the base
+    weight bytes a decode step reads (every projection and the lm_head; the KV cache's bytes are not counted:
+    DESIGN.md's Floors)."""
     base = config.num_layers * sum(i * o for i, o in projection_shapes(config)) + config.hidden_size * config.vocab_size
-    return adapter_bytes(config, adapters, 1, rank) / base
+    return adapter_bytes(config, adapters, 1, rank, vectors) / base

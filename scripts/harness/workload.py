@@ -108,23 +108,32 @@ class EngineWorkload:
 
 @contextmanager
 def engine_workload(
-    dtype: torch.dtype = torch.float32, device: str = "cpu", pack_weights: bool | None = None
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    pack_weights: bool | None = None,
+    variants: dict[str, str] | None = None,
 ) -> Iterator[EngineWorkload]:
     """Write the bench checkpoint and the ADAPTERS synthetic adapters into a temp folder, load the model
     (``pack_weights`` as in :func:`load_model`), register the adapters on a manager; on exit close the manager and
-    remove the folder."""
+    remove the folder. ``variants``: more sets of ADAPTERS adapters, id prefix -> LoRA variant (e.g. ``{"d":
+    "dora"}`` registers d0 .. d7 as DoRA adapters), each with slots of its own."""
     config = LlamaConfig.bench()
+    variants = variants or {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         checkpoint = write_checkpoint(root / "model", config, dtype=dtype)
         spec = config.to_spec("bench")
         ids = [f"a{i}" for i in range(ADAPTERS)]
         folders = write_adapters(root, spec, ids, [RANK] * ADAPTERS)
+        for prefix, variant in variants.items():
+            more = [f"{prefix}{i}" for i in range(ADAPTERS)]
+            folders += write_adapters(root, spec, more, [RANK] * ADAPTERS, variant=variant)
+            ids += more
         start = time.perf_counter()
         model = load_model(checkpoint, dtype=dtype, device=device, pack_weights=pack_weights)
         load_s = time.perf_counter() - start
         manager_config = AdapterManagerConfig(
-            max_slots=ADAPTERS, max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0
+            max_slots=len(ids), max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0
         )
         manager = AdapterManager(spec, manager_config)
         try:
@@ -158,9 +167,9 @@ def engine_step_ms(
     runner = engine._runner  # noqa: SLF001 - bench: the forward's share of each step
     run_model, forward = runner.run, []
 
-    def timed(batch, slot_rows):  # noqa: ANN001, ANN202
+    def timed(batch, slot_rows, slot_vectors=None):  # noqa: ANN001, ANN202
         start = time.perf_counter()
-        logits = run_model(batch, slot_rows)
+        logits = run_model(batch, slot_rows, slot_vectors)
         forward.append(time.perf_counter() - start)
         return logits
 

@@ -29,7 +29,14 @@ from collections.abc import Sequence
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterNotFoundError, ModuleKey, SlotLease, SlotsExhaustedError
+from adapter_manager import (
+    PROJECTIONS,
+    AdapterManager,
+    AdapterNotFoundError,
+    ModuleKey,
+    SlotLease,
+    SlotsExhaustedError,
+)
 from adapter_manager.kernels import select_backend
 
 from ..model.llama import Llama
@@ -76,7 +83,7 @@ class Engine:
         self._kv = KVSpace(pool, block_size, max_batch, self._digest_of)
         self._kv_bytes = num_blocks * per_block
         model.attach_lora(manager.stacks)
-        manager.attach_base_weights(self._base_weight)
+        manager.attach_base_weights(model.base_weight)
         self._runner = make_runner(model, backend, manager, self.config)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order: the newest is preempted first
@@ -128,9 +135,15 @@ class Engine:
         The logits rows are ``max_batch``, and one per token for a step that scores prompt tokens (echo,
         ``prompt_logprobs``). Each warm-up step is padding only and traces the exact graph a real step of its shape
         traces (see `warm_up_batches`): the graph never depends on which slots or ranks. The pool compiles its load
-        graphs when made; afterwards steps, echoes, swaps, ranks and adapter mixes compile nothing.
+        graphs when made; afterwards steps, echoes, swaps, ranks and adapter mixes compile nothing. With vector rows
+        on XLA it also reads one layer's weights to the host: the transfer a DoRA adapter's preparation makes
+        compiles once per weight shape, here rather than at the first DoRA adapter.
         """
         tables = self._kv.tables([], self.config.max_batch + 1, self._table_width)
+        if self.manager.lora_vectors and self.model.device.type == "xla":
+            with self.manager.device_lock:
+                for proj in PROJECTIONS:
+                    self.model.base_weight(ModuleKey(0, proj))
         return self._runner.warm_up(tables)
 
     @property
@@ -226,12 +239,6 @@ class Engine:
         """Whether requests wait while nothing runs (each for an adapter that is not ready, or for room)."""
         with self._lock:
             return bool(self._waiting) and not self._running and self.manager.prefetching
-
-    def _base_weight(self, key: ModuleKey) -> torch.Tensor:
-        """The model's weight of ``key`` as served (a DoRA adapter's preparation, on a prefetch or step thread);
-        under the device lock, which keeps an XLA transfer out of a traced step."""
-        with self.manager.device_lock:
-            return self.model.base_weight(key)
 
     def _adapter_moved(self, adapter_id: str) -> None:
         """A prefetch job ended (prefetcher thread): a step waiting for an adapter looks again."""

@@ -135,6 +135,7 @@ def adapter_info(manager: AdapterManager, record: AdapterRecord, residency: Adap
         "sha": record.sha,
         "digest": record.digest,  # what the adapter is: its content's sha256 digest (sources.digests)
         "rank": record.rank,
+        "variant": record.variant.value,  # lora, dora or lora_bias
         "modules": len(record.modules),
         "bytes": record.nbytes,
         "base_model": record.base_model,
@@ -160,6 +161,7 @@ def unrestored_info(unrestored: UnrestoredAdapter) -> dict:
         "sha": row.sha,
         "digest": row.digest,
         "rank": None,
+        "variant": None,
         "modules": 0,
         "bytes": 0,
         "registered_at": row.registered_at,

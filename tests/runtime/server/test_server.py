@@ -162,6 +162,7 @@ def test_admin_api_registers_by_hub_id_pins_and_unregisters(server, admin):
     assert httpx.post(url + "/v1/adapters", json={"ref": "org/hubbed"}).status_code == 401  # no token
     first = admin.post("/v1/adapters", json={"ref": "org/hubbed", "id": "org/hubbed"})
     assert first.status_code == 201 and first.json()["action"] == "registered" and first.json()["rank"] == 8
+    assert first.json()["variant"] == "lora"
     assert len(first.json()["sha"]) == 40  # the resolved hub commit
     again = admin.post("/v1/adapters", json={"ref": "org/hubbed"})
     assert again.status_code == 200 and again.json()["action"] == "unchanged"
