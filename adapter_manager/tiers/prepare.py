@@ -88,8 +88,9 @@ def prepare_adapter(
 
     Every key must be the lora_A/lora_B of a targeted module (and its variant's vector: `.lora_B.bias`,
     `.lora_magnitude_vector`), every targeted module must have each, shapes must be `A [r, in]`, `B [out, r]`,
-    vectors `[out]`, values finite. DoRA needs ``base_weight`` (`vectors.BaseWeight`). Nothing is kept if any check
-    fails.
+    vectors `[out]`, values finite. DoRA's scale needs ``base_weight`` (`vectors.BaseWeight`): without it the adapter
+    is checked whole but comes back without its vector row (``complete`` False: not servable). Nothing is kept if any
+    check fails.
     """
     with _opened(adapter_id, weights_path) as handle:
         tensors = _match_keys(adapter_id, list(handle.keys()), modules, variant)

@@ -250,11 +250,15 @@ class SlotPool:
         rank, vector = storage.shape[0], prepared.vector
         if not 0 < rank <= self.max_rank:
             raise SlotLoadError(prepared.adapter_id, f"rank {rank} is outside 1..max_rank {self.max_rank}")
-        if vector is not None and (self.vectors is None or vector.shape != self.vectors.shape[1:]):
-            kept = "none" if self.vectors is None else f"rows of {self.layout.vector_width}"
+        if not prepared.complete:
+            raise SlotLoadError(prepared.adapter_id, f"a {prepared.variant.value} adapter prepared without its vector")
+        if vector is not None and (
+            self.vectors is None or vector.shape != self.vectors.shape[1:] or vector.dtype != self.dtype
+        ):
+            kept = "none" if self.vectors is None else f"rows of {self.layout.vector_width} in {self.dtype}"
             raise SlotLoadError(
-                prepared.adapter_id, f"its {prepared.variant.value} vector row is {list(vector.shape)}, the pool "
-                f"keeps {kept}"
+                prepared.adapter_id, f"its {prepared.variant.value} vector row is {list(vector.shape)} "
+                f"{vector.dtype}, the pool keeps {kept}"
             )  # fmt: skip
         end_unit = slot + self.units_for(rank)
         if end_unit > self.num_units:

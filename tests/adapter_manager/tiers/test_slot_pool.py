@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from adapter_manager import AdapterRegistry, BaseModelSpec, ModuleKey, RegistryConfig, write_synthetic_adapter
 from adapter_manager.errors import SlotLoadError
@@ -139,3 +140,36 @@ def test_every_refusal_names_the_adapter_and_writes_nothing(tiny_spec):
         with pytest.raises(SlotLoadError, match=message):
             pool.load(slot, prepared)
         assert torch.equal(pool.rows, before), prepared.adapter_id
+
+
+def test_a_variant_s_vector_row_goes_into_its_slot_s_vector_row_only(tmp_path, tiny_spec):
+    """A LoRA-bias adapter's vector row lands in ``vectors[slot]`` (each module's piece ``s · b``), every other vector
+    row untouched; a plain adapter loaded later into the same slot leaves it (the metadata never names it); a pool
+    without vector rows, or of another dtype, refuses the variant before writing anything."""
+    folder = write_synthetic_adapter(tmp_path / "bias", tiny_spec, r=4, lora_alpha=8, variant="lora_bias", seed=2)
+    registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=4))
+    registry.register(str(folder), adapter_id="bias")
+    prepared = registry.prepared("bias")
+    assert prepared.vector is not None and prepared.nbytes == prepared.storage.numel() * 4 + prepared.vector.numel() * 4
+    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=3, max_rank=4))
+    assert pool.vectors is not None
+    pool.vectors[: pool.num_units].fill_(SENTINEL)
+    pool.load(1, prepared)
+    assert torch.equal(pool.vectors[1], prepared.vector)
+    assert (pool.vectors[[0, 2]] == SENTINEL).all() and not pool.vectors[pool.num_units].any()  # the zero row stays
+    key = ModuleKey(2, "v_proj")
+    scaling = registry.get("bias").modules[key].scaling
+    bias = load_file(folder / "adapter_model.safetensors")[f"base_model.model.{key.module_name}.lora_B.bias"]
+    assert torch.allclose(pool.stacks[key].vector[1], scaling * bias)
+    for config, match in (
+        (SlotPoolConfig(max_slots=3, max_rank=4, lora_vectors=False), "the pool keeps none"),
+        (SlotPoolConfig(max_slots=3, max_rank=4, dtype=torch.bfloat16), "float32"),
+    ):
+        other = SlotPool(tiny_spec, config)
+        block = prepared if config.dtype == torch.float32 else None
+        if block is None:  # a bfloat16 block with a float32 vector row
+            block = PreparedAdapter("bias", "x", {}, prepared.storage.bfloat16(), variant=prepared.variant,
+                                    vector=prepared.vector)  # fmt: skip
+        with pytest.raises(SlotLoadError, match=f"'bias'.*{match}"):
+            other.load(0, block)
+        assert not other.rows.any()

@@ -8,6 +8,7 @@ import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, UnsupportedAdapterError, Variant
 from adapter_manager.runtime.engine.sampling import SamplingParams
+from adapter_manager.runtime.model import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._variants import VARIANT_ROWS, VARIANTS
 
@@ -28,11 +29,22 @@ def variant_expected(written_variants) -> dict[tuple[tuple[int, ...], str | None
     return result
 
 
-@pytest.mark.parametrize("max_batch", [4, 7])
-def test_variants_through_two_slots_match_peft(written_variants, variant_expected, make_engine, max_batch):
+@pytest.mark.parametrize(
+    ("max_batch", "device"),
+    [
+        (4, "cpu"),
+        (7, "cpu"),
+        pytest.param(4, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
+def test_variants_through_two_slots_match_peft(written_variants, variant_expected, make_engine, max_batch, device):
     """Five adapters (two DoRA, two LoRA-bias, one plain) through two slots; DoRA adapters are registered before the
-    engine exists, so their scales are prepared on first use from the engine's model."""
-    engine, manager = make_engine(adapters=tuple(VARIANTS), source=written_variants, max_batch=max_batch)
+    engine exists, so their scales are prepared on first use from the engine's model (on CUDA from its device
+    weights; its steps with a variant run eagerly, the others replay CUDA graphs)."""
+    model = load_model(written_variants[None][0], dtype=torch.float32, device=device)
+    engine, manager = make_engine(
+        adapters=tuple(VARIANTS), source=written_variants, max_batch=max_batch, model=model, device=device
+    )
     assert {name: manager.record(name).variant for name in ("dora", "bias", "plain")} == {
         "dora": Variant.DORA, "bias": Variant.LORA_BIAS, "plain": Variant.LORA,
     }  # fmt: skip
