@@ -111,6 +111,9 @@ class LinearLoRA:
     row_parallel: bool = False
     """With S > 1: the linear's input is sharded (o, down), A by input features and Bt whole, and the shards' partial
     outputs are summed (one all-reduce); False: column-parallel (q/k/v, gate/up), A whole and Bt by output features."""
+    vector_groups: tuple[tuple[slice, torch.Tensor], ...] = ()
+    """Eager devices: the parts' vector rows joined where adjacent in the pool (q|k|v, gate|up are), each as (the
+    group's columns of the output, a ``[S + 1, columns]`` view): one gather or add per group, not per part."""
 
     @classmethod
     def build(
@@ -130,7 +133,9 @@ class LinearLoRA:
             tuple(g.columns.start for g in groups),
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
-        return cls(out_features, parts, fused, groups, kernel_groups, unit, fuse_shrink, one_call, shards, row_parallel)
+        vectors = _vector_groups(out_features, parts)
+        flags = (fuse_shrink, one_call, shards, row_parallel)
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags, vectors)
 
 
 def _groups(
@@ -152,3 +157,36 @@ def _groups(
             groups.append(PartGroup(columns, stacks.a.unsqueeze(1), (stacks.bt,), columns == slice(0, starts[-1])))
         part += 1
     return tuple(groups)
+
+
+def _vector_groups(
+    out_features: tuple[int, ...], parts: tuple[Stacks | None, ...]
+) -> tuple[tuple[slice, torch.Tensor], ...]:
+    """Runs of consecutive parts whose vector rows (``[S + 1, out_p]`` each) are adjacent columns of one tensor, each
+    as (its output columns, one ``[S + 1, columns]`` view). Eager devices only (XLA hands out fresh views per step)."""
+    groups: list[tuple[slice, torch.Tensor]] = []
+    start = 0
+    for out, stacks in zip(out_features, parts, strict=True):
+        vector = None if stacks is None else stacks.vector
+        if vector is not None and vector.device.type != "xla":
+            if groups and _adjacent_columns(groups[-1][1], vector) and groups[-1][0].stop == start:
+                columns, joined = groups[-1]
+                wider = joined.as_strided((joined.shape[0], joined.shape[1] + out), joined.stride())
+                groups[-1] = (slice(columns.start, start + out), wider)
+            else:
+                groups.append((slice(start, start + out), vector))
+        start += out
+    return tuple(groups)
+
+
+def _adjacent_columns(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's columns start where a's end in the same storage, with the same row stride and unit columns."""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape[0] == b.shape[0]
+        and a.stride() == b.stride()
+        and a.stride(1) == 1
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.shape[1] * a.element_size()
+    )

@@ -102,6 +102,9 @@ class LoRAKernelMeta:
     scale_index: torch.Tensor | None = field(init=False, default=None)
     """Shape: [T] int64 on ``device``: the vector row each token scales a linear's output by (``y += y ⊙ v``: its slot
     where its adapter's vector is DoRA's scale, else the zero row S). None as ``bias_index``."""
+    vector_runs: tuple[tuple[int, int, int, str], ...] | None = field(init=False, default=None)
+    """Eager only, with ``bias_index`` or ``scale_index``: (token start, token count, slot, "bias" or "scale") of each
+    run of tokens whose adapter has a vector row, the epilogue's alternative to the gathers where runs are few."""
     executor: object = field(init=False, repr=False)
     """The backend's linear executor (``backend.executor_type``: :mod:`kernels.executor`), made once with the
     metadata: what every linear of a step calls."""
@@ -180,6 +183,9 @@ class LoRAKernelMeta:
             slots = slot_indices.tolist()  # the step's one host sync
             self._prepare_eager(slot_indices, slots, slot_rows)
             self._vector_indices(slots, slot_vectors, any(a.slot in slot_vectors for a in self.active_adapters))
+            if self.bias_index is not None or self.scale_index is not None:
+                runs = slot_runs(slots)[1]
+                self.vector_runs = tuple((a, n, s, slot_vectors[s]) for s, a, n in runs if s in slot_vectors)
             return
         host = slot_indices.numpy()
         self._check_range(int(host.min()), int(host.max()))
@@ -196,7 +202,7 @@ class LoRAKernelMeta:
             raise ValueError(f"slot_vectors must map slots to 'bias' or 'scale', got {dict(slot_vectors)}")
         if slot_vectors and self.backend.traced and not self.vectors:
             raise ValueError(f"slot_vectors {dict(slot_vectors)} on traced metadata made without vectors")
-        self.bias_index = self.scale_index = None
+        self.bias_index = self.scale_index = self.vector_runs = None
         if not wanted:
             return
         for kind in ("bias", "scale"):

@@ -27,13 +27,38 @@ def apply_vectors(y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> to
             y[:, c_p] += V_p[bias_index]                  # skipped when bias_index is None
             y[:, c_p] += y[:, c_p] ⊙ V_p[scale_index]     # skipped when scale_index is None
 
-    Eager backends write y in place and return it; traced ones return a new tensor (static shapes, no in-place
-    update). Shape: y [T, sum(out)]; returns [T, sum(out)].
+    Eager backends write y in place and return it, per group of adjacent parts (`LinearLoRA.vector_groups`): a gather
+    of each token's row, or, where the step's runs of variant tokens are few (one, or 16 tokens a run and more), the
+    run's one row broadcast over it (no ``[T, out]`` gather; tokens of other adapters untouched). Both do the same
+    arithmetic per element, a multiply then an add (two roundings, never a fused multiply-add), so a token's result
+    does not depend on which is taken (the deterministic mode relies on it). Traced backends return a new
+    tensor (static shapes, no in-place update), a gather per part. Shape: y [T, sum(out)]; returns [T, sum(out)].
     """
     bias, scale = meta.bias_index, meta.scale_index
     if bias is None and scale is None:
         return y
-    traced = meta.backend.traced
+    if meta.backend.traced:
+        return _gathered_parts(y, lora, bias, scale)
+    runs = meta.vector_runs
+    if runs is not None and (len(runs) == 1 or y.shape[0] >= 16 * len(runs)):
+        for start, count, slot, kind in runs:
+            for columns, vectors in lora.vector_groups:
+                piece, row = y[start : start + count, columns], vectors[slot]  # [count, cols], [cols]
+                if kind == "bias":
+                    piece.add_(row)
+                else:
+                    piece.add_(piece * row)
+        return y
+    for columns, vectors in lora.vector_groups:
+        piece = y[:, columns]
+        if bias is not None:
+            piece.add_(vectors.index_select(0, bias))  # [T, cols]
+        if scale is not None:
+            piece.add_(vectors.index_select(0, scale).mul_(piece))
+    return y
+
+
+def _gathered_parts(y: torch.Tensor, lora: LinearLoRA, bias, scale) -> torch.Tensor:  # noqa: ANN001
     pieces = list(y.split(lora.out_features, dim=-1)) if len(lora.out_features) > 1 else [y]
     for index, stacks in enumerate(lora.parts):
         vectors = None if stacks is None else stacks.vector  # [S + 1, out_p]
@@ -41,12 +66,8 @@ def apply_vectors(y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> to
             continue
         piece = pieces[index]
         if bias is not None:
-            added = vectors.index_select(0, bias)  # [T, out_p]
-            piece = piece + added if traced else piece.add_(added)
+            piece = piece + vectors.index_select(0, bias)  # [T, out_p]
         if scale is not None:
-            factor = vectors.index_select(0, scale)  # [T, out_p]
-            piece = piece + piece * factor if traced else piece.addcmul_(piece, factor)
+            piece = piece + piece * vectors.index_select(0, scale)
         pieces[index] = piece
-    if not traced:
-        return y
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)

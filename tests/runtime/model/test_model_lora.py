@@ -122,9 +122,9 @@ def test_attach_checks_the_stacks(written) -> None:
     stacks = pool.stacks[ModuleKey(0, "k_proj")]
     wqkv = model.layers[0].attention.wqkv
     with pytest.raises(ValueError, match=r"bt_rows must have shape \[33, 32\], got \(33, 16\)"):
-        wqkv.attach(0, SimpleNamespace(a=pool.stacks[ModuleKey(0, "q_proj")].a, bt=stacks.bt))
+        wqkv.attach(0, SimpleNamespace(a=pool.stacks[ModuleKey(0, "q_proj")].a, bt=stacks.bt, vector=None))
     with pytest.raises(ValueError, match="torch.bfloat16"):
-        wqkv.attach(1, SimpleNamespace(a=stacks.a.bfloat16(), bt=stacks.bt.bfloat16()))
+        wqkv.attach(1, SimpleNamespace(a=stacks.a.bfloat16(), bt=stacks.bt.bfloat16(), vector=None))
     with pytest.raises(ValueError, match="layer 7"):
         model.attach_lora({ModuleKey(7, "q_proj"): stacks})
     assert wqkv.has_lora
@@ -250,7 +250,7 @@ def test_fusion_needs_adjacent_attached_parts(written) -> None:
     linear.attach(1, k)
     linear.attach(2, v)
     assert linear.fused_parts == ((1, 2),)
-    linear.attach(0, SimpleNamespace(a=q.a.clone(), bt=q.bt))  # same values, its own buffer: not adjacent
+    linear.attach(0, SimpleNamespace(a=q.a.clone(), bt=q.bt, vector=None))  # same values, its own buffer: not adjacent
     assert linear.fused_parts == ((1, 2),)
-    linear.attach(1, SimpleNamespace(a=v.a, bt=k.bt))  # v's A in k's place: v follows it, not k
+    linear.attach(1, SimpleNamespace(a=v.a, bt=k.bt, vector=None))  # v's A in k's place: v follows it, not k
     assert linear.fused_parts == ()

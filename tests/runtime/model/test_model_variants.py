@@ -114,3 +114,23 @@ def test_prepared_vectors_are_peft_s(written_variants) -> None:
                 norm = layer.lora_magnitude_vector["default"].get_weight_norm(layer.weight, delta, scaling)
                 expected = layer.lora_magnitude_vector["default"].weight / norm - 1
             assert weights.vector is not None and max_diff(weights.vector, expected.detach()) <= 1e-5, (name, key)
+
+
+def test_a_run_broadcast_and_a_gather_give_the_same_bits(written_variants, monkeypatch) -> None:
+    """A step whose variant tokens are one run takes the epilogue's broadcast path; forced onto the gathers it gives
+    the same bits (the deterministic mode relies on it), and both equal PEFT."""
+    model, _, meta, rows, vectors = variant_setup(written_variants, torch.float32, BackendKind.CPU)
+    dora, bias = (sorted(rows)[NAMES.index(name)] for name in ("dora", "bias"))
+    prompts = [[(7 * i) % 60 + 1 for i in range(24)], [2, 8, 33], [5, 9, 1, 4]]
+    outputs = []
+    for variant_slot, name in ((dora, "dora"), (bias, "bias")):
+        slots = [variant_slot, -1, sorted(rows)[NAMES.index("plain")]]
+        broadcast = prefill_logits(model, prompts, slots, meta, slot_rows=rows, slot_vectors=vectors)
+        assert meta.vector_runs == ((0, 24, variant_slot, vectors[variant_slot]),)
+        with monkeypatch.context() as patch:
+            patch.setattr(LoRAKernelMeta, "vector_runs", property(lambda self: None, lambda self, value: None))
+            gathered = prefill_logits(model, prompts, slots, meta, slot_rows=rows, slot_vectors=vectors)
+        assert all(torch.equal(a, b) for a, b in zip(broadcast, gathered, strict=True)), name
+        assert max_diff(broadcast[0], oracle_logits(written_variants, name, prompts[0])) <= FP32_TOL, name
+        outputs.append(broadcast)
+    assert max_diff(outputs[0][0], outputs[1][0]) > 100 * FP32_TOL  # the two variants differ
