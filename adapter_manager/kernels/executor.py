@@ -64,7 +64,11 @@ class LinearExecutor:
         if lora is None or meta is None or meta.no_adapter:
             return step.kernels.linear(x, weight, step.fast)
         y = self._with_lora(x, weight, lora, meta, step)
-        return y if meta.bias_index is None and meta.scale_index is None else apply_vectors(y, lora, meta)
+        return y if meta.bias_index is None and meta.scale_index is None else self._vectors(y, lora, meta)
+
+    def _vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
+        """The step's vector epilogue on the linear's output (:func:`kernels.vectors.apply_vectors`)."""
+        return apply_vectors(y, lora, meta)
 
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
@@ -110,6 +114,12 @@ class CpuExecutor(LinearExecutor):
             if y is not None:
                 return y
         return super()._with_lora(x, weight, lora, meta, step)
+
+    def _vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
+        """The epilogue in one C++ call per group of adjacent parts where it applies, else the torch forms."""
+        if y.device.type == "cpu" and self.backend.vectors(y, lora.vector_groups, meta):  # type: ignore[union-attr]
+            return y
+        return apply_vectors(y, lora, meta)
 
 
 class TracedExecutor(LinearExecutor):

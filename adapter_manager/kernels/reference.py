@@ -69,3 +69,24 @@ class ReferenceBackend(EagerBase):
                 r = rows.stop - rows.start
                 y[t] = (y[t].float() + h[t, :r].float() @ bt_rows[rows].float()).to(y.dtype)
         return y
+
+
+def vector_epilogue(
+    y: torch.Tensor, start: int, vectors: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
+) -> None:
+    """The vector epilogue's loop reference (csrc/vector_epilogue.cpp's signature), in fp32, in place::
+
+        for t in range(T):
+            v = y[t, start : start + C]                                  # C = vectors.shape[1]
+            if bias is not None:  v += vectors[bias[t]]
+            if scale is not None: v += v * vectors[scale[t]]
+
+    Shape: y [T, out], vectors [S + 1, C], bias and scale [T] int64."""
+    columns = slice(start, start + vectors.shape[1])
+    for t in range(y.shape[0]):
+        value = y[t, columns].float()
+        if bias is not None:
+            value = value + vectors[int(bias[t])].float()
+        if scale is not None:
+            value = value + value * vectors[int(scale[t])].float()
+        y[t, columns] = value.to(y.dtype)

@@ -33,6 +33,7 @@ from adapter_manager.kernels.cpu.linear_ops import (
     lora_blocked,
     lora_linear,
     lora_onednn,
+    vector_epilogue,
 )
 from adapter_manager.kernels.dispatch_table import TorchDispatchTable
 from adapter_manager.kernels.executor import CpuExecutor
@@ -126,3 +127,13 @@ class CpuFusedBackend(TorchEagerBackend):
             return lora_onednn(x, w, a_groups, bts, offsets, runs)
         fits = x.shape[0] <= LINEAR_MAX_TOKENS and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
         return lora_linear(x, w, a_groups, bts, offsets, runs) if fits else None
+
+    def vectors(self, y: torch.Tensor, groups: tuple[tuple[slice, torch.Tensor], ...], meta: LoRAKernelMeta) -> bool:
+        """Semantics: :func:`kernels.vectors.apply_vectors`, one C++ call per group (``vector_epilogue``: in fp32,
+        rounded once; the same bits for a token in any batch). Returns False, touching nothing, where it does not
+        apply (y or a group's vectors without unit inner stride, or of other dtypes). Shape: y [T, sum(out)]."""
+        if y.stride(1) != 1 or any(v.stride(1) != 1 or v.dtype != y.dtype for _, v in groups):
+            return False
+        for columns, vectors in groups:
+            vector_epilogue(y, columns.start, vectors, meta.bias_index, meta.scale_index)
+        return True

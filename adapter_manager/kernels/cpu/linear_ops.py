@@ -17,6 +17,7 @@ _onednn_op = None  # torch.ops.adapter_manager.lora_onednn.default, once resolve
 _blocked_op = None  # torch.ops.adapter_manager.lora_blocked.default, once resolved
 _q8_op = None  # torch.ops.adapter_manager.q8_linear.default, once resolved
 _fixed_op = None  # torch.ops.adapter_manager.fixed_linear.default, once resolved
+_epilogue_op = None  # torch.ops.adapter_manager.vector_epilogue.default, once resolved
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], runs: torch.Tensor) -> None:
@@ -90,6 +91,20 @@ def fixed_linear(
 
 BLOCK = 32
 """Columns per block of :func:`block_weight`'s layout (kBlock in ``csrc/lora_blocked.cpp``)."""
+
+
+def vector_epilogue(
+    y: torch.Tensor, start: int, vectors: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
+) -> None:
+    """``y[t, start + j] += vectors[bias[t], j]``, then ``y[t, start + j] += y[t, start + j] · vectors[scale[t], j]``
+    (each skipped when its index is None), in fp32 rounded once; in place (csrc/vector_epilogue.cpp).
+
+    Shape: y [T, out] (unit inner stride), vectors [S + 1, columns] (a strided view, unit inner stride), bias and
+    scale [T] int64. Load the library first."""
+    global _epilogue_op
+    if _epilogue_op is None:
+        _epilogue_op = torch.ops.adapter_manager.vector_epilogue.default
+    _epilogue_op(y, start, vectors, bias, scale)
 
 
 def block_weight(w: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,12 @@ CONFIG = LlamaConfig(
     hidden_size=512, intermediate_size=704, num_layers=2, num_heads=8, num_kv_heads=2, vocab_size=384,
     tie_word_embeddings=True,
 )  # fmt: skip
-ADAPTERS = {"a0": dict(r=8), "a1": dict(r=4, target_modules=("q_proj", "v_proj", "down_proj")), "a2": dict(r=8)}
+# a1 a DoRA adapter and a2 a LoRA-bias one: their vector epilogue is per token too
+ADAPTERS = {
+    "a0": dict(r=8),
+    "a1": dict(r=4, target_modules=("q_proj", "v_proj", "down_proj"), variant="dora"),
+    "a2": dict(r=8, variant="lora_bias"),
+}
 MAX_BATCH = 6
 NEW_TOKENS = 6
 

@@ -116,10 +116,12 @@ def test_prepared_vectors_are_peft_s(written_variants) -> None:
             assert weights.vector is not None and max_diff(weights.vector, expected.detach()) <= 1e-5, (name, key)
 
 
-def test_a_run_broadcast_and_a_gather_give_the_same_bits(written_variants, monkeypatch) -> None:
-    """A step whose variant tokens are one run takes the epilogue's broadcast path; forced onto the gathers it gives
-    the same bits (the deterministic mode relies on it), and both equal PEFT."""
-    model, _, meta, rows, vectors = variant_setup(written_variants, torch.float32, BackendKind.CPU)
+@pytest.mark.parametrize("backend", [BackendKind.TORCH, BackendKind.CPU], ids=lambda b: b.value)
+def test_a_run_broadcast_and_a_gather_give_the_same_bits(written_variants, monkeypatch, backend) -> None:
+    """A step whose variant tokens are one run takes the torch epilogue's broadcast path; forced onto the gathers it
+    gives the same bits (the deterministic mode relies on it), and both equal PEFT. The cpu backend's C++ epilogue
+    is per token either way."""
+    model, _, meta, rows, vectors = variant_setup(written_variants, torch.float32, backend)
     dora, bias = (sorted(rows)[NAMES.index(name)] for name in ("dora", "bias"))
     prompts = [[(7 * i) % 60 + 1 for i in range(24)], [2, 8, 33], [5, 9, 1, 4]]
     outputs = []
