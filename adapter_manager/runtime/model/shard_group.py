@@ -62,3 +62,8 @@ class PoolSection(NamedTuple):
     @property
     def bt(self) -> torch.Tensor:  # Shape: [N, out_s]
         return self.rows.bt[:, self.section]
+
+    @property
+    def vector(self) -> None:
+        """No vector rows under tensor parallelism (DoRA and LoRA-bias adapters are refused there)."""
+        return None
