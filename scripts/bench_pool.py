@@ -10,6 +10,10 @@ design — the budget divided by one max-rank slot — and the ideal packing (th
 mean adapter size). Prints a table and writes out/bench_pool.json.
 
   .venv/bin/python -m scripts.bench_pool [--budget-gib 1] [--adapters 1000] [--requests 3000] [--seed 0]
+      [--no-lora-vectors]
+
+The pool keeps its vector rows (DoRA, LoRA bias: 1/(2·G) of its bytes) unless --no-lora-vectors; the padded floor
+and the ideal count rows only.
 """
 
 from __future__ import annotations
@@ -35,11 +39,16 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-lora-vectors", dest="lora_vectors", action="store_false", help="a pool without vector rows (DoRA, bias)"
+    )
     parser.add_argument("--out", type=Path, default=Path("out/bench_pool.json"))
     args = parser.parse_args()
     spec, dtype, max_rank = BaseModelSpec.bench(), torch.float32, 64
     budget = int(args.budget_gib * (1 << 30))
-    config = SlotPoolConfig(max_slots="auto", max_rank=max_rank, dtype=dtype, memory_budget_bytes=budget)
+    config = SlotPoolConfig(
+        max_slots="auto", max_rank=max_rank, dtype=dtype, memory_budget_bytes=budget, lora_vectors=args.lora_vectors
+    )
     pool = SlotPool(spec, config)
     width = RowLayout.of(spec).width
     gen = torch.Generator().manual_seed(args.seed)

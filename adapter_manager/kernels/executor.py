@@ -64,11 +64,7 @@ class LinearExecutor:
         if lora is None or meta is None or meta.no_adapter:
             return step.kernels.linear(x, weight, step.fast)
         y = self._with_lora(x, weight, lora, meta, step)
-        return y if meta.bias_index is None and meta.scale_index is None else self._vectors(y, lora, meta)
-
-    def _vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
-        """The step's vector epilogue on the linear's output (:func:`kernels.vectors.apply_vectors`)."""
-        return apply_vectors(y, lora, meta)
+        return y if meta.bias_index is None and meta.scale_index is None else apply_vectors(y, lora, meta)
 
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
@@ -102,22 +98,27 @@ class LinearExecutor:
 
 
 class CpuExecutor(LinearExecutor):
-    """The cpu backend's: the base matmul and the step's LoRA in one C++ call where its backend has a form for the
-    weight's layout and the step (``fused_linear``), else the eager composition."""
+    """The cpu backend's: the base matmul, the step's LoRA and a LoRA variant's vector epilogue in one C++ call where
+    its backend has a form for the weight's layout and the step (``fused_linear``), else the eager composition and
+    the epilogue in one C++ call per group of adjacent parts."""
 
-    def _with_lora(
-        self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA | None, step: LinearStep) -> torch.Tensor:
+        meta = step.meta
+        if lora is None or meta is None or meta.no_adapter:
+            return step.kernels.linear(x, weight, step.fast)
+        backend = self.backend
+        vectors = meta.bias_index is not None or meta.scale_index is not None
+        epilogue = backend.epilogue(lora.vector_groups, x.dtype, meta) if vectors else None  # type: ignore[union-attr]
         offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
-        if lora.one_call and lora.unit_groups and offered:
-            y = self.backend.fused_linear(x, weight, lora.kernel_groups, meta)  # type: ignore[union-attr]
+        if lora.one_call and lora.unit_groups and offered and (epilogue is not None or not vectors):
+            y = backend.fused_linear(x, weight, lora.kernel_groups, meta, epilogue)  # type: ignore[union-attr]
             if y is not None:
                 return y
-        return super()._with_lora(x, weight, lora, meta, step)
-
-    def _vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
-        """The epilogue in one C++ call per group of adjacent parts where it applies, else the torch forms."""
-        if y.device.type == "cpu" and self.backend.vectors(y, lora.vector_groups, meta):  # type: ignore[union-attr]
+        y = self._with_lora(x, weight, lora, meta, step)
+        if not vectors:
+            return y
+        if epilogue is not None and y.device.type == "cpu" and y.stride(1) == 1:
+            backend.vectors(y, epilogue)  # type: ignore[union-attr]
             return y
         return apply_vectors(y, lora, meta)
 

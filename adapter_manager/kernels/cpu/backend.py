@@ -28,6 +28,7 @@ from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.cpu.library import load, unavailable_reason
 from adapter_manager.kernels.cpu.linear_ops import (
     LINEAR_MAX_TOKENS,
+    Epilogue,
     fixed_linear,
     lora_apply,
     lora_blocked,
@@ -101,9 +102,15 @@ class CpuFusedBackend(TorchEagerBackend):
         return compose_parts(y, x, a_parts, bt_parts, meta)
 
     def fused_linear(
-        self, x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
+        self,
+        x: torch.Tensor,
+        weight: LinearWeight,
+        groups: LoRAGroups,
+        meta: LoRAKernelMeta,
+        epilogue: Epilogue | None = None,
     ) -> torch.Tensor | None:
-        """Semantics: :func:`kernels.ops.fused_linear`. One C++ call for the base matmul and the step's LoRA:
+        """Semantics: :func:`kernels.ops.fused_linear`, then ``epilogue`` (a LoRA variant's vectors,
+        :func:`kernels.vectors.apply_vectors`) where given. One C++ call for the base matmul and the step's LoRA:
         ``lora_blocked`` for our blocked layout on any step with an adapter (a prefill's runs of 16+ tokens take
         their LoRA inside its GEMM), and on FUSED steps ``lora_onednn`` for oneDNN's layout and ``lora_linear`` for a
         plain fp32 weight of at most ``LINEAR_MAX_TOKENS`` tokens. None otherwise (x without unit inner stride, a
@@ -116,24 +123,27 @@ class CpuFusedBackend(TorchEagerBackend):
         if self.deterministic:
             if weight.layout is not WeightLayout.PLAIN:
                 raise ValueError(f"the deterministic mode reads plain weights, not {weight.layout.value} ones")
-            return fixed_linear(x, w, a_groups, bts, offsets, runs)
+            return fixed_linear(x, w, a_groups, bts, offsets, runs, epilogue)
         if weight.layout is WeightLayout.INT8:  # its matmul, then the LoRA (kernels.base_linear, apply_parts)
             return None
         if weight.layout is WeightLayout.BLOCKED:  # any step with an adapter: prefill too
-            return lora_blocked(x, w, weight.out_features, a_groups, bts, offsets, runs)
+            return lora_blocked(x, w, weight.out_features, a_groups, bts, offsets, runs, epilogue)
         if meta.form is not LoRAForm.FUSED:
             return None
         if weight.layout is WeightLayout.ONEDNN:
-            return lora_onednn(x, w, a_groups, bts, offsets, runs)
+            return lora_onednn(x, w, a_groups, bts, offsets, runs, epilogue)
         fits = x.shape[0] <= LINEAR_MAX_TOKENS and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
-        return lora_linear(x, w, a_groups, bts, offsets, runs) if fits else None
+        return lora_linear(x, w, a_groups, bts, offsets, runs, epilogue) if fits else None
 
-    def vectors(self, y: torch.Tensor, groups: tuple[tuple[slice, torch.Tensor], ...], meta: LoRAKernelMeta) -> bool:
-        """Semantics: :func:`kernels.vectors.apply_vectors`, one C++ call per group (``vector_epilogue``: in fp32,
-        rounded once; the same bits for a token in any batch). Returns False, touching nothing, where it does not
-        apply (y or a group's vectors without unit inner stride, or of other dtypes). Shape: y [T, sum(out)]."""
-        if y.stride(1) != 1 or any(v.stride(1) != 1 or v.dtype != y.dtype for _, v in groups):
-            return False
-        for columns, vectors in groups:
-            vector_epilogue(y, columns.start, vectors, meta.bias_index, meta.scale_index)
-        return True
+    def epilogue(self, groups: tuple[tuple[slice, torch.Tensor], ...], dtype: torch.dtype, meta: LoRAKernelMeta):
+        """The step's vector epilogue for a linear's groups (`LinearLoRA.vector_groups`) as the C++ ops take it, or
+        None where they cannot (a group without unit inner stride or of another dtype)."""
+        if any(v.stride(1) != 1 or v.dtype != dtype for _, v in groups):
+            return None
+        return Epilogue([v for _, v in groups], [c.start for c, _ in groups], meta.bias_index, meta.scale_index)
+
+    def vectors(self, y: torch.Tensor, epilogue: Epilogue) -> None:
+        """``epilogue`` on y alone, one C++ call per group (``vector_epilogue``: fp32, rounded once, per token).
+        Shape: y [T, sum(out)], unit inner stride."""
+        for vectors, start in zip(epilogue.vectors, epilogue.starts, strict=True):
+            vector_epilogue(y, start, vectors, epilogue.bias, epilogue.scale)

@@ -1,13 +1,15 @@
 """The CPU library's linear ops (:mod:`kernels.cpu.library` builds and loads them): a fused linear's LoRA
 (``lora_apply``), a linear's base matmul with its LoRA in one call per weight layout (``lora_blocked`` on our
-blocked fp32 layout, ``lora_onednn`` on oneDNN's, ``lora_linear`` on a plain fp32 weight at decode), and the base
-matmul on an int8 weight (``q8_linear``, blocked by :func:`q8_block`).
+blocked fp32 layout, ``lora_onednn`` on oneDNN's, ``lora_linear`` on a plain fp32 weight at decode, ``fixed_linear``
+in a fixed order), each ending with a LoRA variant's vector epilogue when given one (:class:`Epilogue`; alone:
+``vector_epilogue``), and the base matmul on an int8 weight (``q8_linear``, blocked by :func:`q8_block`).
 Call :func:`kernels.cpu.library.load` first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -29,10 +31,21 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bts: list[torc
     _op(y, x, a, bts, runs)
 
 
+class Epilogue(NamedTuple):
+    """A LoRA variant's vector epilogue for a one-call linear to end with (:func:`vector_epilogue`'s semantics per
+    group; kernels/vectors.py)."""
+
+    vectors: Sequence[torch.Tensor]  # per group of adjacent parts: Shape: [S + 1, columns], unit inner stride
+    starts: Sequence[int]  # each group's first column of y
+    bias: torch.Tensor | None  # Shape: [T] int64: the vector row each token adds
+    scale: torch.Tensor | None  # Shape: [T] int64: the vector row each token scales by
+
+
 LINEAR_MAX_TOKENS = 16
 """The most tokens :func:`lora_linear` takes (kLinearTokens in the C++ source)."""
 
 _NO_RUNS = torch.zeros(0, 4, dtype=torch.int64)
+_NO_EPILOGUE = Epilogue((), (), None, None)
 
 
 def lora_linear(
@@ -42,6 +55,7 @@ def lora_linear(
     bts: Sequence[torch.Tensor],
     offsets: Sequence[int],
     runs: torch.Tensor | None,
+    epilogue: Epilogue | None = None,
 ) -> torch.Tensor:
     """``y = x @ w.T`` with each group's LoRA added inside the same call (fp32, T <= :data:`LINEAR_MAX_TOKENS`): group
     g's parts ``a_groups[g]`` [N, P_g, in] and their Bt (``bts``, every group's parts in order) own y's columns from
@@ -49,7 +63,7 @@ def lora_linear(
     global _linear_op
     if _linear_op is None:
         _linear_op = torch.ops.adapter_manager.lora_linear.default
-    return _linear_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
+    return _linear_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs, *(epilogue or _NO_EPILOGUE))
 
 
 def lora_onednn(
@@ -59,6 +73,7 @@ def lora_onednn(
     bts: Sequence[torch.Tensor],
     offsets: Sequence[int],
     runs: torch.Tensor,
+    epilogue: Epilogue | None = None,
 ) -> torch.Tensor:
     """``y = x @ W.T`` through oneDNN's linear on the packed W (:func:`kernels.cpu.weights.packed_linear`), then each
     group's :func:`lora_apply` onto its columns (groups as :func:`lora_linear`'s), in one call: the same values as
@@ -66,7 +81,7 @@ def lora_onednn(
     global _onednn_op
     if _onednn_op is None:
         _onednn_op = torch.ops.adapter_manager.lora_onednn.default
-    return _onednn_op(x, packed, a_groups, bts, offsets, runs)
+    return _onednn_op(x, packed, a_groups, bts, offsets, runs, *(epilogue or _NO_EPILOGUE))
 
 
 def fixed_linear(
@@ -76,6 +91,7 @@ def fixed_linear(
     bts: Sequence[torch.Tensor],
     offsets: Sequence[int],
     runs: torch.Tensor | None,
+    epilogue: Epilogue | None = None,
 ) -> torch.Tensor:
     """Semantics: ``y = x @ w.T`` plus each group's :func:`lora_apply` onto its columns (groups as
     :func:`lora_linear`'s; ``runs`` None or empty: the base matmul only), every token's outputs summed in one order
@@ -86,7 +102,7 @@ def fixed_linear(
     global _fixed_op
     if _fixed_op is None:
         _fixed_op = torch.ops.adapter_manager.fixed_linear.default
-    return _fixed_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
+    return _fixed_op(x, w, a_groups, bts, offsets, _NO_RUNS if runs is None else runs, *(epilogue or _NO_EPILOGUE))
 
 
 BLOCK = 32
@@ -128,6 +144,7 @@ def lora_blocked(
     bts: Sequence[torch.Tensor],
     offsets: Sequence[int],
     runs: torch.Tensor | None,
+    epilogue: Epilogue | None = None,
 ) -> torch.Tensor:
     """Semantics: ``y = x @ W.T`` for W [n, in] held as :func:`block_weight`'s ``wb``, plus each group's
     :func:`lora_apply` onto its columns (groups as :func:`lora_linear`'s; ``runs`` None or empty: the base matmul
@@ -137,7 +154,8 @@ def lora_blocked(
     global _blocked_op
     if _blocked_op is None:
         _blocked_op = torch.ops.adapter_manager.lora_blocked.default
-    return _blocked_op(x, wb, n, a_groups, bts, offsets, _NO_RUNS if runs is None else runs)
+    runs = _NO_RUNS if runs is None else runs
+    return _blocked_op(x, wb, n, a_groups, bts, offsets, runs, *(epilogue or _NO_EPILOGUE))
 
 
 Q8_BLOCK = 48

@@ -219,7 +219,8 @@ class Llama(nn.Module):
 
     def base_weight(self, key: ModuleKey) -> torch.Tensor:
         """Module ``key``'s base weight as served (:meth:`LoRALinear.plain_weight`): Shape: [out, in], on the model's
-        device; on XLA a host copy (the whole fused weight moves, then the part is sliced: no graph to compile)."""
+        device; on XLA a host copy (the whole fused weight moves, then the part is sliced on the host). The weights
+        there are views of device data, so the transfer compiles once per weight shape: `Engine.warm_up` does it."""
         linear, part = self.lora_target(key)
         weight = linear.plain_weight()
         if weight.device.type == "xla":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapter_manager import AdapterRegistry, RegistryConfig, Variant
-from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
+from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 from tests.conftest import TINY_NAME
@@ -136,3 +136,33 @@ def test_a_run_broadcast_and_a_gather_give_the_same_bits(written_variants, monke
         assert max_diff(broadcast[0], oracle_logits(written_variants, name, prompts[0])) <= FP32_TOL, name
         outputs.append(broadcast)
     assert max_diff(outputs[0][0], outputs[1][0]) > 100 * FP32_TOL  # the two variants differ
+
+
+LAYOUTS = [WeightLayout.PLAIN, WeightLayout.ONEDNN, WeightLayout.BLOCKED]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda w: w.value)
+def test_each_one_call_linear_ends_with_the_epilogue(written_variants, layout, monkeypatch) -> None:
+    """The cpu backend's one-call linears take the epilogue inside their one call (lora_linear on plain weights at
+    decode, lora_onednn, lora_blocked; no separate epilogue call): greedy decode equals PEFT, with every decode
+    linear one C++ call (a plain weight's prefill composes, then applies the epilogue alone)."""
+    model, _, meta, rows, vectors = variant_setup(written_variants, torch.float32, BackendKind.CPU)
+    model.unpack_weights()
+    assert layout is WeightLayout.PLAIN or model.pack_weights(layout)
+    separate, apply_alone = [], meta.backend.vectors
+
+    def alone(y, epilogue):  # noqa: ANN001, ANN202 - counted, then applied
+        separate.append(y.shape[0])
+        apply_alone(y, epilogue)
+
+    monkeypatch.setattr(meta.backend, "vectors", alone)
+    prompts = [p for p, _ in VARIANT_ROWS]
+    ours, _ = greedy(model, prompts, 4, row_slots(rows), meta, slot_rows=rows, slot_vectors=vectors)
+    for tokens, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
+        hf = written_variants[name][1]
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert tokens == out[0, len(prompt) :].tolist(), name
+    decode_steps = [t for t in separate if t == len(VARIANT_ROWS)]
+    assert not decode_steps, f"{len(decode_steps)} decode linears applied the epilogue in a call of its own"

@@ -83,7 +83,7 @@ void fixed_matmul(const at::Tensor& x, const at::Tensor& w, at::Tensor& y) {
   }
 }
 
-at::Tensor fixed_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
+at::Tensor fixed_linear_body(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
                         at::IntArrayRef offsets, const at::Tensor& runs) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fixed_linear: CPU tensors only");
   const auto dtype = x.scalar_type();
@@ -106,10 +106,21 @@ at::Tensor fixed_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList
   return y;
 }
 
+// fixed_linear, then a LoRA variant's vector epilogue on its output (kernels/vectors.py).
+at::Tensor fixed_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
+                        at::IntArrayRef offsets, const at::Tensor& runs,
+                        at::TensorList vectors, at::IntArrayRef vector_starts, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& scale) {
+  at::Tensor y = fixed_linear_body(x, w, a_groups, bts, offsets, runs);
+  adapter_manager_cpu::apply_vector_groups("fixed_linear", y, vectors, vector_starts, bias, scale);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
-  m.def("fixed_linear(Tensor x, Tensor w, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs) -> Tensor");
+  m.def("fixed_linear(Tensor x, Tensor w, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs"
+        ", Tensor[] vectors, int[] vector_starts, Tensor? bias, Tensor? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("fixed_linear", &fixed_linear); }

@@ -348,7 +348,7 @@ void huge_pages(const at::Tensor& y) {
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advice only: a failure changes nothing
 }
 
-at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at::TensorList a_groups,
+at::Tensor lora_blocked_body(const at::Tensor& x, const at::Tensor& wb, int64_t n, at::TensorList a_groups,
                         at::TensorList bts, at::IntArrayRef offsets, const at::Tensor& runs) {
   TORCH_CHECK(x.device().is_cpu() && wb.device().is_cpu(), "lora_blocked: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wb.scalar_type() == at::kFloat, "lora_blocked: fp32 only");
@@ -395,11 +395,21 @@ at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at
   return y;
 }
 
+// lora_blocked, then a LoRA variant's vector epilogue on its output (kernels/vectors.py).
+at::Tensor lora_blocked(const at::Tensor& x, const at::Tensor& wb, int64_t n, at::TensorList a_groups,
+                        at::TensorList bts, at::IntArrayRef offsets, const at::Tensor& runs,
+                        at::TensorList vectors, at::IntArrayRef vector_starts, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& scale) {
+  at::Tensor y = lora_blocked_body(x, wb, n, a_groups, bts, offsets, runs);
+  adapter_manager_cpu::apply_vector_groups("lora_blocked", y, vectors, vector_starts, bias, scale);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
-  m.def("lora_blocked(Tensor x, Tensor wb, int n, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs) -> "
-        "Tensor");
+  m.def("lora_blocked(Tensor x, Tensor wb, int n, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs"
+        ", Tensor[] vectors, int[] vector_starts, Tensor? bias, Tensor? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("lora_blocked", &lora_blocked); }

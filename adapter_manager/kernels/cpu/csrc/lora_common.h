@@ -236,5 +236,10 @@ void apply_runs(at::Tensor& y, int64_t col0, const at::Tensor& x, const at::Tens
 // the next P_g of bts), every run of `runs`; `op` names the caller in its errors.
 void apply_groups(const char* op, at::Tensor& y, const at::Tensor& x, at::TensorList a_groups, at::TensorList bts,
                   at::IntArrayRef offsets, const at::Tensor& runs);
+// vector_epilogue.cpp: a LoRA variant's vectors on y, per token (kernels/vectors.py's semantics): group g's vectors
+// [S + 1, columns] onto y's columns from starts[g] on, rows bias[t] added, then scale[t]'s multiplied in; fp32,
+// rounded once. Nothing without groups or without either index. The one-call linears end with it.
+void apply_vector_groups(const char* op, at::Tensor& y, at::TensorList vectors, at::IntArrayRef starts,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale);
 
 }  // namespace adapter_manager_cpu

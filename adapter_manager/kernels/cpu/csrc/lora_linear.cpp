@@ -46,7 +46,7 @@ struct Tile {
   int64_t c0, cols, part;  // part -1: base only
 };
 
-at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
+at::Tensor lora_linear_body(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
                        at::IntArrayRef offsets, const at::Tensor& runs) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "lora_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "lora_linear: fp32 only");
@@ -204,10 +204,21 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList 
   return y;
 }
 
+// lora_linear, then a LoRA variant's vector epilogue on its output (kernels/vectors.py).
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
+                       at::IntArrayRef offsets, const at::Tensor& runs,
+                       at::TensorList vectors, at::IntArrayRef vector_starts, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& scale) {
+  at::Tensor y = lora_linear_body(x, w, a_groups, bts, offsets, runs);
+  adapter_manager_cpu::apply_vector_groups("lora_linear", y, vectors, vector_starts, bias, scale);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
-  m.def("lora_linear(Tensor x, Tensor w, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs) -> Tensor");
+  m.def("lora_linear(Tensor x, Tensor w, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs"
+        ", Tensor[] vectors, int[] vector_starts, Tensor? bias, Tensor? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("lora_linear", &lora_linear); }

@@ -13,7 +13,7 @@ using adapter_manager_cpu::apply_groups;
 // packed_linear calls, reached through the dispatcher: the wheel ships no oneDNN headers) writes y, then each group's
 // lora_apply adds onto its columns. The same work as packed_linear + one lora_apply per group, without a Python layer
 // and a dispatch per group (docs/cpu.md).
-at::Tensor lora_onednn(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
+at::Tensor lora_onednn_body(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
                        at::IntArrayRef offsets, const at::Tensor& runs) {
   static const auto linear =
       c10::Dispatcher::singleton()
@@ -26,10 +26,21 @@ at::Tensor lora_onednn(const at::Tensor& x, const at::Tensor& w, at::TensorList 
   return y;
 }
 
+// lora_onednn, then a LoRA variant's vector epilogue on its output (kernels/vectors.py).
+at::Tensor lora_onednn(const at::Tensor& x, const at::Tensor& w, at::TensorList a_groups, at::TensorList bts,
+                       at::IntArrayRef offsets, const at::Tensor& runs,
+                       at::TensorList vectors, at::IntArrayRef vector_starts, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& scale) {
+  at::Tensor y = lora_onednn_body(x, w, a_groups, bts, offsets, runs);
+  adapter_manager_cpu::apply_vector_groups("lora_onednn", y, vectors, vector_starts, bias, scale);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
-  m.def("lora_onednn(Tensor x, Tensor w, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs) -> Tensor");
+  m.def("lora_onednn(Tensor x, Tensor w, Tensor[] a_groups, Tensor[] bts, int[] offsets, Tensor runs"
+        ", Tensor[] vectors, int[] vector_starts, Tensor? bias, Tensor? scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adapter_manager, CPU, m) { m.impl("lora_onednn", &lora_onednn); }

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "lora_common.h"
+
 namespace {
 
 template <typename scalar_t>
@@ -46,22 +48,36 @@ const int64_t* index_of(const c10::optional<at::Tensor>& index, int64_t tokens, 
 
 void vector_epilogue(at::Tensor y, int64_t start, const at::Tensor& vectors, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& scale) {
-  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.stride(1) == 1, "vector_epilogue: y must be a CPU [T, out] "
-              "tensor with unit inner stride, got ", y.sizes());
-  TORCH_CHECK(vectors.device().is_cpu() && vectors.dim() == 2 && vectors.stride(1) == 1 &&
-                  vectors.scalar_type() == y.scalar_type(),
-              "vector_epilogue: vectors must be a CPU [S + 1, columns] ", y.scalar_type(),
-              " tensor with unit inner stride, got ", vectors.sizes(), " ", vectors.scalar_type());
-  TORCH_CHECK(0 <= start && start + vectors.size(1) <= y.size(1), "vector_epilogue: columns [", start, ", ",
-              start + vectors.size(1), ") are outside y's ", y.size(1));
-  const int64_t* b = index_of(bias, y.size(0), vectors.size(0), "bias");
-  const int64_t* s = index_of(scale, y.size(0), vectors.size(0), "scale");
-  if (b == nullptr && s == nullptr) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "vector_epilogue",
-                                  [&] { epilogue_impl<scalar_t>(y, start, vectors, b, s); });
+  adapter_manager_cpu::apply_vector_groups("vector_epilogue", y, {vectors}, {start}, bias, scale);
 }
 
 }  // namespace
+
+namespace adapter_manager_cpu {
+
+void apply_vector_groups(const char* op, at::Tensor& y, at::TensorList vectors, at::IntArrayRef starts,
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& scale) {
+  TORCH_CHECK(vectors.size() == starts.size(), op, ": ", vectors.size(), " vector groups but ", starts.size(),
+              " starts");
+  if (vectors.empty() || (!bias.has_value() && !scale.has_value())) return;
+  TORCH_CHECK(y.device().is_cpu() && y.dim() == 2 && y.stride(1) == 1, op, ": y must be a CPU [T, out] tensor with "
+              "unit inner stride, got ", y.sizes());
+  for (size_t g = 0; g < vectors.size(); ++g) {
+    const at::Tensor& v = vectors[g];
+    const int64_t start = starts[g];
+    TORCH_CHECK(v.device().is_cpu() && v.dim() == 2 && v.stride(1) == 1 && v.scalar_type() == y.scalar_type(), op,
+                ": vectors must be a CPU [S + 1, columns] ", y.scalar_type(), " tensor with unit inner stride, got ",
+                v.sizes(), " ", v.scalar_type());
+    TORCH_CHECK(0 <= start && start + v.size(1) <= y.size(1), op, ": columns [", start, ", ", start + v.size(1),
+                ") are outside y's ", y.size(1));
+    const int64_t* b = index_of(bias, y.size(0), v.size(0), "bias");
+    const int64_t* s = index_of(scale, y.size(0), v.size(0), "scale");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "vector_epilogue",
+                                    [&] { epilogue_impl<scalar_t>(y, start, v, b, s); });
+  }
+}
+
+}  // namespace adapter_manager_cpu
 
 TORCH_LIBRARY_FRAGMENT(adapter_manager, m) {
   m.def("vector_epilogue(Tensor(a!) y, int start, Tensor vectors, Tensor? bias, Tensor? scale) -> ()");
