@@ -108,7 +108,7 @@ class CpuExecutor(LinearExecutor):
             return step.kernels.linear(x, weight, step.fast)
         backend = self.backend
         vectors = meta.bias_index is not None or meta.scale_index is not None
-        epilogue = backend.epilogue(lora.vector_groups, x.dtype, meta) if vectors else None  # type: ignore[union-attr]
+        epilogue = backend.epilogue(lora, meta) if vectors else None  # type: ignore[union-attr]
         offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
         if lora.one_call and lora.unit_groups and offered and (epilogue is not None or not vectors):
             y = backend.fused_linear(x, weight, lora.kernel_groups, meta, epilogue)  # type: ignore[union-attr]

@@ -114,6 +114,9 @@ class LinearLoRA:
     vector_groups: tuple[tuple[slice, torch.Tensor], ...] = ()
     """Eager devices: the parts' vector rows joined where adjacent in the pool (q|k|v, gate|up are), each as (the
     group's columns of the output, a ``[S + 1, columns]`` view): one gather or add per group, not per part."""
+    vector_args: tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None = None
+    """``vector_groups`` as the C++ epilogue takes them, made once: (each group's vectors, each group's first
+    column); None where a group lacks unit inner stride (or there are none)."""
 
     @classmethod
     def build(
@@ -135,7 +138,10 @@ class LinearLoRA:
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
         vectors = _vector_groups(out_features, parts)
         flags = (fuse_shrink, one_call, shards, row_parallel)
-        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags, vectors)
+        args = None
+        if vectors and all(v.stride(1) == 1 for _, v in vectors):
+            args = (tuple(v for _, v in vectors), tuple(c.start for c, _ in vectors))
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags, vectors, args)
 
 
 def _groups(

@@ -38,6 +38,7 @@ from adapter_manager.kernels.cpu.linear_ops import (
 )
 from adapter_manager.kernels.dispatch_table import TorchDispatchTable
 from adapter_manager.kernels.executor import CpuExecutor
+from adapter_manager.kernels.linear_lora import LinearLoRA
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import compose_parts
 from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups, WeightLayout
@@ -135,12 +136,11 @@ class CpuFusedBackend(TorchEagerBackend):
         fits = x.shape[0] <= LINEAR_MAX_TOKENS and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
         return lora_linear(x, w, a_groups, bts, offsets, runs, epilogue) if fits else None
 
-    def epilogue(self, groups: tuple[tuple[slice, torch.Tensor], ...], dtype: torch.dtype, meta: LoRAKernelMeta):
-        """The step's vector epilogue for a linear's groups (`LinearLoRA.vector_groups`) as the C++ ops take it, or
-        None where they cannot (a group without unit inner stride or of another dtype)."""
-        if any(v.stride(1) != 1 or v.dtype != dtype for _, v in groups):
-            return None
-        return Epilogue([v for _, v in groups], [c.start for c, _ in groups], meta.bias_index, meta.scale_index)
+    def epilogue(self, lora: LinearLoRA, meta: LoRAKernelMeta) -> Epilogue | None:
+        """The step's vector epilogue for a linear (its `LinearLoRA.vector_args` and the step's indices) as the C++
+        ops take it, or None where they cannot (a group without unit inner stride)."""
+        args = lora.vector_args
+        return None if args is None else Epilogue(args[0], args[1], meta.bias_index, meta.scale_index)
 
     def vectors(self, y: torch.Tensor, epilogue: Epilogue) -> None:
         """``epilogue`` on y alone, one C++ call per group (``vector_epilogue``: fp32, rounded once, per token).
