@@ -49,6 +49,14 @@ def oracle_logits(written, name: str | None, ids: list[int]) -> torch.Tensor:
         return written[name][1](input_ids=torch.tensor([ids])).logits[0].float()  # [len, vocab]
 
 
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF `generate` (an HF or PEFT model), greedy, no eos: the tokens after ``prompt``; the oracle of a generation."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
 def slots_of(adapters: list[str | None], layout: tuple[str, ...]) -> list[int]:
     return [-1 if name is None else layout.index(name) for name in adapters]
 

@@ -15,7 +15,7 @@ from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY_NAME, make_tiny_llama
-from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ENGINE_REQUESTS, write_adapter
+from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ENGINE_REQUESTS, hf_greedy, write_adapter
 from tests.runtime._variants import VARIANTS, write_trained
 
 
@@ -47,16 +47,7 @@ def written_variants(tmp_path_factory, written) -> dict[str | None, tuple[Path, 
 @pytest.fixture(scope="session")
 def expected(written) -> dict[tuple[tuple[int, ...], str | None], list[int]]:
     """HF generate, greedy, one adapter at a time: the oracle for every (prompt, adapter) the engine tests serve."""
-    result = {}
-    for prompt, name in ENGINE_REQUESTS:
-        hf = written[name][1]
-        hf.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = hf.generate(
-                input_ids=torch.tensor([prompt]), max_new_tokens=ENGINE_NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-        result[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
-    return result
+    return {(tuple(p), name): hf_greedy(written[name][1], p, ENGINE_NEW_TOKENS) for p, name in ENGINE_REQUESTS}
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from adapter_manager import AdapterManager, AdapterManagerConfig, UnsupportedAda
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model import load_model
 from tests.conftest import TINY_NAME
+from tests.runtime._oracle import hf_greedy
 from tests.runtime._variants import VARIANT_ROWS, VARIANTS
 
 NEW_TOKENS = 6
@@ -17,16 +18,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def variant_expected(written_variants) -> dict[tuple[tuple[int, ...], str | None], list[int]]:
-    result = {}
-    for prompt, name in VARIANT_ROWS:
-        hf = written_variants[name][1]
-        hf.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = hf.generate(
-                input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
-            )
-        result[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
-    return result
+    return {(tuple(p), name): hf_greedy(written_variants[name][1], p, NEW_TOKENS) for p, name in VARIANT_ROWS}
 
 
 @pytest.mark.parametrize(

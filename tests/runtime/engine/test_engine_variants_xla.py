@@ -15,7 +15,7 @@ from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
-from tests.runtime._oracle import MAX_RANK
+from tests.runtime._oracle import MAX_RANK, hf_greedy
 from tests.runtime._variants import VARIANT_ROWS, VARIANTS
 
 pytestmark = pytest.mark.xla
@@ -34,14 +34,7 @@ def compile_count() -> int:
 
 
 def test_variants_after_warm_up_compile_nothing_and_match_peft(written_variants):
-    expected = {}
-    for prompt, name in VARIANT_ROWS:
-        hf = written_variants[name][1]
-        hf.generation_config.eos_token_id = None
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            out = hf.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        expected[(tuple(prompt), name)] = out[0, len(prompt) :].tolist()
+    expected = {(tuple(p), name): hf_greedy(written_variants[name][1], p, NEW_TOKENS) for p, name in VARIANT_ROWS}
     device = torch_xla.device()
     model = load_model(written_variants[None][0], dtype=torch.float32, device=device)
     config = AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device, prefetch_workers=0)

@@ -15,7 +15,16 @@ from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, W
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
 from tests.conftest import TINY_NAME
-from tests.runtime._oracle import BF16_ATOL, BF16_RTOL, FP32_TOL, MAX_RANK, max_diff, oracle_logits, slots_of
+from tests.runtime._oracle import (
+    BF16_ATOL,
+    BF16_RTOL,
+    FP32_TOL,
+    MAX_RANK,
+    hf_greedy,
+    max_diff,
+    oracle_logits,
+    slots_of,
+)
 from tests.runtime._steps import greedy, prefill_logits
 from tests.runtime._variants import VARIANT_ROWS, VARIANTS
 
@@ -81,11 +90,7 @@ def test_greedy_generations_equal_peft(written_variants) -> None:
     prompts = [p for p, _ in VARIANT_ROWS]
     ours, _ = greedy(model, prompts, 6, row_slots(rows), meta, slot_rows=rows, slot_vectors=vectors)
     for tokens, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
-        hf = written_variants[name][1]
-        hf.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert tokens == out[0, len(prompt) :].tolist(), name
+        assert tokens == hf_greedy(written_variants[name][1], prompt, 6), name
 
 
 def test_bf16_within_documented_tolerance(written_variants) -> None:
@@ -159,10 +164,6 @@ def test_each_one_call_linear_ends_with_the_epilogue(written_variants, layout, m
     prompts = [p for p, _ in VARIANT_ROWS]
     ours, _ = greedy(model, prompts, 4, row_slots(rows), meta, slot_rows=rows, slot_vectors=vectors)
     for tokens, (prompt, name) in zip(ours, VARIANT_ROWS, strict=True):
-        hf = written_variants[name][1]
-        hf.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4, do_sample=False, pad_token_id=0)
-        assert tokens == out[0, len(prompt) :].tolist(), name
+        assert tokens == hf_greedy(written_variants[name][1], prompt, 4), name
     decode_steps = [t for t in separate if t == len(VARIANT_ROWS)]
     assert not decode_steps, f"{len(decode_steps)} decode linears applied the epilogue in a call of its own"
