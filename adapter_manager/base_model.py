@@ -18,17 +18,35 @@ PROJECTION_PARENT: dict[str, str] = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+# The modules over the vocabulary a LoRA adapter may also target (with the pool's vocabulary columns on): the input
+# embedding table and the output head. Their ModuleKey has layer -1.
+VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+_VOCAB_NAMES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 
 
 class ModuleKey(NamedTuple):
-    """One LoRA-able linear of the base model: (layer index, projection name)."""
+    """One LoRA-able module of the base model: (layer index, projection name); (-1, "embed_tokens") and
+    (-1, "lm_head") for the vocabulary modules (:meth:`vocab`)."""
 
     layer: int
     proj: str
 
+    @classmethod
+    def vocab(cls, name: str) -> ModuleKey:
+        """The key of vocabulary module ``name`` ("embed_tokens", "lm_head")."""
+        if name not in VOCAB_MODULES:
+            raise ValueError(f"unknown vocabulary module {name!r}; expected one of {VOCAB_MODULES}")
+        return cls(-1, name)
+
+    @property
+    def is_vocab(self) -> bool:
+        return self.layer < 0
+
     @property
     def module_name(self) -> str:
-        """The module's name inside HF `LlamaForCausalLM`, e.g. `model.layers.3.self_attn.q_proj`."""
+        """The module's name inside HF `LlamaForCausalLM`, e.g. `model.layers.3.self_attn.q_proj`, `lm_head`."""
+        if self.is_vocab:
+            return _VOCAB_NAMES[self.proj]
         return f"model.layers.{self.layer}.{PROJECTION_PARENT[self.proj]}.{self.proj}"
 
 
@@ -44,6 +62,8 @@ class BaseModelSpec:
     num_kv_heads: int  # key/value heads (GQA); equals num_heads without GQA
     head_dim: int  # width of one head
     aliases: tuple[str, ...] = ()  # the served checkpoint's other identities (its folder, hub id, hub id@revision)
+    vocab_size: int = 0  # V, rows of the embedding table and the head (0: unknown, no vocabulary module can be served)
+    tie_word_embeddings: bool = False  # the head's weight is the embedding table
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -71,12 +91,14 @@ class BaseModelSpec:
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or hidden // num_heads,
+            vocab_size=config.get("vocab_size") or 0,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
     @classmethod
     def bench(cls) -> BaseModelSpec:
-        """The benchmark model: hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816."""
-        return cls("adapter-manager/bench-llama", 1024, 2816, 8, 16, 4, 64)
+        """The benchmark model: hidden 1024, 8 layers, 16 heads, 4 KV heads, intermediate 2816, vocab 32000."""
+        return cls("adapter-manager/bench-llama", 1024, 2816, 8, 16, 4, 64, vocab_size=32000)
 
     @property
     def identities(self) -> tuple[str, ...]:
@@ -85,7 +107,8 @@ class BaseModelSpec:
         return tuple(dict.fromkeys(n for n in (self.name, *self.aliases) if n))
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection."""
+        """(in_features, out_features) of one projection; of a vocabulary module its LoRA's: embed_tokens (V, H)
+        (PEFT's ``lora_embedding_A [r, V]``, ``lora_embedding_B [H, r]``), lm_head (H, V)."""
         q_width = self.num_heads * self.head_dim
         kv_width = self.num_kv_heads * self.head_dim
         shapes = {
@@ -96,12 +119,18 @@ class BaseModelSpec:
             "gate_proj": (self.hidden_size, self.intermediate_size),
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
+            "embed_tokens": (self.vocab_size, self.hidden_size),
+            "lm_head": (self.hidden_size, self.vocab_size),
         }
         return shapes[proj]
 
     def module_keys(self) -> list[ModuleKey]:
         """Every LoRA-able linear, layer-major."""
         return [ModuleKey(layer, proj) for layer in range(self.num_layers) for proj in PROJECTIONS]
+
+    def vocab_keys(self) -> list[ModuleKey]:
+        """The vocabulary modules' keys (embed_tokens, lm_head)."""
+        return [ModuleKey.vocab(name) for name in VOCAB_MODULES]
 
     def module_names(self) -> list[str]:
         """Names of all modules of HF `LlamaForCausalLM` (as `named_modules()` lists them), for target matching."""

@@ -88,6 +88,11 @@ class AdapterManager:
         return self.pool.vectors is not None
 
     @property
+    def lora_vocab(self) -> bool:
+        """Whether the pool's rows have the vocabulary columns (embedding / lm_head LoRA, trainable tokens served)."""
+        return self.pool.layout.vocab
+
+    @property
     def pool_nbytes(self) -> int:
         """Device bytes of the row pool, every device's together."""
         return self.pool.nbytes

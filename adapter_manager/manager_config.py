@@ -40,6 +40,7 @@ class AdapterManagerConfig:
     disk_cache_bytes: int | None = None  # if set, byte bound on the manager's adapter repos in the HF cache (LRU)
     tensor_parallel_size: int = 1  # N: the pool's rows split in N sections, one per device (the model's N-way TP)
     lora_vectors: bool = True  # a vector row per slot: DoRA and lora_bias adapters are served (not with N > 1)
+    lora_vocab: bool = False  # the rows' vocabulary columns: embedding / lm_head LoRA, trainable tokens (N = 1 only)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -62,6 +63,7 @@ class AdapterManagerConfig:
             self.granule,
             self.tensor_parallel_size,
             self.lora_vectors,
+            self.lora_vocab,
         )
 
     def prefetch_config(self) -> PrefetchConfig:
@@ -80,4 +82,5 @@ class AdapterManagerConfig:
             disk_cache_bytes=self.disk_cache_bytes,
             tensor_parallel_size=self.tensor_parallel_size,
             lora_vectors=self.lora_vectors,
+            lora_vocab=self.lora_vocab,
         )

@@ -52,9 +52,9 @@ def tiny_spec() -> BaseModelSpec:
     return BaseModelSpec.from_hf_config(TINY, name=TINY_NAME)
 
 
-def make_tiny_llama(seed: int = 0):
+def make_tiny_llama(seed: int = 0, tie: bool = False):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(**TINY)
+    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=tie)
     config._name_or_path = TINY_NAME
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()

@@ -33,6 +33,7 @@ from adapter_manager.kernels.protocol import (
     LoRAGroups,
     WeightLayout,
 )
+from adapter_manager.kernels.vocab import embed_lora, head_lora
 
 __all__ = [
     "AdapterRows",
@@ -66,10 +67,12 @@ __all__ = [
     "cpu_model",
     "bucket_for",
     "decode_ops",
+    "embed_lora",
     "expand",
     "fused_linear",
     "layer_kernels",
     "has_fast_bf16",
+    "head_lora",
     "pack_weight",
     "packs_by_default",
     "paged_attention",

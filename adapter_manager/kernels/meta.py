@@ -72,6 +72,9 @@ class LoRAKernelMeta:
     """Traced only. Shape: [A·R] int32 on ``device``: ``lane // R``, made once per active width."""
     token_slots: torch.Tensor | None = field(init=False, default=None)
     """Eager only. Shape: [T] int32 on ``device``: the step's slot per token, -1 = no adapter."""
+    host_slots: list[int] | None = field(init=False, default=None)
+    """Eager only: the step's slot per token as host ints (what the vocabulary LoRA groups tokens by,
+    :mod:`kernels.vocab`)."""
     no_adapter: bool = field(init=False, default=False)
     """Eager only: no token has an adapter, LoRA is skipped."""
     all_assigned: bool = field(init=False, default=False)
@@ -181,6 +184,7 @@ class LoRAKernelMeta:
             )
         if not self.backend.traced:
             slots = slot_indices.tolist()  # the step's one host sync
+            self.host_slots = slots
             self._prepare_eager(slot_indices, slots, slot_rows)
             self._vector_indices(slots, slot_vectors, any(a.slot in slot_vectors for a in self.active_adapters))
             if self.bias_index is not None or self.scale_index is not None:

@@ -43,6 +43,7 @@ class RegistryConfig:
     disk_cache_bytes: int | None = None  # if set, bound on the bytes of this registry's repos in the HF cache
     tensor_parallel_size: int = 1  # N: prepared blocks hold N sections, one per device's shard (RowLayout.of)
     lora_vectors: bool = True  # accept variants with a per-output vector (DoRA, lora_bias): the pool has vector rows
+    lora_vocab: bool = False  # accept embedding / lm_head LoRA and trainable tokens: the rows' vocabulary columns
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:

@@ -44,11 +44,12 @@ class AdapterRegistry:
         self.spec = spec
         self.config = config or RegistryConfig()
         self.metrics = metrics or SwapMetrics()
-        self.layout = RowLayout.of(spec, TensorParallel(self.config.tensor_parallel_size))
+        self.layout = RowLayout.of(spec, TensorParallel(self.config.tensor_parallel_size), self.config.lora_vocab)
         """The row layout prepared blocks are built in: one section per tensor-parallel shard."""
         self.base_weight: BaseWeight | None = None
-        """The served base model's weight of a module (`tiers.vectors.BaseWeight`): what a DoRA adapter's scale is
-        prepared from; None until a model is attached (`AdapterManager.attach_base_weights`)."""
+        """The served base model's weight of a module (`tiers.vectors.BaseWeight`): what a DoRA adapter's scale and
+        trainable tokens' rows are prepared from; None until a model is attached
+        (`AdapterManager.attach_base_weights`)."""
         largest = self.config.max_rank * self.layout.row_bytes(self.config.dtype)
         if self.config.host_cache_bytes < largest:
             raise ValueError(
@@ -110,7 +111,7 @@ class AdapterRegistry:
                 with self._lock:
                     self._records[adapter_id] = record
                     self._unrestored.pop(adapter_id, None)
-            if prepared.complete:  # a DoRA adapter registered before a model is attached is prepared on first use
+            if prepared.complete:  # DoRA / trainable tokens before a model is attached: prepared at first use
                 self.host.put((adapter_id, record.digest), prepared)
             if previous is not None:
                 self.host.discard((adapter_id, previous.digest))
@@ -219,8 +220,8 @@ class AdapterRegistry:
             self._disk_files.used(record, files.downloaded_bytes > 0)
             if not prepared.complete:
                 raise UnsupportedAdapterError(
-                    adapter_id, "DoRA's scale needs the base model's weights, and none are attached (an Engine "
-                    "attaches its model's: AdapterManager.attach_base_weights)"
+                    adapter_id, "DoRA's scale and trainable tokens' rows need the base model's weights, and none are "
+                    "attached (an Engine attaches its model's: AdapterManager.attach_base_weights)"
                 )  # fmt: skip
             return prepared
 

@@ -40,7 +40,16 @@ def read_config(
             "built (its vector joins after the row-parallel all-reduce)"
         )  # fmt: skip
     warnings = check_base_model(adapter_id, adapter_config.base_model_name_or_path, spec, config, quiet)
-    return adapter_config, warnings, adapter_config.resolve(spec, adapter_id, config.max_rank)
+    modules = adapter_config.resolve(spec, adapter_id, config.max_rank)
+    vocab = [key.proj for key in modules if key.is_vocab]
+    if vocab and not config.lora_vocab:
+        what = " and ".join(f"{name} {'trainable tokens' if modules[ModuleKey.vocab(name)].tokens else 'LoRA'}"
+                            for name in vocab)  # fmt: skip
+        raise UnsupportedAdapterError(
+            adapter_id, f"{what} need the pool's vocabulary columns, which this server has off "
+            "(lora_vocab=False; serve with --lora-vocab)"
+        )  # fmt: skip
+    return adapter_config, warnings, modules
 
 
 def check_base_model(

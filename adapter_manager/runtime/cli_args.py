@@ -79,6 +79,12 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
         "then refused (default: served, docs/pool.md)",
     )
     parser.add_argument(
+        "--lora-vocab",
+        action="store_true",
+        help="give every adapter row vocabulary columns (2 x (vocab + hidden) elements more per row): adapters with "
+        "embed_tokens / lm_head LoRA or trainable tokens are then served (default: refused, docs/pool.md)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",

@@ -24,6 +24,7 @@ _GIB = 1 << 30
 _SHARED = (
     "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token",
     "kv_cache_bytes", "prefix_caching", "tensor_parallel_size", "deterministic", "lora_vectors",
+    "lora_vocab",
 )  # fmt: skip
 _SERVE_ONLY = ("pool_bytes", "dtype", "quantize", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
 
@@ -58,6 +59,7 @@ class ServeOptions:
     tensor_parallel_size: int = 1  # N: the model and the adapter pool sharded over N devices (vLLM's name)
     deterministic: bool = False  # a request's tokens and logprobs independent of its batch (EngineConfig's)
     lora_vectors: bool = True  # a vector row per slot: DoRA and lora_bias adapters served (AdapterManagerConfig's)
+    lora_vocab: bool = False  # vocabulary columns: embedding / lm_head LoRA, trainable tokens (AdapterManagerConfig's)
     local_roots: tuple[Path, ...] | None = None  # dirs the admin API may register from; None: hub ids only
     pool_bytes: int | None = None  # serve only: size the adapter pool in bytes instead of max_slots
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # serve only: auto is the checkpoint's
@@ -95,6 +97,7 @@ class ServeOptions:
             disk_cache_bytes=self.disk_cache_bytes,
             tensor_parallel_size=self.tensor_parallel_size,
             lora_vectors=self.lora_vectors,
+            lora_vocab=self.lora_vocab,
         )
         server = ServerConfig(
             self.model_name,

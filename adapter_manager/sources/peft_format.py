@@ -10,10 +10,13 @@ PEFT's rules, restated for the Llama module names of `BaseModelSpec.module_names
 - Weights live at `base_model.model.<module_name>.lora_A.weight` `[r, in]` and `.lora_B.weight` `[out, r]`; with
   `lora_bias` also `.lora_B.bias` `[out]`, with `use_dora` also `.lora_magnitude_vector` `[out]` (PEFT refuses both
   in one adapter, and so do we).
+- `embed_tokens` / `lm_head` targets and `trainable_token_indices`: `peft_vocab` (served with the pool's vocabulary
+  columns; plain LoRA only there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -25,6 +28,14 @@ from typing import Any
 
 from ..base_model import PROJECTIONS, BaseModelSpec, ModuleKey
 from ..errors import AdapterConfigError, RankTooLargeError, TensorKeyError, UnsupportedAdapterError
+from .peft_vocab import (
+    TrainableTokens,
+    check_token_ids,
+    check_vocab_module,
+    parse_vocab_key,
+    resolve_tokens,
+    trainable_token_indices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +51,6 @@ _TENSOR_KEY = re.compile(
 _REFUSED_FIELDS = {
     "use_qalora": "QALoRA (use_qalora)",
     "modules_to_save": "modules_to_save",
-    "trainable_token_indices": "trainable token indices (embedding training)",
     "layer_replication": "layer_replication",
     "target_parameters": "target_parameters",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)",
@@ -86,6 +96,7 @@ _KNOWN_FIELDS = {
     "qalora_group_size",
     "ensure_weight_tying",
     "target_modules_to_tie",
+    "trainable_token_indices",
 } | set(_REFUSED_FIELDS)
 
 
@@ -96,6 +107,7 @@ class ModuleLora:
     rank: int  # r of this module (rank_pattern resolved)
     alpha: float  # lora_alpha of this module (alpha_pattern resolved)
     scaling: float  # alpha / r, or alpha / sqrt(r) with rslora
+    tokens: TrainableTokens | None = None  # trainable tokens (a vocabulary module): rank n ids, scaling 1
 
 
 class Variant(StrEnum):
@@ -132,6 +144,10 @@ class LoraAdapterConfig:
     alpha_pattern: dict[str, float]
     base_model_name_or_path: str | None
     variant: Variant = Variant.LORA
+    trainable_tokens: dict[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict
+    )  # module -> ids (`peft_vocab`)
+    ensure_weight_tying: bool = False
 
     @classmethod
     def from_file(cls, path: Path, adapter: str) -> LoraAdapterConfig:
@@ -207,6 +223,8 @@ class LoraAdapterConfig:
             alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
             base_model_name_or_path=base,
             variant=Variant.DORA if use_dora else Variant.LORA_BIAS if lora_bias else Variant.LORA,
+            trainable_tokens=trainable_token_indices(raw.get("trainable_token_indices"), adapter, fail),
+            ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
         )
 
     def targets(self, name: str) -> bool:
@@ -242,19 +260,33 @@ class LoraAdapterConfig:
 
     def resolve(self, spec: BaseModelSpec, adapter: str, max_rank: int) -> dict[ModuleKey, ModuleLora]:
         """Every module of the base model this adapter targets, refusing targets we cannot serve."""
-        by_name = {key.module_name: key for key in spec.module_keys()}
+        by_name = {key.module_name: key for key in spec.module_keys() + spec.vocab_keys()}
         modules: dict[ModuleKey, ModuleLora] = {}
         for name in spec.module_names():
             if not self.targets(name):
                 continue
             key = by_name.get(name)
             if key is None:
-                what = "embedding/lm_head LoRA" if name in ("model.embed_tokens", "lm_head") else "a non-linear module"
-                raise UnsupportedAdapterError(adapter, f"target {name!r} is {what}; only {PROJECTIONS} are supported")
+                raise UnsupportedAdapterError(
+                    adapter, f"target {name!r} is a non-linear module; only {PROJECTIONS}, embed_tokens and lm_head "
+                    "are supported"
+                )  # fmt: skip
             lora = self.module_lora(name)
+            if key.is_vocab:
+                check_vocab_module(name, lora.rank, spec, adapter, max_rank, "LoRA")
+                if self.variant is not Variant.LORA:
+                    raise UnsupportedAdapterError(adapter, f"{self.variant.value} on {name} is not supported")
             if lora.rank > max_rank:
                 raise RankTooLargeError(adapter, f"module {name!r} has rank {lora.rank} > max_rank {max_rank}")
             modules[key] = lora
+        tokens = resolve_tokens(self.trainable_tokens, self.ensure_weight_tying, spec, adapter)
+        for name, trained in tokens.items():
+            key = ModuleKey.vocab(name)
+            if key in modules:
+                raise UnsupportedAdapterError(adapter, f"{name} has both LoRA and trainable tokens")
+            check_vocab_module(name, len(trained.ids), spec, adapter, max_rank, f"{len(trained.ids)} trainable tokens")
+            check_token_ids(name, trained.ids, spec, adapter)
+            modules[key] = ModuleLora(rank=len(trained.ids), alpha=1.0, scaling=1.0, tokens=trained)
         if not modules:
             raise UnsupportedAdapterError(
                 adapter, f"target_modules {self.target_modules!r} match no module of the base model"
@@ -264,11 +296,15 @@ class LoraAdapterConfig:
 
 def parse_tensor_key(key: str, adapter: str) -> tuple[ModuleKey, str]:
     """`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` -> (ModuleKey(3, "q_proj"), "A"); the kind
-    is "A", "B", "bias" (`.lora_B.bias`) or "magnitude" (`.lora_magnitude_vector`)."""
+    is "A", "B", "bias" (`.lora_B.bias`) or "magnitude" (`.lora_magnitude_vector`); of a vocabulary module also
+    "base" and "tokens" (`peft_vocab.parse_vocab_key`)."""
+    vocab = parse_vocab_key(key)
+    if vocab is not None:
+        if vocab[1] == "other":
+            raise UnsupportedAdapterError(adapter, f"tensor {key!r}: not a LoRA or trainable-tokens tensor")
+        return vocab
     match = _TENSOR_KEY.fullmatch(key)
     if match is None or match["proj"] not in PROJECTIONS:
-        if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
-            raise UnsupportedAdapterError(adapter, f"tensor {key!r}: embedding/lm_head LoRA is not supported")
         raise TensorKeyError(adapter, f"unexpected tensor key {key!r} in {WEIGHTS_NAME}")
     module = ModuleKey(int(match["layer"]), match["proj"])
     if module.module_name not in key:

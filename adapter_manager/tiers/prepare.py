@@ -4,7 +4,8 @@ A prepared adapter of rank r (its highest module rank) is one ``[r, width]`` blo
 (`row_layout.RowLayout`): pinned when serving on CUDA, its byte size proportional to its own rank, moved into the
 slot pool by one contiguous copy. Modules it does not target, and rows past a module's own rank, are zero. A variant
 with a per-output vector (DoRA, LoRA bias: `vectors`) also has one vector row in the layout's vector order, copied
-into its slot's vector row with the block.
+into its slot's vector row with the block. Trainable tokens are rows of the vocabulary columns made from the served
+weights (`vocab`): without them the adapter is checked whole but not servable, like DoRA's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError,
 from ..sources.peft_format import ModuleLora, Variant, parse_tensor_key
 from .row_layout import RowLayout
 from .vectors import BaseWeight, bias_vector, dora_vector
+from .vocab import check_base_copy, token_rows
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -49,6 +51,7 @@ class PreparedAdapter:
     digest: str = ""  # the content digest of the files it was prepared from (`sources.digests`)
     variant: Variant = Variant.LORA  # what it adds beyond A and B
     vector: torch.Tensor | None = None  # Shape: [vector_width], the vector row (DoRA's g - 1, LoRA's s · b); else None
+    awaiting_base: bool = False  # trainable tokens' rows not made: the base model's weights were not attached
 
     @property
     def rows(self) -> int:
@@ -57,8 +60,9 @@ class PreparedAdapter:
 
     @property
     def complete(self) -> bool:
-        """Whether it can be served: a variant with a vector has it (DoRA's needs the base model's weights)."""
-        return self.variant.vector is None or self.vector is not None
+        """Whether it can be served: a variant with a vector has it, trainable tokens their rows (DoRA's scale and the
+        tokens' rows need the base model's weights)."""
+        return (self.variant.vector is None or self.vector is not None) and not self.awaiting_base
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +100,7 @@ def prepare_adapter(
         tensors = _match_keys(adapter_id, list(handle.keys()), modules, variant)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
         layout = layout or RowLayout.of(spec)  # over N tensor-parallel shards: RowLayout.of(spec, tp)
-        prepared = _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory)
+        prepared = _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory, base_weight)
         if variant is not Variant.LORA:
             prepared = _with_vector(prepared, handle, tensors, modules, spec, layout, variant, base_weight)
     return replace(prepared, digest=digest)
@@ -128,27 +132,40 @@ def _opened(adapter_id: str, weights_path: Path) -> Iterator[Any]:
         raise CorruptWeightsError(adapter_id, f"{weights_path.name} is not a valid safetensors file: {err}") from None
 
 
-_KIND_NAMES = {"A": "lora_A", "B": "lora_B", "bias": "lora_B.bias", "magnitude": "lora_magnitude_vector"}
+_KIND_NAMES = {
+    "A": "lora_A", "B": "lora_B", "bias": "lora_B.bias", "magnitude": "lora_magnitude_vector",
+    "base": "base_layer.weight", "tokens": "token_adapter.trainable_tokens_delta",
+}  # fmt: skip
+
+
+def _kinds(module: ModuleKey, lora: ModuleLora, variant: Variant) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the kinds of tensor a targeted module must have, those it may have)."""
+    if lora.tokens is not None:
+        return (("tokens",), ()) if lora.tokens.source == module.proj else ((), ())
+    if module.is_vocab:
+        return ("A", "B"), ("base",)  # PEFT saves the frozen table it wrapped beside the LoRA
+    return (("A", "B") if variant.vector is None else ("A", "B", variant.vector)), ()
 
 
 def _match_keys(
     adapter_id: str, keys: list[str], modules: Mapping[ModuleKey, ModuleLora], variant: Variant
 ) -> dict[ModuleKey, dict[str, str]]:
-    """Each targeted module's tensor keys by kind ("A", "B" and the variant's vector)."""
-    kinds = ("A", "B") if variant.vector is None else ("A", "B", variant.vector)
+    """Each targeted module's tensor keys by kind ("A", "B", the variant's vector, a vocabulary module's "base" and
+    "tokens")."""
     found: dict[ModuleKey, dict[str, str]] = {}
     for key in keys:
         module, kind = parse_tensor_key(key, adapter_id)
         if module not in modules:
             raise TensorKeyError(adapter_id, f"tensor {key!r} is for a module adapter_config.json does not target")
-        if kind not in kinds:
+        required, optional = _kinds(module, modules[module], variant)
+        if kind not in required + optional:
             raise TensorKeyError(
                 adapter_id, f"tensor {key!r} is a {_KIND_NAMES[kind]}, which a {variant.value} adapter does not have "
                 f"(adapter_config.json: use_dora / lora_bias)"
             )  # fmt: skip
         found.setdefault(module, {})[kind] = key
-    for module in modules:
-        missing = [_KIND_NAMES[kind] for kind in kinds if kind not in found.get(module, {})]
+    for module, lora in modules.items():
+        missing = [_KIND_NAMES[kind] for kind in _kinds(module, lora, variant)[0] if kind not in found.get(module, {})]
         if missing:
             raise TensorKeyError(adapter_id, f"missing {'/'.join(missing)} for targeted module {module.module_name!r}")
     return found
@@ -158,7 +175,8 @@ def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> 
     for module, lora in modules.items():
         fan_in, fan_out = spec.projection_shape(module.proj)
         expected = {"A": [lora.rank, fan_in], "B": [fan_out, lora.rank], "bias": [fan_out], "magnitude": [fan_out]}
-        for ab, key in tensors[module].items():
+        expected |= {"base": [spec.vocab_size, spec.hidden_size], "tokens": [lora.rank, spec.hidden_size]}
+        for ab, key in tensors.get(module, {}).items():
             tensor_slice = handle.get_slice(key)
             shape = list(tensor_slice.get_shape())
             if shape != expected[ab]:
@@ -168,14 +186,30 @@ def _check_shapes(adapter_id, handle, tensors, modules, spec: BaseModelSpec) -> 
                 raise TensorShapeError(adapter_id, f"tensor {key!r} has dtype {dtype}, expected a float type")
 
 
-def _build(adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, dtype, pin_memory) -> PreparedAdapter:
+def _build(
+    adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, dtype, pin_memory, base_weight
+) -> PreparedAdapter:
     rank = max(lora.rank for lora in modules.values())
     storage = _block(rank, layout.width, dtype, pin_memory)  # [r, width]
     prepared: dict[ModuleKey, ModuleWeights] = {}
-    tp = layout.tensor_parallel
+    tp, awaiting = layout.tensor_parallel, False
     for module in sorted(modules):
         lora = modules[module]
         a_view, bt_view = layout.a_view(storage, module), layout.bt_view(storage, module)  # [r, in], [r, out]
+        prepared[module] = ModuleWeights(a=a_view, bt=bt_view, rank=lora.rank)
+        if lora.tokens is not None:  # trainable tokens: a one-hot LoRA made from the served weights (`vocab`)
+            name = tensors[ModuleKey.vocab(lora.tokens.source)]["tokens"]
+            if base_weight is None:
+                awaiting = True
+                if not bool(handle.get_tensor(name).isfinite().all()):
+                    raise NonFiniteWeightsError(adapter_id, f"tensor {name!r} holds NaN or infinity")
+            else:
+                rows = handle.get_tensor(name)
+                token_rows(module, lora.tokens.ids, rows, base_weight, a_view, bt_view, adapter_id, name)
+            continue
+        if "base" in tensors[module] and base_weight is not None:
+            check_base_copy(module, handle.get_tensor(tensors[module]["base"]), base_weight, adapter_id,
+                            tensors[module]["base"])  # fmt: skip
         a = handle.get_tensor(tensors[module]["A"])  # [r_m, in]
         bt = (handle.get_tensor(tensors[module]["B"]).to(torch.float32) * lora.scaling).t()  # [r_m, out]
         if layout.sections == 1:
@@ -185,7 +219,6 @@ def _build(adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, d
             for shard in range(layout.sections):
                 a_view[: lora.rank, shard].copy_(a[:, tp.in_index(spec, module.proj, shard)])
                 bt_view[: lora.rank, shard].copy_(bt[:, tp.out_index(spec, module.proj, shard)])
-        prepared[module] = ModuleWeights(a=a_view, bt=bt_view, rank=lora.rank)
     # A finite sum proves every element finite (NaN and inf propagate); a non-finite one is checked element-wise,
     # since finite values can also sum past the dtype's range.
     if not bool(storage.sum().isfinite()):
@@ -193,9 +226,11 @@ def _build(adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, d
             for ab, view in (("A", weights.a), ("B", weights.bt)):
                 if not bool(torch.isfinite(view).all()):
                     raise NonFiniteWeightsError(
-                        adapter_id, f"tensor {tensors[module][ab]!r} holds NaN or infinity (in {dtype} after scaling)"
+                        adapter_id,
+                        f"tensor {tensors.get(module, {}).get(ab, module.module_name)!r} holds NaN or "
+                        f"infinity (in {dtype} after scaling)",
                     )
-    return PreparedAdapter(adapter_id=adapter_id, sha=sha, modules=prepared, storage=storage)
+    return PreparedAdapter(adapter_id=adapter_id, sha=sha, modules=prepared, storage=storage, awaiting_base=awaiting)
 
 
 def _with_vector(prepared, handle, tensors, modules, spec, layout: RowLayout, variant, base_weight) -> PreparedAdapter:
@@ -204,7 +239,7 @@ def _with_vector(prepared, handle, tensors, modules, spec, layout: RowLayout, va
     storage, tp = prepared.storage, layout.tensor_parallel
     vector = _block(1, layout.vector_width, storage.dtype, storage.is_pinned())  # [1, vector_width]
     weights = dict(prepared.modules)
-    for module in sorted(modules):
+    for module in sorted(m for m in modules if not m.is_vocab):  # the vocabulary modules have no vector
         lora, key = modules[module], tensors[module][variant.vector]
         values = handle.get_tensor(key)  # [out]
         if variant is Variant.LORA_BIAS:

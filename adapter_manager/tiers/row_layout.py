@@ -24,6 +24,13 @@ it in a **vector row** of ``vector_width`` elements, in the same order and secti
 
 The pool keeps one vector row per slot beside its rows (`slot_pool.SlotPool.vectors`): half a row's width, so an
 adapter's rows stay its rank's power-of-two units, and the parts of a fused linear are adjacent there as well.
+
+With the **vocabulary columns** on (``vocab``: embedding and lm_head LoRA, trainable tokens; one device only) a row
+ends with the two vocabulary modules, after the last layer::
+
+    row i = [ L0 ... | L_last ... | A_embed[i] (V) Bt_embed[i] (H) A_head[i] (H) Bt_head[i] (V) ]
+
+(V the vocabulary, H the hidden size): ``2·(V + H)`` more elements per row, for every adapter. They have no vector.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ class ModuleColumns:
     in_features: int  # the section's A width: a row-parallel module's shard of its input features
     bt_start: int
     out_features: int  # the section's Bt width: a column-parallel module's shard of its output features
-    vector_start: int  # where its vector (out_features wide) lies inside a vector row's section
+    vector_start: int  # where its vector (out_features wide) lies inside a vector row's section; -1: it has none
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class RowLayout:
     section_width: int  # elements of one section: sum over modules of (in_s + out_s)
     tensor_parallel: TensorParallel  # the plan the sections follow
     vector_width: int  # elements of one vector row: every section's (sum over modules of out_s, times N)
+    vocab: bool = False  # the row ends with the vocabulary modules' columns (embed_tokens, lm_head)
 
     def __post_init__(self) -> None:
         if self.sections != self.tensor_parallel.size or self.width != self.sections * self.section_width:
@@ -67,9 +75,16 @@ class RowLayout:
             )
 
     @classmethod
-    def of(cls, spec: BaseModelSpec, tp: TensorParallel | None = None) -> RowLayout:
+    def of(cls, spec: BaseModelSpec, tp: TensorParallel | None = None, vocab: bool = False) -> RowLayout:
+        """The layout of ``spec``'s projections over ``tp``'s sections; ``vocab``: with the vocabulary columns (one
+        section only, and a spec that knows its vocabulary)."""
         tp = tp or TensorParallel()
         tp.check(spec)
+        if vocab and (tp.size > 1 or spec.vocab_size <= 0):
+            raise ValueError(
+                f"the vocabulary columns need one section and a known vocabulary: got tensor_parallel_size {tp.size}, "
+                f"vocab_size {spec.vocab_size}"
+            )
         columns: dict[ModuleKey, ModuleColumns] = {}
         offset = vector_offset = 0
         for layer in range(spec.num_layers):
@@ -86,7 +101,11 @@ class RowLayout:
                 key = ModuleKey(layer, proj)
                 columns[key] = ModuleColumns(a_starts[i], fan_in, bt_starts[i], fan_out, vector_offset)
                 vector_offset += fan_out
-        return cls(columns, offset * tp.size, tp.size, offset, tp, vector_offset * tp.size)
+        for key in spec.vocab_keys() if vocab else ():
+            fan_in, fan_out = spec.projection_shape(key.proj)
+            columns[key] = ModuleColumns(offset, fan_in, offset + fan_in, fan_out, -1)
+            offset += fan_in + fan_out
+        return cls(columns, offset * tp.size, tp.size, offset, tp, vector_offset * tp.size, vocab)
 
     def a_view(self, rows: torch.Tensor, key: ModuleKey) -> torch.Tensor:
         """Module ``key``'s A rows of a ``[n, width]`` tensor. Shape: [n, in] (over N sections [n, N, in_s]), a
@@ -104,6 +123,8 @@ class RowLayout:
         """Module ``key``'s vector of a ``[n, vector_width]`` tensor of vector rows. Shape: [n, out] (over N
         sections [n, N, out_s]), a strided view."""
         c = self.columns[key]
+        if c.vector_start < 0:
+            raise ValueError(f"{key.module_name} has no vector")
         sectioned = vectors if self.sections == 1 else vectors.view(vectors.shape[0], self.sections, -1)
         return sectioned[..., c.vector_start : c.vector_start + c.out_features]
 

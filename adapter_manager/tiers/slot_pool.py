@@ -41,10 +41,12 @@ def units_for(rank: int, granule: int) -> int:
     return 1 << (units - 1).bit_length()
 
 
-def bytes_needed(spec: BaseModelSpec, rows: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row), over every device: with N-way
-    tensor parallelism each device holds one section of each row (1/N of this)."""
-    return rows * RowLayout.of(spec, TensorParallel(tensor_parallel_size)).row_bytes(dtype)
+def bytes_needed(
+    spec: BaseModelSpec, rows: int, dtype: torch.dtype, tensor_parallel_size: int = 1, vocab: bool = False
+) -> int:
+    """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row; ``vocab``: and the vocabulary
+    modules'), over every device: with N-way tensor parallelism each device holds one section of each row (1/N)."""
+    return rows * RowLayout.of(spec, TensorParallel(tensor_parallel_size), vocab).row_bytes(dtype)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class SlotPoolConfig:
     granule: int | None = None  # rows per unit (slot index step); None: min(8, max_rank)
     tensor_parallel_size: int = 1  # N: each row in N sections, one per device (XLA: the pool split over the mesh)
     lora_vectors: bool = True  # a vector row per slot for DoRA's scale and LoRA's bias (not with N > 1: not built)
+    lora_vocab: bool = False  # the rows' vocabulary columns: embedding / lm_head LoRA, trainable tokens (N = 1 only)
 
     def __post_init__(self) -> None:
         if self.max_slots == "auto":
@@ -80,6 +83,8 @@ class SlotPoolConfig:
         if self.device.type not in ("cpu", "cuda", "xla"):
             raise ValueError(f"device must be cpu, cuda or xla, got {self.device}")
         TensorParallel(self.tensor_parallel_size)  # validates it
+        if self.lora_vocab and self.tensor_parallel_size > 1:
+            raise ValueError(f"lora_vocab with tensor_parallel_size {self.tensor_parallel_size} is not built")
 
     @property
     def has_vectors(self) -> bool:
@@ -99,9 +104,9 @@ class SlotPoolConfig:
             return self.max_slots * self.max_units
         assert self.memory_budget_bytes is not None
         vector = RowLayout.of(spec).vector_width * self.dtype.itemsize if self.has_vectors else 0  # one per unit
-        block = bytes_needed(spec, self.max_units * self.granule, self.dtype, self.tensor_parallel_size)
-        block += self.max_units * vector
-        zero_row = bytes_needed(spec, 1, self.dtype, self.tensor_parallel_size) + vector
+        tp, vocab = self.tensor_parallel_size, self.lora_vocab
+        block = bytes_needed(spec, self.max_units * self.granule, self.dtype, tp, vocab) + self.max_units * vector
+        zero_row = bytes_needed(spec, 1, self.dtype, tp, vocab) + vector
         if self.memory_budget_bytes < block + zero_row:
             raise ValueError(
                 f"memory_budget_bytes ({self.memory_budget_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
@@ -122,7 +127,7 @@ class SlotStacks:
         self._rows, self._layout, self._key, self._vectors = rows, layout, key, vectors
         self._fresh = rows.device.type == "xla"
         self._a, self._bt = layout.a_view(rows, key), layout.bt_view(rows, key)
-        self._vector = None if vectors is None else layout.vector_view(vectors, key)
+        self._vector = None if vectors is None or key.is_vocab else layout.vector_view(vectors, key)
 
     @property
     def a(self) -> torch.Tensor:
@@ -137,7 +142,7 @@ class SlotStacks:
     @property
     def vector(self) -> torch.Tensor | None:
         """Shape: [S + 1, out]: each slot's vector of this module (the last row zero); None: the pool has none."""
-        if self._vectors is None or not self._fresh:
+        if self._vectors is None or not self._fresh or self._key.is_vocab:
             return self._vector
         return self._layout.vector_view(self._vectors, self._key)
 
@@ -153,7 +158,7 @@ class SlotPool:
         self.spec = spec
         self.config = config or SlotPoolConfig()
         self.tensor_parallel = TensorParallel(self.config.tensor_parallel_size)
-        self.layout = RowLayout.of(spec, self.tensor_parallel)
+        self.layout = RowLayout.of(spec, self.tensor_parallel, self.config.lora_vocab)
         self.granule: int = self.config.granule  # type: ignore[assignment]
         self.num_units = self.config.resolve_units(spec)
         self.max_units = self.config.max_units
@@ -172,7 +177,7 @@ class SlotPool:
         """Shape: [S + 1, vector_width]: slot s's vector row (`row_layout`), the last one zero; None: none kept."""
         if self.config.has_vectors:
             self.vectors = torch.zeros(self.num_units + 1, self.layout.vector_width, dtype=self.dtype).to(self.device)
-        self._stacks = {key: SlotStacks(self.rows, self.layout, key, self.vectors) for key in spec.module_keys()}
+        self._stacks = {key: SlotStacks(self.rows, self.layout, key, self.vectors) for key in self.layout.columns}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._xla_lock = threading.RLock()  # re-entrant: the engine holds it around a whole step
         self._load_listeners: list[Callable[[int, torch.Tensor], None]] = []

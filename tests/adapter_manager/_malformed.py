@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,9 @@ from adapter_manager import (
 from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
 
 KEY = "base_model.model.model.layers.{layer}.{parent}.{proj}.lora_{ab}.weight"
+EMBED = "base_model.model.model.embed_tokens."
+TOKENS = "token_adapter.trainable_tokens_delta"
+VOCAB = {"lora_vocab": True}  # RegistryConfig with the vocabulary columns
 
 
 def key(layer: int, proj: str, ab: str) -> str:
@@ -176,7 +180,57 @@ CASES = [
     Case(
         "embedding_lora_key",
         add_tensor("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(4, 64)),
+        TensorKeyError,
+    ),
+    Case("tokens_vocab_off", edit_config(trainable_token_indices=[3]), UnsupportedAdapterError),
+    Case(
+        "embed_wrong_vocab",
+        both(
+            edit_config(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+            add_tensor(EMBED + "lora_embedding_A", torch.zeros(4, 63)),
+            add_tensor(EMBED + "lora_embedding_B", torch.zeros(32, 4)),
+        ),
+        TensorShapeError,
+        VOCAB,
+    ),
+    Case(
+        "embed_missing_B",
+        both(
+            edit_config(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+            add_tensor(EMBED + "lora_embedding_A", torch.zeros(4, 64)),
+        ),
+        TensorKeyError,
+        VOCAB,
+    ),
+    Case("lm_head_dora", edit_config(use_dora=True, target_modules=["lm_head"]), UnsupportedAdapterError, VOCAB),
+    Case("tokens_out_of_vocab", edit_config(trainable_token_indices=[3, 64]), AdapterConfigError, VOCAB),
+    Case("tokens_repeated", edit_config(trainable_token_indices=[3, 3]), AdapterConfigError, VOCAB),
+    Case("tokens_not_ints", edit_config(trainable_token_indices=["3"]), AdapterConfigError, VOCAB),
+    Case("tokens_on_q_proj", edit_config(trainable_token_indices={"q_proj": [1]}), UnsupportedAdapterError, VOCAB),
+    Case("tokens_missing_rows", edit_config(trainable_token_indices=[3, 5]), TensorKeyError, VOCAB),
+    Case(
+        "tokens_wrong_width",
+        both(edit_config(trainable_token_indices=[3, 5]), add_tensor(EMBED + TOKENS, torch.zeros(2, 31))),
+        TensorShapeError,
+        VOCAB,
+    ),
+    Case(
+        "tokens_nan",
+        both(edit_config(trainable_token_indices=[3, 5]), add_tensor(EMBED + TOKENS, torch.full((2, 32), math.nan))),
+        NonFiniteWeightsError,
+        VOCAB,
+    ),
+    Case(
+        "tokens_above_max_rank",
+        edit_config(r=2, trainable_token_indices=list(range(9))),
+        RankTooLargeError,
+        {**VOCAB, "max_rank": 8},
+    ),
+    Case(
+        "tokens_and_lora_on_embed_tokens",
+        edit_config(target_modules=["q_proj", "v_proj", "embed_tokens"], trainable_token_indices=[3]),
         UnsupportedAdapterError,
+        VOCAB,
     ),
     Case(
         "lora_B_bias_key",

@@ -35,13 +35,17 @@ VARIANT_ROWS = [
 ]
 
 
-def write_trained(folder: Path, seed: int, steps: int = 3, **lora_kwargs) -> tuple[Path, object]:
+def write_trained(
+    folder: Path, seed: int, steps: int = 3, tie: bool = False, save_embedding_layers: bool = False, **lora_kwargs
+) -> tuple[Path, object]:
     """A PEFT adapter from random A and B (``init_lora_weights=False``) trained ``steps`` Adam steps on random tokens,
-    which moves DoRA's magnitudes and LoRA's biases off their initial values; saved by peft."""
+    which moves DoRA's magnitudes, LoRA's biases and trainable tokens' rows off their initial values; saved by peft
+    (``save_embedding_layers``: with the frozen tables an embedding / lm_head LoRA wraps). ``tie``: on the tiny
+    Llama with tied embeddings."""
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(init_lora_weights=False, **lora_kwargs)
     torch.manual_seed(seed)
-    model = peft.get_peft_model(make_tiny_llama(), config)
+    model = peft.get_peft_model(make_tiny_llama(tie=tie), config)
     model.train()
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05)
     for _ in range(steps):
@@ -50,5 +54,5 @@ def write_trained(folder: Path, seed: int, steps: int = 3, **lora_kwargs) -> tup
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
-    model.save_pretrained(folder, save_embedding_layers=False)
+    model.save_pretrained(folder, save_embedding_layers=save_embedding_layers)
     return folder, model

@@ -17,6 +17,7 @@ from adapter_manager.runtime.model.llama import Llama
 from tests.conftest import TINY_NAME, make_tiny_llama
 from tests.runtime._oracle import ADAPTERS, ENGINE_NEW_TOKENS, ENGINE_REQUESTS, hf_greedy, write_adapter
 from tests.runtime._variants import VARIANTS, write_trained
+from tests.runtime._vocab import write_vocab_adapters
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +43,13 @@ def written_variants(tmp_path_factory, written) -> dict[str | None, tuple[Path, 
     out = {name: write_trained(root / name, seed=i + 11, **kw) for i, (name, kw) in enumerate(VARIANTS.items())}
     out[None] = written[None]
     return out
+
+
+@pytest.fixture(scope="session")
+def written_vocab(tmp_path_factory) -> dict:
+    """The vocabulary adapters (`tests.runtime._vocab`) trained and written by peft, with their PeftModels; None:
+    the untied base, "tied": the tied base (folder, HF model)."""
+    return write_vocab_adapters(tmp_path_factory.mktemp("vocab-oracle"))
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ from adapter_manager.kernels import (
     LoRAKernelMeta,
     Stacks,
     WeightLayout,
+    embed_lora,
+    head_lora,
     layer_kernels,
 )
 
@@ -79,6 +81,8 @@ class Llama(nn.Module):
         self.max_batch = 0
         """The sequences of the dense tables (set by :meth:`setup_caches`); their row ``max_batch`` is the spare."""
         self.layout_choice = None  # how pack_weights chose the weights' layout (kernels.choose_weight_layout)
+        self.vocab_lora: dict[str, Stacks] = {}
+        """The vocabulary modules' rows (embed_tokens, lm_head) where the pool has them (:meth:`attach_lora`)."""
 
     @property
     def device(self) -> torch.device:
@@ -190,12 +194,18 @@ class Llama(nn.Module):
         """
         group = self.shard_group
         for key, module_stacks in stacks.items():
+            if key.is_vocab:
+                if self.tensor_parallel.size > 1:
+                    raise ValueError(f"{key.module_name} LoRA on a model sharded {self.tensor_parallel.size} ways")
+                self.vocab_lora[key.proj] = module_stacks
+                continue
             linear, part = self.lora_target(key)
             sectioned = group is not None and module_stacks.a.dim() == 3
             linear.attach(part, PoolSection(module_stacks, group.rank) if sectioned else module_stacks)
 
     def detach_lora(self) -> None:
         """Back to exactly the base model."""
+        self.vocab_lora = {}
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.detach()
@@ -221,6 +231,10 @@ class Llama(nn.Module):
         """Module ``key``'s base weight as served (:meth:`LoRALinear.plain_weight`): Shape: [out, in], on the model's
         device; on XLA a host copy (the whole fused weight moves, then the part is sliced on the host). The weights
         there are views of device data, so the transfer compiles once per weight shape: `Engine.warm_up` does it."""
+        if key.is_vocab:  # [V, H]: the table, or the head's weight (the table when tied)
+            table = self.tok_embeddings.weight.detach()
+            weight = self.output.plain_weight() if key.proj == "lm_head" and self.output is not None else table
+            return weight.cpu() if weight.device.type == "xla" else weight
         linear, part = self.lora_target(key)
         weight = linear.plain_weight()
         if weight.device.type == "xla":
@@ -259,6 +273,9 @@ class Llama(nn.Module):
             raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")
         assert self.kernels is not None
         h = self._embed(batch.tokens)  # [T, H]
+        vocab = self.vocab_lora if lora_meta is not None else {}
+        if "embed_tokens" in vocab:
+            h = embed_lora(h, batch.tokens, vocab["embed_tokens"], lora_meta, self.deterministic)
         ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
         if self.deterministic and batch.spans is None:
             raise ValueError("the deterministic mode runs eager batches (with spans), not traced ones")
@@ -284,6 +301,8 @@ class Llama(nn.Module):
             logits = self.kernels.linear(h, embeddings, fast=ops.compiled, reorder=False)  # [N, vocab]
         else:
             logits = self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]
+        if "lm_head" in vocab:
+            logits = head_lora(logits, h, vocab["lm_head"], lora_meta, batch.logits_index, self.deterministic)
         return logits if self.shard_group is None else self.shard_group.all_gather(logits)  # each shard's rows
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""The vocabulary modules' LoRA, once per step: the embedding's (a gather, then an expand) and the head's (a shrink
+and an expand over the logits rows). Trainable tokens arrive here as such a LoRA too (`tiers.vocab`).
+
+Semantics (``a_rows [N, in]``, ``bt_rows [N, out]``: a vocabulary module's rows of the pool, scaling folded into Bt;
+rows(t) the pool rows of token t's adapter, none for slot -1)::
+
+    embed_lora:  h[t]      += Σ_{k in rows(t)} a_rows[k, tokens[t]] · bt_rows[k]      # a_rows [N, V], bt_rows [N, H]
+    head_lora:   logits[n] += Σ_{k in rows(t_n)} (x[n] · a_rows[k]) · bt_rows[k]       # a_rows [N, H], bt_rows [N, V]
+
+with ``t_n = logits_index[n]`` the token of logits row n (``x = h[logits_index]``, normed). Eager backends: one
+gather / matmul pair per active adapter (the rows as a plain slice, its tokens as a slice when they are one run);
+traced ones: laned over the step's compact active table (`kernels.active_table`), static shapes, new tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapter_manager.kernels.linear_lora import Stacks
+from adapter_manager.kernels.meta import LoRAKernelMeta
+
+
+def embed_lora(
+    h: torch.Tensor, tokens: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta, per_token: bool = False
+) -> torch.Tensor:
+    """Add the embedding LoRA of each token's adapter. Shape: h [T, H], tokens [T] int64; returns [T, H] (eager: h,
+    written in place). ``per_token``: one row at a time (the deterministic mode: a row's result never depends on
+    how many rows share its matmul)."""
+    if meta.backend.traced:
+        token_compact, gather_rows, lane_owner = meta.args()
+        picked = stacks.a[gather_rows[None, :], tokens.long()[:, None]]  # [T, A·R]: each lane's A entry for the token
+        own = token_compact[:, None] == lane_owner[None, :]
+        picked = torch.where(own, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+        return h + (picked @ stacks.bt.index_select(0, gather_rows)).to(h.dtype)
+    if meta.no_adapter:
+        return h
+    for rows, where in _groups(meta, meta.host_slots, h.device, per_token):
+        picked = stacks.a[rows].index_select(1, tokens[where])  # [r, n]
+        delta = (picked.t() @ stacks.bt[rows]).to(h.dtype)  # [n, H]
+        if isinstance(where, slice):
+            h[where] += delta
+        else:
+            h.index_add_(0, where, delta)
+    return h
+
+
+def head_lora(
+    logits: torch.Tensor,
+    x: torch.Tensor,
+    stacks: Stacks,
+    meta: LoRAKernelMeta,
+    logits_index: torch.Tensor | None,
+    per_token: bool = False,
+) -> torch.Tensor:
+    """Add the head LoRA of each logits row's adapter. Shape: logits [N, V], x [N, H] (the head's input),
+    logits_index [N] int64 (None: N = T, row n is token n); returns [N, V] (eager: logits, written in place).
+    ``per_token``: as :func:`embed_lora`'s."""
+    if meta.backend.traced:
+        token_compact, gather_rows, lane_owner = meta.args()
+        if logits_index is not None:
+            token_compact = token_compact.index_select(0, logits_index)
+        u = x @ stacks.a.index_select(0, gather_rows).t()  # [N, A·R]
+        own = token_compact[:, None] == lane_owner[None, :]
+        u = torch.where(own, u, torch.zeros((), dtype=u.dtype, device=u.device))
+        return logits + (u @ stacks.bt.index_select(0, gather_rows)).to(logits.dtype)
+    if meta.no_adapter:
+        return logits
+    slots = meta.host_slots
+    assert slots is not None
+    if logits_index is not None:
+        slots = [slots[t] for t in logits_index.tolist()]
+    for rows, where in _groups(meta, slots, logits.device, per_token):
+        delta = ((x[where] @ stacks.a[rows].t()) @ stacks.bt[rows]).to(logits.dtype)  # [n, V]
+        if isinstance(where, slice):
+            logits[where] += delta
+        else:
+            logits.index_add_(0, where, delta)
+    return logits
+
+
+def _groups(meta: LoRAKernelMeta, slots: list[int] | None, device: torch.device, per_token: bool):
+    """(the adapter's pool rows, its positions in ``slots``: a slice when they are one run, else an index tensor)
+    for each active adapter with a position there; ``per_token``: one slice per position."""
+    assert slots is not None
+    by_slot = {adapter.slot: adapter for adapter in meta.active_adapters}
+    if per_token:
+        for index, slot in enumerate(slots):
+            if slot >= 0:
+                yield by_slot[slot].rows, slice(index, index + 1)
+        return
+    positions: dict[int, list[int]] = {}
+    for index, slot in enumerate(slots):
+        if slot >= 0:
+            positions.setdefault(slot, []).append(index)
+    for slot, where in positions.items():
+        rows = by_slot[slot].rows
+        if where[-1] - where[0] + 1 == len(where):
+            yield rows, slice(where[0], where[-1] + 1)
+        else:
+            yield rows, torch.tensor(where, dtype=torch.long, device=device)
