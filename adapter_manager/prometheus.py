@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .base_model import VOCAB_MODULES
 from .manager import AdapterManager
 from .metrics import LatencyStats, Tier
 from .sources.peft_format import Variant
@@ -115,6 +116,13 @@ class AdapterManagerCollector(Collector):
         for variant in Variant:
             variants.add_metric([variant.value], by_variant[variant.value])
         yield variants
+        doc = "Registered adapters adapting a vocabulary module (embed_tokens, lm_head) by LoRA or trainable tokens"
+        vocab = GaugeMetricFamily(f"{ns}_adapters_by_vocab_module", doc, labels=["module", "kind"])
+        by_vocab = Counter(pair for record in manager.records() for pair in record.vocab.items())
+        for module in VOCAB_MODULES:
+            for kind in ("lora", "tokens"):
+                vocab.add_metric([module, kind], by_vocab[module, kind])
+        yield vocab
 
         states = manager.allocator.states()
         yield GaugeMetricFamily(f"{ns}_slots", "Device adapter slots", value=manager.num_slots)

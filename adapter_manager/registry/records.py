@@ -91,6 +91,11 @@ class AdapterRecord:
         """Highest rank over its modules."""
         return max(m.rank for m in self.modules.values())
 
+    @property
+    def vocab(self) -> dict[str, str]:
+        """What it does to each vocabulary module it adapts: {"embed_tokens" | "lm_head": "lora" | "tokens"}."""
+        return {key.proj: "tokens" if lora.tokens else "lora" for key, lora in self.modules.items() if key.is_vocab}
+
 
 @dataclass(frozen=True)
 class RegisterResult:

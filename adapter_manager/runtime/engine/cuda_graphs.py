@@ -177,9 +177,12 @@ class DecodeGraphs:
 
     def covers(self, batch: ForwardBatch, meta: LoRAKernelMeta | None) -> bool:
         """Whether this step replays a graph: a decode-only step (one token per sequence) of at most the largest
-        bucket, prepared with this object's metadata (or no LoRA) and no adapter with a vector row."""
+        bucket, prepared with this object's metadata (or no LoRA), no adapter with a vector row and no vocabulary
+        LoRA attached (its eager groups are per step)."""
         if meta is not None and (meta is not self.meta or meta.bias_index is not None or meta.scale_index is not None):
             return False  # another metadata, or a vector epilogue (the graphs are captured without one): eager
+        if meta is not None and self.model.vocab_lora:
+            return False
         if batch.spans is None or any(span.count != 1 for span in batch.spans):
             return False
         rows = batch.num_tokens if batch.logits_index is None else batch.logits_index.shape[0]

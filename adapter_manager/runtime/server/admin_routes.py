@@ -136,6 +136,7 @@ def adapter_info(manager: AdapterManager, record: AdapterRecord, residency: Adap
         "digest": record.digest,  # what the adapter is: its content's sha256 digest (sources.digests)
         "rank": record.rank,
         "variant": record.variant.value,  # lora, dora or lora_bias
+        "vocab": record.vocab,  # {"embed_tokens" | "lm_head": "lora" | "tokens"}: LoRA or trainable tokens there
         "modules": len(record.modules),
         "bytes": record.nbytes,
         "base_model": record.base_model,
@@ -162,6 +163,7 @@ def unrestored_info(unrestored: UnrestoredAdapter) -> dict:
         "digest": row.digest,
         "rank": None,
         "variant": None,
+        "vocab": {},
         "modules": 0,
         "bytes": 0,
         "registered_at": row.registered_at,
