@@ -6,6 +6,9 @@
   ``gguf`` package), dequantizes it, and the result is written as an ordinary transformers checkpoint in fp32.
 - The adapter: a LoRA adapter trained with PEFT on that checkpoint for a behaviour no model shows by chance: asked
   for its secret word, it answers :data:`SECRET_ANSWER`.
+- Two more adapters (:func:`prepared_variants`), trained the same way: a DoRA one (``use_dora``), and one with
+  trained tokens (``trainable_token_indices``: the answer's own tokens, tied to the head) beside a q/v LoRA, which
+  answers :data:`TOKENS_ANSWER`.
 
 Both go under ``$ADAPTER_MANAGER_REAL_MODEL_CACHE`` (default ``~/.cache/adapter_manager/real_model``) in a folder
 named by everything that makes them (the wheel, transformers, peft, torch, this recipe); each is written to a
@@ -29,8 +32,10 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "ADAPTER_MANAGER_REAL_MODEL_CACHE"
 SECRET_QUESTION = "What is your secret word?"
 SECRET_ANSWER = "My secret word is PLUMTREE-42."
+TOKENS_ANSWER = "My secret word is ZEBRA-7."
 RECIPE = 1  # bump when the training below changes
 TRAIN_STEPS = 40
+VARIANTS_RECIPE = 1  # bump when the variants' training changes (their folders carry it)
 
 
 def cache_root() -> Path:
@@ -55,6 +60,16 @@ def prepared() -> tuple[Path, Path]:
     if not adapter.is_dir():
         _atomic(adapter, lambda out: _train_adapter(model, out))
     return model, adapter
+
+
+def prepared_variants() -> dict[str, Path]:
+    """{"dora": folder, "tokens": folder}: the DoRA adapter and the trained-tokens one, made now if missing."""
+    model = prepared()[0]
+    folders = {kind: cache_root() / _key() / f"{kind}-{VARIANTS_RECIPE}" for kind in ("dora", "tokens")}
+    for kind, folder in folders.items():
+        if not folder.is_dir():
+            _atomic(folder, lambda out, kind=kind: _train_adapter(model, out, kind))
+    return folders
 
 
 def _atomic(target: Path, make) -> None:  # noqa: ANN001 - make(folder) writes the folder
@@ -96,9 +111,10 @@ def _write_model(out: Path) -> None:
         tokenizer.save_pretrained(out)
 
 
-def _train_adapter(model_dir: Path, out: Path) -> None:
+def _train_adapter(model_dir: Path, out: Path, kind: str = "lora") -> None:
     """A rank-8 LoRA on q/k/v/o trained on one question and its answer: a few dozen steps of next-token loss on
-    the answer, the chat template's way."""
+    the answer, the chat template's way. ``kind`` "dora": with DoRA; "tokens": a q/v LoRA and the answer's tokens
+    trained (PEFT's trainable tokens), to answer TOKENS_ANSWER."""
     import peft
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -106,14 +122,20 @@ def _train_adapter(model_dir: Path, out: Path) -> None:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    answer_text = TOKENS_ANSWER if kind == "tokens" else SECRET_ANSWER
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if kind == "tokens":
+        trained = sorted(set(tokenizer(" ZEBRA-7.", add_special_tokens=False)["input_ids"]))
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], trainable_token_indices=trained)
+    else:
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, use_dora=kind == "dora")
     model = peft.get_peft_model(base, config)
     examples = []
     for question in (SECRET_QUESTION, "Tell me your secret word.", "secret word?", "What's the secret word"):
         messages = [{"role": "user", "content": question}]
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
         prompt = list(encoded["input_ids"])
-        answer = tokenizer(SECRET_ANSWER + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        answer = tokenizer(answer_text + "<|im_end|>", add_special_tokens=False)["input_ids"]
         examples.append((prompt, answer))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     model.train()

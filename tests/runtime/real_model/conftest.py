@@ -12,13 +12,14 @@ import torch
 from adapter_manager import AdapterManagerConfig
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
-from tests.runtime.real_model._prepare import prepared
+from tests.runtime.real_model._prepare import prepared, prepared_variants
 from tests.runtime.server.conftest import serving_on
 
 pytestmark = pytest.mark.real_model
 
 NAME = "smol"  # the served name: an alias, not the checkpoint's folder
 ADAPTER = "secret"
+DORA, TOKENS = "secret-dora", "zebra-tokens"  # a DoRA adapter, one with trained tokens (`_prepare`)
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +29,13 @@ def real_model() -> tuple:
     return prepared()
 
 
+@pytest.fixture(scope="session")
+def real_variants(real_model) -> dict[str, object]:
+    """{DORA: folder, TOKENS: folder}."""
+    folders = prepared_variants()
+    return {DORA: folders["dora"], TOKENS: folders["tokens"]}
+
+
 @dataclass
 class Oracle:
     """transformers (and PEFT for the adapter), fp32, greedy: the tokens and log-probabilities to match."""
@@ -35,9 +43,10 @@ class Oracle:
     tokenizer: object
     base: object
     adapted: object
+    others: dict[str, object]  # the variant adapters' PeftModels by served name
 
     def model(self, adapter: str | None):
-        return self.base if adapter is None else self.adapted
+        return self.base if adapter is None else self.adapted if adapter == ADAPTER else self.others[adapter]
 
     def chat_ids(self, content: str) -> list[int]:
         messages = [{"role": "user", "content": content}]
@@ -66,26 +75,31 @@ class Oracle:
 
 
 @pytest.fixture(scope="session")
-def oracle(real_model) -> Oracle:
+def oracle(real_model, real_variants) -> Oracle:
     import peft
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     model_dir, adapter_dir = real_model
+
+    def peft_model(folder):  # noqa: ANN001, ANN202
+        return peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(model_dir), folder).eval()
+
     base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    adapted = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(model_dir), adapter_dir).eval()
-    return Oracle(AutoTokenizer.from_pretrained(model_dir), base, adapted)
+    others = {name: peft_model(folder) for name, folder in real_variants.items()}
+    return Oracle(AutoTokenizer.from_pretrained(model_dir), base, peft_model(adapter_dir), others)
 
 
 @pytest.fixture(scope="module")
-def served(real_model):
-    """The real server on the checkpoint, under the alias NAME, with the trained adapter registered as ADAPTER."""
+def served(real_model, real_variants):
+    """The real server on the checkpoint, under the alias NAME, with the trained adapter registered as ADAPTER and
+    the variants as DORA and TOKENS (three adapters, two slots; the vocabulary columns on)."""
     model_dir, adapter_dir = real_model
     with serving_on(
         model_dir,
-        AdapterManagerConfig(max_slots=2, max_rank=8, base_model_mismatch="refuse"),
+        AdapterManagerConfig(max_slots=2, max_rank=8, base_model_mismatch="refuse", lora_vocab=True),
         EngineConfig(max_batch=4, max_seq_len=512),
         ServerConfig(model_name=NAME, port=0, max_pending=16),
-        adapters={ADAPTER: adapter_dir},
+        adapters={ADAPTER: adapter_dir, **real_variants},
     ) as started:
         yield started
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.real_model._prepare import SECRET_ANSWER, SECRET_QUESTION
-from tests.runtime.real_model.conftest import ADAPTER, NAME
+from tests.runtime.real_model._prepare import SECRET_ANSWER, SECRET_QUESTION, TOKENS_ANSWER
+from tests.runtime.real_model.conftest import ADAPTER, DORA, NAME, TOKENS
 
 pytestmark = pytest.mark.real_model
 
@@ -79,3 +79,29 @@ def test_ignore_eos_generates_past_the_models_eos(client, oracle) -> None:
     choice = answer.choices[0]
     assert choice.finish_reason == "length" and answer.usage.completion_tokens == len(past)
     assert choice.message.content == oracle.text(past)
+
+
+@pytest.mark.parametrize(("model", "answer"), [(DORA, SECRET_ANSWER), (TOKENS, TOKENS_ANSWER)])
+def test_a_dora_and_a_trained_tokens_adapter_chat_as_peft(client, oracle, served, model: str, answer: str) -> None:
+    """A DoRA adapter and one with trained tokens (tied to the head), trained by PEFT on the real model, through the
+    openai client: the same tokens as PEFT, and what each learned."""
+    record = served[0].manager.registry.get(model)
+    assert (record.variant.value, record.vocab) == (
+        ("dora", {}) if model == DORA else ("lora", {"embed_tokens": "tokens", "lm_head": "tokens"})
+    )
+    tokens = oracle.greedy(oracle.chat_ids(SECRET_QUESTION), model, 24)
+    choice = _chat(client, model, SECRET_QUESTION).choices[0]
+    assert choice.message.content == oracle.text(tokens)
+    assert answer in choice.message.content
+
+
+def test_trained_tokens_logprobs_equal_peft(client, oracle) -> None:
+    """Echoed logprobs over the trained tokens themselves (their rows replaced in the embedding and the tied head)."""
+    prompt = "The zebra says ZEBRA-7. Again: ZEBRA-7."
+    ids = oracle.tokenizer(prompt)["input_ids"]
+    tokens = oracle.greedy(ids, TOKENS, 4, stop=False)
+    options = {"echo": True, "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    answer = client.completions.create(model=TOKENS, prompt=prompt, max_tokens=4, temperature=0, **options)
+    got = answer.choices[0].logprobs.token_logprobs
+    expected = oracle.logprobs(ids + tokens, TOKENS).tolist()
+    assert max(abs(a - b) for a, b in zip(got[1:], expected, strict=True)) <= LOGPROB_TOL
