@@ -126,7 +126,9 @@ def _train_adapter(model_dir: Path, out: Path, kind: str = "lora") -> None:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     if kind == "tokens":
         trained = sorted(set(tokenizer(" ZEBRA-7.", add_special_tokens=False)["input_ids"]))
-        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], trainable_token_indices=trained)
+        config = peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], trainable_token_indices=trained
+        )
     else:
         config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, use_dora=kind == "dora")
     model = peft.get_peft_model(base, config)
