@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""LoRA variants on the bench model: DoRA and LoRA-bias mixes beside the plain LoRA mix, each against its floor.
+"""LoRA variants on the bench model: DoRA, LoRA-bias, embedding + lm_head LoRA and trainable-token mixes beside the
+plain LoRA mix, each against its floor.
 
 Measured side by side in one run (medians over --rounds, the mixes' order rotating each round), on the real engine:
 - the decode step (``--seqs`` sequences, one token each, ``--context`` tokens of context): base (no adapter), then
-  1 and 8 distinct rank-16 adapters of each variant (plain ``lora``, ``dora``, ``lora_bias``), on all seven
-  projections; cost = step / base step - 1, against the decode floor: the active adapters' weight bytes, with a
-  variant's vector rows (one value per output feature of every projection), ÷ the base weight bytes;
+  1 and 8 distinct rank-16 adapters of each variant (plain ``lora``, ``dora``, ``lora_bias``; ``vocab``: LoRA on
+  embed_tokens and lm_head too; ``tokens``: plain LoRA and 8 trainable tokens), on all seven projections; cost =
+  step / base step - 1, against the decode floor: the active adapters' weight bytes, with a variant's vector rows
+  (one value per output feature of every projection) and what the vocabulary modules must read (the token's column
+  of the embedding A, the Bt rows, the head's A and Bt; the replaced rows), ÷ the base weight bytes;
 - prefill (``--seqs`` prompts of ``--prompt`` tokens, one generated token): cost = base time / mix time - 1, against
-  the prefill floor (LoRA FLOPs, with the epilogue's one multiply-add per output feature, ÷ base FLOPs);
+  the prefill floor (LoRA FLOPs, with the epilogue's one multiply-add per output feature and the vocabulary modules'
+  FLOPs, ÷ base FLOPs);
 - the vector epilogue alone: one decode batch of 8 distinct adapters of the variant run through the engine's step
   runner with its vector rows named and without (the plain LoRA it is, minus the epilogue), alternating, same batch:
   the epilogue's share of the step beside the floor of the vectors' bytes alone.
@@ -31,7 +35,8 @@ import torch
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from scripts.harness import RANK, cpu_model, decode_floor, engine_step_ms, engine_workload, prefill_floor, write_json
 
-VARIANTS = {"lora": "a", "dora": "d", "lora_bias": "b"}  # variant -> the id prefix of its 8 adapters
+VARIANTS = {"lora": "a", "dora": "d", "lora_bias": "b", "vocab": "v", "tokens": "t"}  # -> the id prefix of its 8
+VECTORS = ("dora", "lora_bias")  # the variants with a vector row; "vocab" and "tokens" use the vocabulary columns
 MIXES = ("base",) + tuple(f"{variant}_{k}" for variant in VARIANTS for k in (1, 8))
 
 
@@ -114,7 +119,7 @@ def main() -> None:
                 adapters = adapters_of(mix, args.seqs)
                 decode[mix].append(engine_step_ms(work, adapters, args.context, args.steps)["step_ms"])
                 prefill[mix].append(prefill_s(work, adapters, args.prompt, gen))
-        for variant in ("dora", "lora_bias"):
+        for variant in VECTORS:
             epilogue[variant] = epilogue_ms(work, adapters_of(f"{variant}_8", 8), args.context, args.epilogue_repeats)
     step = {mix: statistics.median(v) for mix, v in decode.items()}
     fill = {mix: statistics.median(v) for mix, v in prefill.items()}
@@ -129,10 +134,10 @@ def main() -> None:
     rows = {}
     for mix in MIXES[1:]:
         variant, k = mix.rsplit("_", 1)
-        vectors = variant != "lora"
-        floor = decode_floor(config, RANK, int(k), vectors)
+        vectors, vocab = variant in VECTORS, variant if variant in ("vocab", "tokens") else None
+        floor = decode_floor(config, RANK, int(k), vectors, vocab)
         cost = cost_of[mix]
-        p_floor = prefill_floor(config, RANK, args.prompt, vectors)
+        p_floor = prefill_floor(config, RANK, args.prompt, vectors, vocab)
         p_cost = fill_cost[mix]
         row = {
             "decode_step_ms": round(step[mix], 3),

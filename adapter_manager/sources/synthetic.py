@@ -26,12 +26,16 @@ def write_synthetic_adapter(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     variant: Variant | str = Variant.LORA,
+    trainable_tokens: Sequence[int] = (),
 ) -> Path:
     """Write `adapter_config.json` and `adapter_model.safetensors` as `peft`'s `save_pretrained` lays them out.
 
     A and B are both random (unlike a freshly initialised PEFT adapter, whose B is zero), so the adapter changes the
     model's output. ``variant`` "dora" adds a `lora_magnitude_vector` per module (``1 + 0.01 · noise``: the writer does
     not know the base's row norms, so the scale it makes is arbitrary), "lora_bias" a small random `lora_B.bias`.
+    ``target_modules`` may name ``embed_tokens`` (``lora_embedding_A [r, V]``, ``lora_embedding_B [H, r]``) and
+    ``lm_head``; ``trainable_tokens``: ids whose embedding rows the adapter replaces by random ones (PEFT's
+    ``trainable_token_indices``; tied to the head where the spec ties it).
     """
     variant = Variant(variant)
     folder = Path(folder)
@@ -53,12 +57,25 @@ def write_synthetic_adapter(
         "use_dora": variant is Variant.DORA,
         "lora_bias": variant is Variant.LORA_BIAS,
     }
+    if trainable_tokens:
+        raw["trainable_token_indices"] = list(trainable_tokens)
     config = LoraAdapterConfig.from_dict(raw, str(folder))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for key, lora in config.resolve(spec, str(folder), max_rank=1 << 30).items():
         fan_in, fan_out = spec.projection_shape(key.proj)
         prefix = f"base_model.model.{key.module_name}"
+        if lora.tokens is not None:
+            if lora.tokens.source == key.proj:
+                rows = 0.02 * torch.randn(lora.rank, spec.hidden_size, generator=generator)
+                tensors[f"{prefix}.token_adapter.trainable_tokens_delta"] = rows.to(dtype)
+            continue
+        if key.proj == "embed_tokens":
+            tensors[f"{prefix}.lora_embedding_A"] = torch.randn(lora.rank, fan_in, generator=generator).to(dtype)
+            tensors[f"{prefix}.lora_embedding_B"] = (0.02 * torch.randn(fan_out, lora.rank, generator=generator)).to(
+                dtype
+            )
+            continue
         tensors[f"{prefix}.lora_A.weight"] = (torch.randn(lora.rank, fan_in, generator=generator) / fan_in**0.5).to(
             dtype
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from adapter_manager import BaseModelSpec, write_synthetic_adapter
+from adapter_manager.base_model import PROJECTIONS
 from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
 from adapter_manager.runtime.model.config import LlamaConfig
 
@@ -19,6 +20,14 @@ def write_checkpoint(
     if not (reuse and (folder / "config.json").exists()):
         write_random_checkpoint(config, folder, seed=seed, dtype=dtype)
     return folder
+
+
+TRAINED_TOKENS = 8  # trainable tokens of a "tokens" adapter: ids 100 .. 107
+VOCAB_KINDS = {
+    "vocab": {"target_modules": (*PROJECTIONS, "embed_tokens", "lm_head")},
+    "tokens": {"trainable_tokens": tuple(range(100, 100 + TRAINED_TOKENS))},
+}
+"""Adapter kinds served with the pool's vocabulary columns (`AdapterManagerConfig.lora_vocab`)."""
 
 
 def write_adapters(
@@ -34,14 +43,16 @@ def write_adapters(
     """One synthetic adapter per id in ``root / id``: rank ``ranks[i]``, seed i, all seven projections.
 
     ``lora_alpha`` None: twice the adapter's rank. ``reuse``: keep a folder that holds adapter_config.json (written
-    last, so such a folder is complete). ``variant``: "lora", "dora" or "lora_bias" (`write_synthetic_adapter`).
-    Returns the folders, in the order of ``ids``.
+    last, so such a folder is complete). ``variant``: "lora", "dora" or "lora_bias" (`write_synthetic_adapter`),
+    or a vocabulary kind (:data:`VOCAB_KINDS`): "vocab" (LoRA on embed_tokens and lm_head too), "tokens" (and
+    :data:`TRAINED_TOKENS` trainable tokens). Returns the folders, in the order of ``ids``.
     """
+    extra = VOCAB_KINDS.get(variant, {"variant": variant})
     folders = []
     for i, (adapter_id, rank) in enumerate(zip(ids, ranks, strict=True)):
         folder = root / adapter_id
         if not (reuse and (folder / "adapter_config.json").exists()):
             alpha = 2 * rank if lora_alpha is None else lora_alpha
-            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i, variant=variant)
+            write_synthetic_adapter(folder, spec, r=rank, lora_alpha=alpha, seed=i, **extra)
         folders.append(folder)
     return folders

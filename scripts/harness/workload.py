@@ -29,7 +29,7 @@ from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.config import LlamaConfig
 from adapter_manager.runtime.model.llama import Llama
-from scripts.harness.checkpoint import write_adapters, write_checkpoint
+from scripts.harness.checkpoint import VOCAB_KINDS, write_adapters, write_checkpoint
 
 RANK = 16
 """Rank of the engine workload's adapters."""
@@ -132,8 +132,9 @@ def engine_workload(
         start = time.perf_counter()
         model = load_model(checkpoint, dtype=dtype, device=device, pack_weights=pack_weights)
         load_s = time.perf_counter() - start
+        vocab = any(kind in VOCAB_KINDS for kind in variants.values())
         manager_config = AdapterManagerConfig(
-            max_slots=len(ids), max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0
+            max_slots=len(ids), max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0, lora_vocab=vocab
         )
         manager = AdapterManager(spec, manager_config)
         try:
