@@ -249,10 +249,12 @@ def test_serve_sizes_the_engine_from_the_command_line(tmp_path):
         args = _parser().parse_args([*command, *sizes])
         engine = ServeOptions.from_args(args, "tiny", replica=replica).configs(tmp_path).engine
         assert (engine.scheduler.token_budget, engine.max_batch, engine.max_seq_len) == (64, 3, 96), command
-        args = _parser().parse_args([*command, "--no-lora-vectors"])
-        assert not ServeOptions.from_args(args, "tiny", replica=replica).configs(tmp_path).manager.lora_vectors
+        args = _parser().parse_args([*command, "--no-lora-vectors", "--lora-vocab"])
+        manager = ServeOptions.from_args(args, "tiny", replica=replica).configs(tmp_path).manager
+        assert not manager.lora_vectors and manager.lora_vocab
     default = ServeOptions.from_args(_parser().parse_args(["serve", "--random", "tiny"]), "tiny").configs(tmp_path)
     assert default.engine.scheduler.token_budget == 512 and default.manager.lora_vectors
+    assert not default.manager.lora_vocab
 
 
 def test_serve_dtype_auto_is_the_checkpoints(tmp_path):

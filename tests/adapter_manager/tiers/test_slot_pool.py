@@ -48,6 +48,15 @@ def test_pool_size_granule_and_rows(tiny_spec):
     assert plain.vectors is None and plain.stacks[ModuleKey(0, "k_proj")].vector is None
     assert plain.nbytes == bytes_needed(tiny_spec, 13, torch.bfloat16)
     assert len(pool.stacks) == tiny_spec.num_layers * 7
+    vocab = SlotPool(tiny_spec, SlotPoolConfig(max_slots=3, max_rank=4, lora_vocab=True))  # V = 64, H = 32
+    assert vocab.layout.width == pool.layout.width + 2 * (64 + 32) and vocab.layout.vocab
+    embed, head = (vocab.stacks[ModuleKey.vocab(name)] for name in ("embed_tokens", "lm_head"))
+    assert (embed.a.shape, embed.bt.shape, head.a.shape, head.bt.shape) == ((13, 64), (13, 32), (13, 32), (13, 64))
+    assert embed.vector is None and vocab.nbytes == bytes_needed(tiny_spec, 13, torch.float32, vocab=True) + 4 * (
+        vector_width * 4
+    )
+    with pytest.raises(ValueError, match="lora_vocab with tensor_parallel_size 2"):
+        SlotPoolConfig(max_slots=2, max_rank=4, lora_vocab=True, tensor_parallel_size=2)
     wide = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=64))
     assert (wide.granule, wide.max_units, wide.num_units, wide.num_slots, wide.num_rows) == (8, 8, 16, 16, 129)
     assert [wide.units_for(r) for r in (1, 8, 9, 24, 64)] == [1, 1, 2, 4, 8]
