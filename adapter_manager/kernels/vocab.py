@@ -34,7 +34,7 @@ def embed_lora(
         return h + (picked @ stacks.bt.index_select(0, gather_rows)).to(h.dtype)
     if meta.no_adapter:
         return h
-    for rows, where in _groups(meta, meta.host_slots, h.device, per_token):
+    for rows, where in _groups(meta, meta.host_slots, h.device, per_token, getattr(stacks, "held", None)):
         picked = stacks.a[rows].index_select(1, tokens[where])  # [r, n]
         delta = (picked.t() @ stacks.bt[rows]).to(h.dtype)  # [n, H]
         if isinstance(where, slice):
@@ -69,7 +69,7 @@ def head_lora(
     assert slots is not None
     if logits_index is not None:
         slots = [slots[t] for t in logits_index.tolist()]
-    for rows, where in _groups(meta, slots, logits.device, per_token):
+    for rows, where in _groups(meta, slots, logits.device, per_token, getattr(stacks, "held", None)):
         delta = ((x[where] @ stacks.a[rows].t()) @ stacks.bt[rows]).to(logits.dtype)  # [n, V]
         if isinstance(where, slice):
             logits[where] += delta
@@ -78,19 +78,22 @@ def head_lora(
     return logits
 
 
-def _groups(meta: LoRAKernelMeta, slots: list[int] | None, device: torch.device, per_token: bool):
+def _groups(
+    meta: LoRAKernelMeta, slots: list[int] | None, device: torch.device, per_token: bool, held: set[int] | None
+):
     """(the adapter's pool rows, its positions in ``slots``: a slice when they are one run, else an index tensor)
-    for each active adapter with a position there; ``per_token``: one slice per position."""
+    for each active adapter with a position there; ``per_token``: one slice per position. ``held``: the slots whose
+    adapter has rows in the module (the pool's `SlotStacks.held`), the others skipped (their rows are zero)."""
     assert slots is not None
     by_slot = {adapter.slot: adapter for adapter in meta.active_adapters}
     if per_token:
         for index, slot in enumerate(slots):
-            if slot >= 0:
+            if slot >= 0 and (held is None or slot in held):
                 yield by_slot[slot].rows, slice(index, index + 1)
         return
     positions: dict[int, list[int]] = {}
     for index, slot in enumerate(slots):
-        if slot >= 0:
+        if slot >= 0 and (held is None or slot in held):
             positions.setdefault(slot, []).append(index)
     for slot, where in positions.items():
         rows = by_slot[slot].rows

@@ -128,6 +128,9 @@ class SlotStacks:
         self._fresh = rows.device.type == "xla"
         self._a, self._bt = layout.a_view(rows, key), layout.bt_view(rows, key)
         self._vector = None if vectors is None or key.is_vocab else layout.vector_view(vectors, key)
+        self.held: set[int] | None = set() if key.is_vocab else None
+        """A vocabulary module's: the slots whose adapter (loaded there last) has rows in it; the eager kernels skip
+        the others' (zero) rows. None for the projections."""
 
     @property
     def a(self) -> torch.Tensor:
@@ -295,6 +298,10 @@ class SlotPool:
             self.rows[start : start + rank].copy_(storage)
             if vector is not None:
                 self.vectors[slot].copy_(vector)  # type: ignore[index]
+        for key in self.spec.vocab_keys() if self.layout.vocab else ():
+            held = self._stacks[key].held
+            assert held is not None
+            held.add(slot) if key in prepared.modules else held.discard(slot)
         for listener in list(self._load_listeners):
             listener(start, storage)
 

@@ -90,3 +90,22 @@ def test_a_kernel_reading_a_stale_row_fails_the_reference() -> None:
     wrong = reference_embed(h, tokens, type(pool)(pool.a_rows, pool.bt_rows, full, pool.slot_ids, NUM_SLOTS, RANK,
                                                   GRANULE), slots)  # fmt: skip
     assert (wrong - reference_embed(h, tokens, pool, slots)).abs().max() > 1.0
+
+
+@pytest.mark.parametrize("form", ["torch_table", "cpu_auto"])
+def test_slots_without_rows_in_the_module_are_skipped(form) -> None:
+    """The pool's ``held`` names the slots whose adapter has rows in the module; the eager groups read no others
+    (their rows are zero there: skipping them changes nothing but the work)."""
+    gen = torch.Generator().manual_seed(11)
+    pool = make_rows(NUM_SLOTS, RANK, GRANULE, VOCAB, HIDDEN, gen)
+    slots = pool.slots("uniform", 13, gen)
+    meta = pool.meta(BACKENDS[form](), 16)
+    meta.prepare(slots, pool.slot_rows)
+    tokens, h = torch.randint(0, VOCAB, (13,), generator=gen), torch.randn(13, HIDDEN, generator=gen)
+    held = set(sorted(pool.slot_rows)[::2])
+    stacks = Stacks(pool.a_rows, pool.bt_rows)
+    stacks.held = held
+    kept = torch.tensor([s if s in held else -1 for s in slots.tolist()], dtype=torch.int32)
+    got = embed_lora(h.clone(), tokens, stacks, meta)
+    torch.testing.assert_close(got, reference_embed(h, tokens, pool, kept), **TOLERANCE[torch.float32])
+    assert set(slots.tolist()) - held - {-1}  # some token's slot was skipped
