@@ -17,10 +17,12 @@ Measured side by side in one run (medians over --rounds, the mixes' order rotati
   the epilogue's share of the step beside the floor of the vectors' bytes alone.
 Costs are each round's ratio to the base measured in that round, the median over rounds.
 
-Target (issue 51, reported, never asserted): a DoRA decode step <= 1.25x its floor. Writes out/bench_variants.json.
+The vocab and tokens mixes need the pool's vocabulary columns (every row wider, every mix's pool); ``--no-vocab``
+leaves them out, for the pool a server without them has. Target (issue 51, reported, never asserted): a DoRA decode
+step <= 1.25x its floor. Writes out/bench_variants.json.
 
   .venv/bin/python -m scripts.bench_variants [--rounds 5] [--seqs 8] [--context 144] [--steps 24] [--prompt 256]
-      [--dtype float32|bfloat16]
+      [--dtype float32|bfloat16] [--no-vocab]
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from scripts.harness import RANK, cpu_model, decode_floor, engine_step_ms, engin
 
 VARIANTS = {"lora": "a", "dora": "d", "lora_bias": "b", "vocab": "v", "tokens": "t"}  # -> the id prefix of its 8
 VECTORS = ("dora", "lora_bias")  # the variants with a vector row; "vocab" and "tokens" use the vocabulary columns
-MIXES = ("base",) + tuple(f"{variant}_{k}" for variant in VARIANTS for k in (1, 8))
 
 
 def adapters_of(mix: str, seqs: int) -> list[str | None]:
@@ -105,17 +106,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=Path("out/bench_variants.json"))
     parser.add_argument("--epilogue-repeats", type=int, default=60)
+    parser.add_argument(
+        "--no-vocab", action="store_true", help="no vocab and tokens mixes: the pool without vocabulary columns"
+    )
     args = parser.parse_args()
-    decode: dict[str, list[float]] = {mix: [] for mix in MIXES}
-    prefill: dict[str, list[float]] = {mix: [] for mix in MIXES}
+    kinds = [v for v in VARIANTS if not (args.no_vocab and v in ("vocab", "tokens"))]
+    mixes = ("base",) + tuple(f"{variant}_{k}" for variant in kinds for k in (1, 8))
+    decode: dict[str, list[float]] = {mix: [] for mix in mixes}
+    prefill: dict[str, list[float]] = {mix: [] for mix in mixes}
     epilogue = {}
-    variants = {prefix: variant for variant, prefix in VARIANTS.items() if variant != "lora"}
+    variants = {VARIANTS[variant]: variant for variant in kinds if variant != "lora"}
     with engine_workload(getattr(torch, args.dtype), "cpu", variants=variants) as work:
         config, gen = work.config, torch.Generator().manual_seed(0)
-        for mix in MIXES:  # every adapter prepared (DoRA's scales from the model's weights) and loaded once
+        for mix in mixes:  # every adapter prepared (DoRA's scales from the model's weights) and loaded once
             engine_step_ms(work, adapters_of(mix, args.seqs), args.context, 2)
         for round_ in range(args.rounds):
-            for mix in MIXES[round_ % len(MIXES) :] + MIXES[: round_ % len(MIXES)]:
+            for mix in mixes[round_ % len(mixes) :] + mixes[: round_ % len(mixes)]:
                 adapters = adapters_of(mix, args.seqs)
                 decode[mix].append(engine_step_ms(work, adapters, args.context, args.steps)["step_ms"])
                 prefill[mix].append(prefill_s(work, adapters, args.prompt, gen))
@@ -124,15 +130,15 @@ def main() -> None:
     step = {mix: statistics.median(v) for mix, v in decode.items()}
     fill = {mix: statistics.median(v) for mix, v in prefill.items()}
     cost_of = {
-        mix: statistics.median(v / b - 1 for v, b in zip(decode[mix], decode["base"], strict=True)) for mix in MIXES
+        mix: statistics.median(v / b - 1 for v, b in zip(decode[mix], decode["base"], strict=True)) for mix in mixes
     }
     fill_cost = {
-        mix: statistics.median(v / b - 1 for v, b in zip(prefill[mix], prefill["base"], strict=True)) for mix in MIXES
+        mix: statistics.median(v / b - 1 for v, b in zip(prefill[mix], prefill["base"], strict=True)) for mix in mixes
     }
     print(f"CPU: {cpu_model()}; {args.dtype}; {args.seqs} sequences, context {args.context}, rank {RANK}, 7 modules")
     print(f"base: decode step {step['base']:.2f} ms, prefill {args.seqs} x {args.prompt} tokens {fill['base']:.3f} s")
     rows = {}
-    for mix in MIXES[1:]:
+    for mix in mixes[1:]:
         variant, k = mix.rsplit("_", 1)
         vectors, vocab = variant in VECTORS, variant if variant in ("vocab", "tokens") else None
         floor = decode_floor(config, RANK, int(k), vectors, vocab)
