@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import snapshot_download
@@ -23,11 +25,11 @@ from adapter_manager.spmd import mesh
 
 from .config import LlamaConfig, eos_ids
 from .cpu_features import warn_if_slow_bf16
-from .hf_map import load_hf
+from .hf_map import hf_target, load_hf
 from .llama import Llama
 from .projection import LoRALinear, quantize_linears
 from .shard_group import ShardGroup
-from .tensor_parallel import mark_weights
+from .tensor_parallel import place_sharded
 
 log = logging.getLogger(__name__)
 
@@ -230,33 +232,43 @@ def load_model(
         )
     with torch.device("meta"):
         model = Llama(config, tp, None if spmd else shard_group)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
     expected = hf_tensor_shapes(config)
-    seen: set[str] = set()
-    with torch.no_grad():
+    with ExitStack() as files, torch.no_grad():
+        index: dict[str, Any] = {}  # every tensor's name -> its file's handle, shapes checked
         for path in weight_files(folder):
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.output is None):
-                        continue
-                    if name not in expected:
-                        raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for this Llama config")
-                    tensor = handle.get_tensor(name)
-                    if tuple(tensor.shape) != expected[name]:
-                        raise CheckpointError(
-                            f"{path.name}: tensor {name!r} has shape {list(tensor.shape)}, expected "
-                            f"{list(expected[name])}"
-                        )
-                    load_hf(model, name, tensor)
-                    seen.add(name)
-    missing = sorted(set(expected) - seen)
+            handle = files.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.output is None):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for this Llama config")
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{path.name}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
+                    )
+                index[name] = handle
+        if spmd:  # one parameter at a time on the host, then each device receives only its shard of it
+            destinations = {id(param): name for name, param in model.named_parameters()}
+            groups: dict[str, list[str]] = {}
+            for name in index:
+                groups.setdefault(destinations[id(hf_target(model, name)[0])], []).append(name)
+            for destination, names in groups.items():
+                host = torch.empty(model.get_parameter(destination).shape, dtype=dtype)
+                for name in names:
+                    load_hf(model, name, index[name].get_tensor(name), into=host)
+                place_sharded(model, destination, host, torch.device(device))
+        else:
+            model = model.to_empty(device=device)
+            for name, handle in index.items():
+                load_hf(model, name, handle.get_tensor(name))
+    missing = sorted(set(expected) - set(index))
     if missing:
         raise CheckpointError(
             f"{folder}: tensors missing from the checkpoint: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
     model = model.eval().requires_grad_(False)
-    if spmd:
-        mark_weights(model)  # each device keeps its shards (a copy into a parameter replaces its placement)
     if quantize not in (None, "none"):
         quantize_linears([m for m in model.modules() if isinstance(m, LoRALinear)])
     if pack_weights if pack_weights is not None else packs_by_default():

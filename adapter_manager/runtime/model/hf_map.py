@@ -51,12 +51,14 @@ def hf_target(model: Llama, name: str) -> tuple[torch.Tensor, slice | torch.Tens
     raise KeyError(f"{name}: not a tensor of a Llama checkpoint with {len(model.layers)} layers")
 
 
-def load_hf(model: Llama, name: str, tensor: torch.Tensor) -> None:
+def load_hf(model: Llama, name: str, tensor: torch.Tensor, into: torch.Tensor | None = None) -> None:
     """Copy HF tensor ``name`` into its place (:func:`hf_target`); over S shards a column-parallel projection's
-    rows go to each shard's rows (its heads, KV heads replicated where KV < S; its MLP columns)."""
+    rows go to each shard's rows (its heads, KV heads replicated where KV < S; its MLP columns). ``into``: a tensor
+    of the parameter's shape standing for it (the sharded SPMD load fills one on the host, then places it)."""
     if model.shard_group is not None:
         tensor = _shard_of(model, name, tensor, model.shard_group.rank)
     param, rows = hf_target(model, name)
+    param = param if into is None else into
     if not isinstance(rows, torch.Tensor):
         (param if rows is None else param[rows]).copy_(tensor)
         return

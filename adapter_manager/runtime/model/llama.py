@@ -25,6 +25,7 @@ from adapter_manager.kernels import (
     head_lora,
     layer_kernels,
 )
+from adapter_manager.spmd import MODEL_AXIS, mark
 
 from .batch import ForwardBatch
 from .blocks import BlockStep, TransformerBlock
@@ -303,7 +304,14 @@ class Llama(nn.Module):
             logits = self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]
         if "lm_head" in vocab:
             logits = head_lora(logits, h, vocab["lm_head"], lora_meta, batch.logits_index, self.deterministic)
-        return logits if self.shard_group is None else self.shard_group.all_gather(logits)  # each shard's rows
+        if self.shard_group is not None:
+            return self.shard_group.all_gather(logits)  # each shard's rows
+        if self.tensor_parallel.size > 1:  # one SPMD program: the logits leave it whole, gathered in the graph
+            size = self.tensor_parallel.size
+            mark(logits, size, (None, MODEL_AXIS))  # the head's output split by vocabulary, as its weight is...
+            logits = logits.clone()
+            mark(logits, size, (None, None))  # ...then gathered: [N, V], never the head's [V, H] weight
+        return logits
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Shape: tokens [T]; returns [T, H]. One process per shard: each holds ``vocab / N`` rows, looks up the tokens

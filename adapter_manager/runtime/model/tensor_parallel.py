@@ -8,19 +8,27 @@ the RoPE table are whole on every device. The pool's rows are split by their sec
 
 from __future__ import annotations
 
-from adapter_manager.spmd import MODEL_AXIS, mark
+import torch
+from torch import nn
+
+from adapter_manager.spmd import place
 
 from .llama import Llama
 
 
-def mark_weights(model: Llama) -> None:
-    """Shard every weight of ``model`` (on the XLA device, loaded) over its ``tensor_parallel.size`` devices."""
-    size = model.tensor_parallel.size
-    mark(model.tok_embeddings.weight, size, (MODEL_AXIS, None))
-    for block in model.layers:
-        for column in (block.attention.wqkv, block.feed_forward.w13):
-            mark(column.weight, size, (MODEL_AXIS, None))
-        for row in (block.attention.wo, block.feed_forward.w2):
-            mark(row.weight, size, (None, MODEL_AXIS))
-    if model.output is not None:
-        mark(model.output.weight, size, (MODEL_AXIS, None))
+def shard_dim(name: str) -> int | None:
+    """The dim along which parameter ``name`` of a :class:`Llama` is split over the mesh; None: whole on every
+    device (the norms)."""
+    if name in ("tok_embeddings.weight", "output.weight") or name.endswith(("wqkv.weight", "w13.weight")):
+        return 0
+    return 1 if name.endswith(("wo.weight", "w2.weight")) else None
+
+
+def place_sharded(model: Llama, name: str, host: torch.Tensor, device: torch.device) -> None:
+    """Make parameter ``name`` of ``model`` (built on the meta device) the host tensor ``host`` placed on the mesh:
+    each device receives only its shard (:func:`spmd.place`: the host sends each shard once), a norm whole on each.
+    A weight moved whole and then marked would sit whole on every device first."""
+    dim = shard_dim(name)
+    placed = host.to(device) if dim is None else place(host, model.tensor_parallel.size, dim)
+    module, attribute = name.rsplit(".", 1)
+    setattr(model.get_submodule(module), attribute, nn.Parameter(placed, requires_grad=False))
