@@ -76,6 +76,10 @@ def test_scrape_matches_the_snapshot(manager):
     assert residency == {"slot": 1, "host": 2, "disk": 0}
     variants = {s.labels["variant"]: s.value for s in families["adapter_manager_adapters_by_variant"].samples}
     assert variants == {"lora": 3, "dora": 0, "lora_bias": 0}
+    gauge = families["adapter_manager_adapters_by_vocab_module"].samples
+    vocab = {(s.labels["module"], s.labels["kind"]): s.value for s in gauge}
+    assert set(vocab) == {(m, k) for m in ("embed_tokens", "lm_head") for k in ("lora", "tokens")}
+    assert not any(vocab.values())
     assert samples(families["adapter_manager_slots"])["adapter_manager_slots"] == 1
     used = samples(families["adapter_manager_host_tier_used_bytes"])["adapter_manager_host_tier_used_bytes"]
     assert (
@@ -91,7 +95,7 @@ def test_labels_stay_low_cardinality(manager):
     families = scrape(manager)
     assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 1
     label_names = {name for f in families.values() for s in f.samples for name in s.labels}
-    assert label_names <= {"tier", "move", "le", "adapter", "variant"}  # variant: three values
+    assert label_names <= {"tier", "move", "le", "adapter", "variant", "module", "kind"}  # three, two, two values
     assert not any("org/" in str(s.labels) for f in families.values() for s in f.samples)  # no requests noted yet
 
 

@@ -3,10 +3,13 @@ adapters than slots, untied and tied, against `PeftModel` generate with each ada
 
 from __future__ import annotations
 
+import prometheus_client
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from adapter_manager import AdapterManager, AdapterManagerConfig, UnsupportedAdapterError
+from adapter_manager.prometheus import AdapterManagerCollector
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model import load_model
 from tests.runtime._oracle import hf_greedy
@@ -34,6 +37,16 @@ def test_vocab_adapters_through_two_slots_match_peft(written_vocab, make_engine,
         assert handle.result(timeout=0) == hf_greedy(hf, prompt, NEW_TOKENS), (prompt, name)
     snapshot = manager.metrics()
     assert snapshot.moves["host_to_slot"].count >= len(names) and snapshot.evictions["slot"] > 0
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(AdapterManagerCollector(manager))
+    families = {f.name: f for f in text_string_to_metric_families(prometheus_client.generate_latest(registry).decode())}
+    gauge = families["adapter_manager_adapters_by_vocab_module"].samples
+    counted = {(s.labels["module"], s.labels["kind"]): s.value for s in gauge}
+    expected = {(m, k): 0 for m in ("embed_tokens", "lm_head") for k in ("lora", "tokens")}
+    for name in names:
+        for module, kind in manager.record(name).vocab.items():
+            expected[module, kind] += 1
+    assert counted == expected and sum(counted.values()) >= 3
     if tied:
         assert manager.record("tied_tokens").vocab == {"embed_tokens": "tokens", "lm_head": "tokens"}
         assert manager.record("tied_apart").vocab == {"embed_tokens": "tokens", "lm_head": "tokens"}
