@@ -250,6 +250,8 @@ class Llama(nn.Module):
 
             h = embed(tokens); for each block: h = block(h)     # LoRA per token through lora_meta's slots
             logits = lm_head(norm(h[logits_index]))             # all tokens when logits_index is None
+            (with the pool's vocabulary rows attached, :attr:`vocab_lora`: the embedding's LoRA added to h after the
+            lookup and the head's to the logits, per token's adapter: :func:`kernels.embed_lora`, `head_lora`)
 
         Shape: batch of T tokens; returns [N, vocab] in the model dtype (N = len(logits_index), or T).
         ``lora_meta`` must have been prepared for this step's T tokens; None (or a step with no adapter token, or
