@@ -27,7 +27,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from adapter_manager import AdapterManager, AdapterRecord, AdapterResidency, UnrestoredAdapter, check_adapter_id
+from adapter_manager import (
+    AdapterManager,
+    AdapterRecord,
+    AdapterRef,
+    AdapterResidency,
+    UnrestoredAdapter,
+    check_adapter_id,
+)
 
 from .http_errors import to_api_error
 from .openai_schema import LoadLoraAdapterRequest, RegisterAdapterRequest, UnloadLoraAdapterRequest
@@ -107,9 +114,13 @@ def admin_router(state: ServerState) -> APIRouter:
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
         try:
             state.check_ref(body.lora_path)  # before an in-place load drops the adapter it replaces
+            refresh = False
             if body.load_inplace and manager.is_registered(body.lora_name):
-                await off_loop(manager.unregister, body.lora_name)
-            await register(body.lora_path, None, body.lora_name, False, False)
+                if _same_source(manager.record(body.lora_name), body.lora_path):
+                    refresh = True  # read again and updated in place: its requests never see it missing
+                else:  # another source under the name: the old one goes first
+                    await off_loop(manager.unregister, body.lora_name)
+            await register(body.lora_path, None, body.lora_name, refresh, False)
         except Exception as err:  # noqa: BLE001
             raise to_api_error(err) from err
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -120,6 +131,12 @@ def admin_router(state: ServerState) -> APIRouter:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router
+
+
+def _same_source(record: AdapterRecord, ref: str) -> bool:
+    """Whether ``ref`` names the repo or folder ``record`` was registered from (any revision)."""
+    parsed = AdapterRef.parse(ref)
+    return (record.ref.repo_id, record.ref.path) == (parsed.repo_id, parsed.path)
 
 
 def adapter_info(manager: AdapterManager, record: AdapterRecord, residency: AdapterResidency | None = None) -> dict:

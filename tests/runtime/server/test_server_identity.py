@@ -91,7 +91,18 @@ def test_requests_after_unload_and_load_of_an_adapter_with_waiting_requests_all_
         assert http.post("/v1/load_lora_adapter", json={"lora_name": "u", "lora_path": path}).status_code == 200
         after = [pool.submit(_status, server, "u") for _ in range(24)]
         inplace = {"lora_name": "u", "lora_path": path, "load_inplace": True}
+        seen, loaded = [], threading.Event()
+
+        def watch() -> None:  # the in-place load of the same folder never leaves the name unregistered
+            while not loaded.is_set():
+                seen.append(server[0].manager.is_registered("u"))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         assert http.post("/v1/load_lora_adapter", json=inplace).status_code == 200
+        loaded.set()
+        watcher.join()
+        assert seen and all(seen), f"unregistered in {seen.count(False)} of {len(seen)} looks"
         after += [pool.submit(_status, server, "u") for _ in range(24)]
         assert [f.result()[0] for f in after] == [200] * len(after), [f.result() for f in after if f.result()[0] != 200]
         for status, text in (f.result() for f in waiting):  # sent before the unload: served, or told it was gone
