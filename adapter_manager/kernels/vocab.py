@@ -9,7 +9,9 @@ rows(t) the pool rows of token t's adapter, none for slot -1)::
 
 with ``t_n = logits_index[n]`` the token of logits row n (``x = h[logits_index]``, normed). Eager backends: one
 gather / matmul pair per active adapter (the rows as a plain slice, its tokens as a slice when they are one run);
-traced ones: laned over the step's compact active table (`kernels.active_table`), static shapes, new tensors.
+the embedding's of a small step (decode: T·r·H ≤ :data:`GATHER_MAX`) gathers every token's rows at once instead, a
+few calls whatever the adapters. Traced ones: laned over the step's compact active table (`kernels.active_table`),
+static shapes, new tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import torch
 
 from adapter_manager.kernels.linear_lora import Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
+
+GATHER_MAX = 1 << 20
+"""The most Bt elements (tokens × rank × hidden) the embedding's LoRA gathers per token in one step; past it, or in
+the deterministic mode, it runs one matmul per adapter."""
 
 
 def embed_lora(
@@ -34,7 +40,12 @@ def embed_lora(
         return h + (picked @ stacks.bt.index_select(0, gather_rows)).to(h.dtype)
     if meta.no_adapter:
         return h
-    for rows, where in _groups(meta, meta.host_slots, h.device, per_token, getattr(stacks, "held", None)):
+    held = getattr(stacks, "held", None)
+    rows = None if per_token else _token_rows(meta, h.shape[0] * h.shape[1], held)
+    if rows is not None:  # [T, r] pool rows per token, the zero row past its adapter's rank (or for none)
+        picked = stacks.a[rows, tokens.long()[:, None]]  # [T, r]
+        return h.add_(torch.bmm(picked[:, None, :], stacks.bt[rows]).squeeze(1).to(h.dtype))
+    for rows, where in _groups(meta, meta.host_slots, h.device, per_token, held):
         picked = stacks.a[rows].index_select(1, tokens[where])  # [r, n]
         delta = (picked.t() @ stacks.bt[rows]).to(h.dtype)  # [n, H]
         if isinstance(where, slice):
@@ -76,6 +87,25 @@ def head_lora(
         else:
             logits.index_add_(0, where, delta)
     return logits
+
+
+def _token_rows(meta: LoRAKernelMeta, elements: int, held: set[int] | None) -> torch.Tensor | None:
+    """Each token's pool rows ``[T, r]`` (r the step's highest rank among adapters with rows here), the zero row
+    where it has none; None when the gather would pass :data:`GATHER_MAX` (``elements``: T·H) or no adapter has rows."""
+    slots = meta.host_slots
+    assert slots is not None
+    by_slot = {a.slot: a for a in meta.active_adapters if held is None or a.slot in held}
+    if not by_slot:
+        return None
+    width = max(a.rank for a in by_slot.values())
+    if elements * width > GATHER_MAX:
+        return None
+    zero = [meta.zero_row] * width
+    table = []
+    for slot in slots:
+        adapter = by_slot.get(slot)
+        table.append(zero if adapter is None else [*range(adapter.first, adapter.first + adapter.rank), *zero][:width])
+    return torch.tensor(table, dtype=torch.long).to(meta.device)
 
 
 def _groups(

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from adapter_manager.kernels import embed_lora, head_lora
+from adapter_manager.kernels import embed_lora, head_lora, vocab
 from tests.kernels._cases import BACKENDS, MIXES, TOLERANCE, make_rows
 
 NUM_SLOTS, RANK, GRANULE, VOCAB, HIDDEN = 6, 8, 4, 50, 24
@@ -44,8 +44,13 @@ class Stacks:
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("per_token", [False, True], ids=["groups", "per_token"])
-def test_embed_lora_equals_its_loop_reference(form, mix, per_token) -> None:
+@pytest.mark.parametrize("way", ["gathered", "groups", "per_token"])
+def test_embed_lora_equals_its_loop_reference(form, mix, way, monkeypatch) -> None:
+    """Eager: every token's rows gathered at once (a small step), one matmul per adapter (``GATHER_MAX`` 0), or a
+    token at a time (the deterministic mode); traced: the lanes whatever the way."""
+    per_token = way == "per_token"
+    if way == "groups":
+        monkeypatch.setattr(vocab, "GATHER_MAX", 0)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{form} {mix}".encode()))
     pool = make_rows(NUM_SLOTS, RANK, GRANULE, VOCAB, HIDDEN, gen)  # A [N, V], Bt [N, H]: stale past every rank
     tokens = torch.randint(0, VOCAB, (13,), generator=gen)
@@ -93,9 +98,12 @@ def test_a_kernel_reading_a_stale_row_fails_the_reference() -> None:
 
 
 @pytest.mark.parametrize("form", ["torch_table", "cpu_auto"])
-def test_slots_without_rows_in_the_module_are_skipped(form) -> None:
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "groups"])
+def test_slots_without_rows_in_the_module_are_skipped(form, gathered, monkeypatch) -> None:
     """The pool's ``held`` names the slots whose adapter has rows in the module; the eager groups read no others
     (their rows are zero there: skipping them changes nothing but the work)."""
+    if not gathered:
+        monkeypatch.setattr(vocab, "GATHER_MAX", 0)
     gen = torch.Generator().manual_seed(11)
     pool = make_rows(NUM_SLOTS, RANK, GRANULE, VOCAB, HIDDEN, gen)
     slots = pool.slots("uniform", 13, gen)
