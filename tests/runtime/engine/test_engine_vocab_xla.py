@@ -5,33 +5,21 @@ shape)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
-from adapter_manager.runtime.engine.engine import Engine, EngineConfig
-from adapter_manager.runtime.engine.sampling import SamplingParams
-from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import MAX_RANK, hf_greedy
 from tests.runtime._vocab import TIED_ROWS, UNTIED_ROWS
+from tests.runtime.engine._xla_trace import serve_trace
 
 pytestmark = pytest.mark.xla
 torch_xla = pytest.importorskip("torch_xla")
 pytest.importorskip("peft")
 
-import torch_xla.debug.metrics as metrics  # noqa: E402
-
-BUCKETS = (8, 16, 32)
 NEW_TOKENS = 5
-
-
-def compile_count() -> int:
-    data = metrics.metric_data("CompileTime")
-    return 0 if data is None else data[0]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -47,24 +35,10 @@ def test_vocab_adapters_after_warm_up_compile_nothing_and_match_peft(written_voc
     manager = AdapterManager(model.config.to_spec(TINY_NAME), config)
     for name in names:
         manager.register(str(written_vocab[name][0]), adapter_id=name)
-    engine_config = EngineConfig(
-        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS, eos_ids=()
-    )
-    engine = Engine(model, manager, engine_config)
     try:
-        manager.release(manager.acquire(names[:2]))  # every slot filled
-        warm = engine.warm_up()
-        assert warm > 0
-        warmed = compile_count()
-        rng = random.Random(1)
-        handles = []
-        for step in range(80):
-            for _ in range(rng.choice((0, 1, 1, 2)) if step < 60 else 0):
-                prompt, name = rng.choice(rows)
-                handles.append((engine.submit(prompt, name, SamplingParams(max_tokens=NEW_TOKENS)), prompt, name))
-            engine.step()
-        engine.run_until_idle(max_steps=200)
-        assert compile_count() == warmed, "a step after warm-up compiled"
+        handles, graphs, compiled = serve_trace(model, manager, rows, names[:2], NEW_TOKENS, 1)
+        assert graphs > 0
+        assert compiled == 0, "a step after warm-up compiled"
         assert {name for _, _, name in handles} >= set(names)
         for handle, prompt, name in handles:
             assert handle.result(timeout=0) == expected[(tuple(prompt), name)], (prompt, name)
