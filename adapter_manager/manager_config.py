@@ -41,6 +41,7 @@ class AdapterManagerConfig:
     tensor_parallel_size: int = 1  # N: the pool's rows split in N sections, one per device (the model's N-way TP)
     lora_vectors: bool = True  # a vector row per slot: DoRA and lora_bias adapters are served (not with N > 1)
     lora_vocab: bool = False  # the rows' vocabulary columns: embedding / lm_head LoRA, trainable tokens (N = 1 only)
+    fully_sharded_loras: bool = False  # N > 1: every A and Bt split N ways too, one all-reduce per linear (vLLM's name)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -64,6 +65,7 @@ class AdapterManagerConfig:
             self.tensor_parallel_size,
             self.lora_vectors,
             self.lora_vocab,
+            self.fully_sharded_loras,
         )
 
     def prefetch_config(self) -> PrefetchConfig:
@@ -83,4 +85,5 @@ class AdapterManagerConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             lora_vectors=self.lora_vectors,
             lora_vocab=self.lora_vocab,
+            fully_sharded_loras=self.fully_sharded_loras,
         )

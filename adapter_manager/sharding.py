@@ -5,6 +5,11 @@ Column-parallel projections (q/k/v, gate/up) split their output features: a shar
 output features. Row-parallel ones (o, down) split their input features the same way and keep their output (and B)
 whole: each shard's partial output, LoRA included, joins the others in the layer's one all-reduce. ``size`` 1 holds
 every feature: the plan of an unsharded model.
+
+With ``fully_sharded_loras`` (vLLM's name) the LoRA splits what the default keeps whole, so a device holds exactly
+1/N of every adapter's rows: column-parallel A by input features (hidden / N each) and row-parallel Bt by output
+features (hidden / N each). The price is one all-reduce of the shrink output ``[T, lanes]`` per linear, since each
+shard's ``x_s A_sᵀ`` is then a partial sum.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class TensorParallel:
     """N-way tensor parallelism (Megatron's split of every projection)."""
 
     size: int = 1  # N devices (shards); 1: unsharded
+    fully_sharded_loras: bool = False  # the LoRA's A of q/k/v, gate/up and Bt of o, down split too (1/N of each row)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
@@ -38,6 +44,10 @@ class TensorParallel:
                 f"tensor_parallel_size {n} does not split the model {spec.name!r}: num_heads {spec.num_heads} and "
                 f"intermediate_size {spec.intermediate_size} must be multiples of it, and num_kv_heads {kv} a "
                 "multiple or a divisor of it"
+            )
+        if self.fully_sharded_loras and spec.hidden_size % n:
+            raise ValueError(
+                f"fully_sharded_loras splits the hidden size {spec.hidden_size} {n} ways: it must be a multiple of it"
             )
 
     def kv_heads(self, spec: BaseModelSpec) -> int:
@@ -82,6 +92,29 @@ class TensorParallel:
     def local_shape(self, spec: BaseModelSpec, proj: str) -> tuple[int, int]:
         """(in_features, out_features) of one shard's piece of ``proj``."""
         return len(self.in_index(spec, proj, 0)), len(self.out_index(spec, proj, 0))
+
+    def lora_in_index(self, spec: BaseModelSpec, proj: str, shard: int) -> torch.Tensor:
+        """The input features of ``proj``'s LoRA A that ``shard`` holds: the base's (:meth:`in_index`), or with
+        ``fully_sharded_loras`` a column-parallel module's hidden / N slice."""
+        if self.fully_sharded_loras and proj in COLUMN_PARALLEL:
+            return self._hidden_slice(spec, shard)
+        return self.in_index(spec, proj, shard)
+
+    def lora_out_index(self, spec: BaseModelSpec, proj: str, shard: int) -> torch.Tensor:
+        """The output features of ``proj``'s LoRA Bt that ``shard`` holds: the base's (:meth:`out_index`), or with
+        ``fully_sharded_loras`` a row-parallel module's hidden / N slice."""
+        if self.fully_sharded_loras and proj in ROW_PARALLEL:
+            return self._hidden_slice(spec, shard)
+        return self.out_index(spec, proj, shard)
+
+    def lora_local_shape(self, spec: BaseModelSpec, proj: str) -> tuple[int, int]:
+        """(A's width, Bt's width) of one shard's piece of ``proj``'s LoRA."""
+        return len(self.lora_in_index(spec, proj, 0)), len(self.lora_out_index(spec, proj, 0))
+
+    def _hidden_slice(self, spec: BaseModelSpec, shard: int) -> torch.Tensor:
+        self._check_shard(shard)
+        width = spec.hidden_size // self.size
+        return torch.arange(shard * width, (shard + 1) * width)
 
     def _check_shard(self, shard: int) -> None:
         if not 0 <= shard < self.size:

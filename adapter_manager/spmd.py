@@ -47,6 +47,16 @@ def mark(tensor: Any, size: int, spec: tuple[str | None, ...]) -> None:
     xs.mark_sharding(tensor, mesh(size), spec)
 
 
+def pin(tensor: Any, dim: int | None, size: int) -> Any:
+    """Mark ``tensor``, an intermediate of the traced step, split over ``size`` devices along ``dim`` (None: whole on
+    every device), and return it: the partitioner then moves it there, where its own choice can cost a collective
+    elsewhere. A tensor off the XLA device is returned as it is."""
+    if tensor.device.type != "xla":
+        return tensor
+    mark(tensor, size, tuple(MODEL_AXIS if axis == dim else None for axis in range(tensor.dim())))
+    return tensor
+
+
 def place(tensor: Any, size: int, dim: int) -> Any:
     """A host tensor as an XLA tensor split over ``size`` devices along ``dim``, each device receiving only its own
     piece (with more devices than ``size``, each replica of it): the host sends the tensor's bytes once per replica,

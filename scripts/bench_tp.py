@@ -2,17 +2,19 @@
 each device's memory, both beside their Megatron floors.
 
     PJRT_DEVICE=CPU .venv-xla/bin/python -m scripts.bench_tp [--tp 4] [--shape bench|llama70b] [--layers L]
+        [--fully-sharded-loras]
 
 One SPMD program over ``--devices`` virtual CPU devices (default: --tp), N = ``--tp`` shards: the engine serves
 ``--tokens`` requests on as many rank-16 adapters (every projection) through the sharded pool; the first decode step's
 graph is compiled then, and its optimized HLO (XLA_FLAGS --xla_dump_to) lists every collective with its shape.
 
 Floors: collectives, Megatron's 2 all-reduces of [T, hidden] per layer plus the vocabulary-parallel embedding's one,
-and 0 for LoRA (it joins each row-parallel layer's partial sum before the all-reduce); the logits may come back as one
-all-gather of [rows, vocab] (printed on its own line). Memory, 1/N of the base weights and of the pool's rows plus
-what stays whole (norms, the RoPE table). ``llama70b``: Llama-3.1-70B's layer shapes (hidden 8192, 64 heads, 8 KV
-heads, MLP 28672) with a 32,000-token vocabulary and ``--layers`` layers (random weights, bf16). On a 2-core machine
-the step time of N virtual devices is no speed figure (they share the cores): this prints none.
+and 0 for LoRA (it joins each row-parallel layer's partial sum before the all-reduce; fully sharded, each part's
+shrink output [T, lanes] summed over the shards: 4 all-reduces a layer, q/k/v's and gate/up's parts joined); the
+logits may come back as one all-gather of [rows, vocab] (printed on its own line). Memory, 1/N of the base weights and
+of the pool's rows plus what stays whole (norms, the RoPE table). ``llama70b``: Llama-3.1-70B's layer shapes (hidden
+8192, 64 heads, 8 KV heads, MLP 28672) with a 32,000-token vocabulary and ``--layers`` layers (random weights, bf16).
+On a 2-core machine the step time of N virtual devices is no speed figure (they share the cores): this prints none.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="layers (default: the shape's; llama70b: 1)")
     parser.add_argument("--tokens", type=int, default=4, help="decode tokens in the step (one request each)")
     parser.add_argument("--device", choices=("xla", "cpu"), default="xla", help="cpu: one process per shard (gloo)")
+    parser.add_argument(
+        "--fully-sharded-loras", action="store_true", help="split every A and Bt too (XLA; one all-reduce per linear)"
+    )
     parser.add_argument("--out", default="bench_tp.json")
     args = parser.parse_args()
     if args.device == "xla":
@@ -129,7 +134,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         spec,
         AdapterManagerConfig(
             max_slots=args.tokens, max_rank=16, device=device, dtype=dtype, prefetch_workers=0,
-            tensor_parallel_size=args.tp, host_cache_bytes=1 << 36,
+            tensor_parallel_size=args.tp, host_cache_bytes=1 << 36, fully_sharded_loras=args.fully_sharded_loras,
         ),
     )  # fmt: skip
     for i in range(args.tokens):
@@ -168,9 +173,12 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         f"CPU: {cpu_model()}; {where}, TP = {n}, {args.shape} "
         f"shapes ({layers} layers, hidden {hidden}, {dtype}), decode step of {t} tokens on {t} adapters"
     )
+    lanes = t * 16  # the laned shrink's output width: the active adapters (one per token) times the max rank
+    lora_floor = 7 * layers * t * lanes * item if args.fully_sharded_loras else 0  # every part's [T, lanes] summed
     print(
         f"all-reduce: {len(reduces)} ops, {sum(c[2] for c in reduces):,} B | Megatron floor: {2 * layers + 1} "
-        f"(2 per layer + the embedding's) of [{t}, {hidden}] = {floor:,} B; LoRA floor 0"
+        f"(2 per layer + the embedding's) of [{t}, {hidden}] = {floor:,} B; LoRA floor {lora_floor:,} B"
+        + (f" (each part's shrink output [{t}, {lanes}] summed: 4 all-reduces per layer)" if lora_floor else "")
     )
     for kind, shape, nbytes in others:
         print(f"  also {kind} {shape}: {nbytes:,} B")
@@ -191,16 +199,18 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         )
     from adapter_manager.tiers.row_layout import RowLayout
 
-    unsharded = manager.pool_nbytes * RowLayout.of(spec).width // RowLayout.of(spec, model.tensor_parallel).width
+    unsharded = manager.pool_nbytes * RowLayout.of(spec).width // manager.pool.layout.width
+    whole_parts = "none: fully sharded" if args.fully_sharded_loras else "A of q/k/v/gate/up and Bt of o/down"
     print(
-        f"{'':>12}  the unsharded pool / N: {unsharded / n / 2**20:.2f} MiB (A of q/k/v/gate/up and Bt of o/down "
-        "are whole on every device)"
+        f"{'':>12}  the unsharded pool / N: {unsharded / n / 2**20:.2f} MiB (whole on every device: {whole_parts}; "
+        "KV heads' Bt where KV < N)"
     )
     print("step time: none printed (the N shards share this machine's cores: a correctness run, not a speed one)")
     write_json(args.out, {
         "tp": n, "shape": args.shape, "layers": layers, "tokens": t, "dtype": str(dtype),
         "collectives": [{"kind": k, "shape": s, "bytes": b} for k, s, b in found],
         "all_reduce_ops": len(reduces), "all_reduce_bytes": sum(c[2] for c in reduces), "floor_bytes": floor,
+        "lora_floor_bytes": lora_floor, "fully_sharded_loras": args.fully_sharded_loras,
         "memory_per_device": {k: {"local": v[0], "whole": v[1]} for k, v in memory.items()},
     })  # fmt: skip
     manager.close()

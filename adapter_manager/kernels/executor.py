@@ -156,29 +156,57 @@ def _sharded(
             y = sum over s of (x_s @ W_s.T + lanes(x_s @ A[:, s].T) @ Bt[:, s])   # partials joined, then ONE sum
 
     The sum over s is the layer's one all-reduce: the LoRA joins the base before it, so it adds no collective.
+    Fully sharded (:attr:`LinearLoRA.fully_sharded`): each shard's A covers its slice of the input, so the lanes
+    ``h = sum over s of x_s @ A[:, s].T`` ([T, lanes] for every part at once) are one all-reduce per linear; then
+    column-parallel shards expand their output columns as above, and row-parallel ones their hidden slice of the
+    output (``Bt [N, S, hidden / S]``), added to the summed base output.
     Shape: x [T, in]; returns a new [T, sum(out)].
     """
     tokens, shards = x.shape[0], lora.shards
     token_compact, gather_rows, lane_owner = meta.args()
-    mask = (token_compact[:, None] == lane_owner[None, :])[:, None, :]  # [T, 1, A·R]: a token's own lanes
+    own = token_compact[:, None] == lane_owner[None, :]  # [T, A·R]: a token's own lanes
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+
+    def rows(stacks) -> tuple[torch.Tensor, torch.Tensor]:  # [A·R, S, in_s], [A·R, S, out_s]
+        return stacks.a.index_select(0, gather_rows), stacks.bt.index_select(0, gather_rows)
 
     def lanes(x3: torch.Tensor, stacks) -> torch.Tensor:  # x3 [T, S, in_s] -> [T, S, out_s]
-        a = stacks.a.index_select(0, gather_rows)  # [A·R, S, in_s]
-        h = torch.einsum("tsi,lsi->tsl", x3, a)
-        h = torch.where(mask, h, torch.zeros((), dtype=h.dtype, device=h.device))
-        return torch.einsum("tsl,lso->tso", h, stacks.bt.index_select(0, gather_rows))
+        a, bt = rows(stacks)
+        h = torch.where(own[:, None, :], torch.einsum("tsi,lsi->tsl", x3, a), zero)
+        return torch.einsum("tsl,lso->tso", h, bt)
+
+    def summed_lanes(x3: torch.Tensor, parts: list) -> list[torch.Tensor]:  # fully sharded: each part's [T, A·R]
+        h = torch.cat([torch.einsum("tsi,lsi->tsl", x3, rows(stacks)[0]) for stacks in parts], dim=2).sum(dim=1)
+        return [torch.where(own, piece, zero) for piece in h.chunk(len(parts), dim=1)]  # one all-reduce above
 
     if lora.row_parallel:
         x3 = x.view(tokens, shards, -1)  # [T, S, in_s]
         w3 = weight.tensor.view(weight.tensor.shape[0], shards, -1)  # [out, S, in_s]
         y3 = torch.einsum("tsi,osi->tso", x3, w3)  # the shards' partial outputs
-        if lora.parts[0] is not None:
-            y3 = y3 + lanes(x3, lora.parts[0])
-        return y3.sum(dim=1)
-    x3 = x.unsqueeze(1).expand(tokens, shards, x.shape[1])  # every shard reads all of x
+        stacks = lora.parts[0]
+        if stacks is None:
+            return y3.sum(dim=1)
+        if not lora.fully_sharded:
+            return (y3 + lanes(x3, stacks)).sum(dim=1)
+        (h,) = summed_lanes(x3, [stacks])
+        z = torch.einsum("tl,lso->tso", h, rows(stacks)[1])  # [T, S, hidden / S]: shard s's slice of the output
+        # Shard s adds its slice into its own partial output (zero in the others' slices), so the layer's one
+        # all-reduce joins them: z [T, S, 1, hidden / S] times the identity over (s, slice) -> [T, S, S, hidden / S].
+        own_slice = torch.eye(shards, dtype=x.dtype, device=x.device)[:, :, None]
+        y4 = y3.view(tokens, shards, shards, -1) + z[:, :, None, :] * own_slice
+        return y4.sum(dim=1).reshape(tokens, -1)
     y3 = step.kernels.linear(x, weight).view(tokens, shards, -1)  # [T, S, sum(out_s)]
     pieces = list(y3.split([out // shards for out in lora.out_features], dim=2))
-    for index, stacks in enumerate(lora.parts):
-        if stacks is not None:
-            pieces[index] = pieces[index] + lanes(x3, stacks)
+    with_lora = [index for index, stacks in enumerate(lora.parts) if stacks is not None]
+    if lora.fully_sharded:
+        # Pinned whole on every device, each reading its slice: left to the partitioner, the slices the shrink reads
+        # split the norm and the residual by hidden, and x was all-gathered before every column-parallel linear.
+        x = x if lora.pin is None else lora.pin(x, None)
+        hs = summed_lanes(x.view(tokens, shards, -1), [lora.parts[index] for index in with_lora])
+        for index, h in zip(with_lora, hs, strict=True):
+            pieces[index] = pieces[index] + torch.einsum("tl,lso->tso", h, rows(lora.parts[index])[1])
+    else:
+        x3 = x.unsqueeze(1).expand(tokens, shards, x.shape[1])  # every shard reads all of x
+        for index in with_lora:
+            pieces[index] = pieces[index] + lanes(x3, lora.parts[index])
     return torch.cat(pieces, dim=2).reshape(tokens, -1)

@@ -3,6 +3,7 @@ the groups one ``apply_parts`` (or one-call) form takes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -111,6 +112,12 @@ class LinearLoRA:
     row_parallel: bool = False
     """With S > 1: the linear's input is sharded (o, down), A by input features and Bt whole, and the shards' partial
     outputs are summed (one all-reduce); False: column-parallel (q/k/v, gate/up), A whole and Bt by output features."""
+    fully_sharded: bool = False
+    """With S > 1: A (column-parallel) and Bt (row-parallel) are split too, ``A [N, S, in/S]``, ``Bt [N, S, out/S]``;
+    the shards' shrink outputs are summed (one all-reduce of ``[T, lanes]`` per linear)."""
+    pin: Callable[[torch.Tensor, int | None], torch.Tensor] | None = None
+    """With S > 1: ``pin(t, dim)`` marks an intermediate split over the S devices along ``dim`` (None: whole) and
+    returns it (the SPMD program's mark, ``adapter_manager.spmd.pin``); None: the partitioner places it."""
     vector_groups: tuple[tuple[slice, torch.Tensor], ...] = ()
     """Eager devices: the parts' vector rows joined where adjacent in the pool (q|k|v, gate|up are), each as (the
     group's columns of the output, a ``[S + 1, columns]`` view): one gather or add per group, not per part."""
@@ -127,6 +134,8 @@ class LinearLoRA:
         one_call: bool,
         shards: int = 1,
         row_parallel: bool = False,
+        fully_sharded: bool = False,
+        pin: Callable[[torch.Tensor, int | None], torch.Tensor] | None = None,
     ) -> LinearLoRA:
         fused = _fused_runs([None if s is None else s.a for s in parts])
         groups = _groups(out_features, parts, fused)
@@ -137,7 +146,7 @@ class LinearLoRA:
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
         vectors = _vector_groups(out_features, parts)
-        flags = (fuse_shrink, one_call, shards, row_parallel)
+        flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded, pin)
         args = None
         if vectors and all(v.stride(1) == 1 for _, v in vectors):
             args = (tuple(v for _, v in vectors), tuple(c.start for c, _ in vectors))

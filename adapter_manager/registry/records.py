@@ -44,6 +44,7 @@ class RegistryConfig:
     tensor_parallel_size: int = 1  # N: prepared blocks hold N sections, one per device's shard (RowLayout.of)
     lora_vectors: bool = True  # accept variants with a per-output vector (DoRA, lora_bias): the pool has vector rows
     lora_vocab: bool = False  # accept embedding / lm_head LoRA and trainable tokens: the rows' vocabulary columns
+    fully_sharded_loras: bool = False  # N > 1: the sections split every A and Bt (`sharding.TensorParallel`)
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
@@ -56,7 +57,12 @@ class RegistryConfig:
             raise ValueError(f"base_model_mismatch must be 'warn' or 'refuse', got {self.base_model_mismatch!r}")
         if self.host_cache_bytes <= 0:
             raise ValueError(f"host_cache_bytes must be positive, got {self.host_cache_bytes}")
-        TensorParallel(self.tensor_parallel_size)  # validates it
+        TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)  # validates it
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The plan prepared blocks' sections follow."""
+        return TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)
 
 
 @dataclass(frozen=True)

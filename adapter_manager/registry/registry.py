@@ -19,7 +19,6 @@ from pathlib import Path
 from ..base_model import BaseModelSpec
 from ..errors import AdapterConflictError, AdapterNotFoundError, DiskTierFullError, UnsupportedAdapterError
 from ..metrics import Move, SwapMetrics, Tier
-from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubResolver
 from ..sources.peft_format import Variant
 from ..tiers.disk import DiskTier
@@ -44,7 +43,7 @@ class AdapterRegistry:
         self.spec = spec
         self.config = config or RegistryConfig()
         self.metrics = metrics or SwapMetrics()
-        self.layout = RowLayout.of(spec, TensorParallel(self.config.tensor_parallel_size), self.config.lora_vocab)
+        self.layout = RowLayout.of(spec, self.config.tensor_parallel, self.config.lora_vocab)
         """The row layout prepared blocks are built in: one section per tensor-parallel shard."""
         self.base_weight: BaseWeight | None = None
         """The served base model's weight of a module (`tiers.vectors.BaseWeight`): what a DoRA adapter's scale and

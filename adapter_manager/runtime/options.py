@@ -24,7 +24,7 @@ _GIB = 1 << 30
 _SHARED = (
     "max_slots", "max_rank", "host_cache_bytes", "device", "max_batch", "max_seq_len", "token_budget", "admin_token",
     "kv_cache_bytes", "prefix_caching", "tensor_parallel_size", "deterministic", "lora_vectors",
-    "lora_vocab",
+    "lora_vocab", "fully_sharded_loras",
 )  # fmt: skip
 _SERVE_ONLY = ("pool_bytes", "dtype", "quantize", "state_dir", "disk_cache_bytes", "host", "port", "max_pending")
 
@@ -57,6 +57,7 @@ class ServeOptions:
     kv_cache_bytes: int | None = None  # bytes of the KV block pool; None: max_batch sequences of max_seq_len
     prefix_caching: bool = True  # reuse cached prefix blocks per adapter
     tensor_parallel_size: int = 1  # N: the model and the adapter pool sharded over N devices (vLLM's name)
+    fully_sharded_loras: bool = False  # N > 1: every A and Bt split too (AdapterManagerConfig's; vLLM's name)
     deterministic: bool = False  # a request's tokens and logprobs independent of its batch (EngineConfig's)
     lora_vectors: bool = True  # a vector row per slot: DoRA and lora_bias adapters served (AdapterManagerConfig's)
     lora_vocab: bool = False  # vocabulary columns: embedding / lm_head LoRA, trainable tokens (AdapterManagerConfig's)
@@ -98,6 +99,7 @@ class ServeOptions:
             tensor_parallel_size=self.tensor_parallel_size,
             lora_vectors=self.lora_vectors,
             lora_vocab=self.lora_vocab,
+            fully_sharded_loras=self.fully_sharded_loras,
         )
         server = ServerConfig(
             self.model_name,

@@ -217,8 +217,8 @@ def _build(
             bt_view[: lora.rank].copy_(bt)
         else:  # [r, N, in_s], [r, N, out_s]: each section its shard's features
             for shard in range(layout.sections):
-                a_view[: lora.rank, shard].copy_(a[:, tp.in_index(spec, module.proj, shard)])
-                bt_view[: lora.rank, shard].copy_(bt[:, tp.out_index(spec, module.proj, shard)])
+                a_view[: lora.rank, shard].copy_(a[:, tp.lora_in_index(spec, module.proj, shard)])
+                bt_view[: lora.rank, shard].copy_(bt[:, tp.lora_out_index(spec, module.proj, shard)])
     # A finite sum proves every element finite (NaN and inf propagate); a non-finite one is checked element-wise,
     # since finite values can also sum past the dtype's range.
     if not bool(storage.sum().isfinite()):

@@ -15,7 +15,9 @@ Over N tensor-parallel shards (:class:`sharding.TensorParallel`) a row is N equa
 s holding shard s's pieces in the same order: column-parallel modules' whole A and their Bt columns of shard s,
 row-parallel modules' A columns of shard s and their whole Bt. A device holds its section of every row (the pool's
 row tensor is split by sections), and each module's views gain the section axis: ``A [r, N, in_s]``,
-``Bt [r, N, out_s]``.
+``Bt [r, N, out_s]``. With ``fully_sharded_loras`` (:class:`sharding.TensorParallel`) section s holds the
+column-parallel modules' A columns of its hidden slice and the row-parallel ones' Bt columns of it as well: 1/N of the
+row each.
 
 An adapter with a per-output vector on each module (DoRA's scale, LoRA's bias: `sources.peft_format.Variant`) holds
 it in a **vector row** of ``vector_width`` elements, in the same order and sections as the Bt pieces of a row::
@@ -88,7 +90,7 @@ class RowLayout:
         columns: dict[ModuleKey, ModuleColumns] = {}
         offset = vector_offset = 0
         for layer in range(spec.num_layers):
-            shapes = [tp.local_shape(spec, proj) for proj in PROJECTIONS]
+            shapes = [tp.lora_local_shape(spec, proj) for proj in PROJECTIONS]
             a_starts, bt_starts = [], []
             for fan_in, _ in shapes:
                 a_starts.append(offset)

@@ -42,11 +42,17 @@ def units_for(rank: int, granule: int) -> int:
 
 
 def bytes_needed(
-    spec: BaseModelSpec, rows: int, dtype: torch.dtype, tensor_parallel_size: int = 1, vocab: bool = False
+    spec: BaseModelSpec,
+    rows: int,
+    dtype: torch.dtype,
+    tensor_parallel_size: int = 1,
+    vocab: bool = False,
+    fully_sharded_loras: bool = False,
 ) -> int:
     """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row; ``vocab``: and the vocabulary
     modules'), over every device: with N-way tensor parallelism each device holds one section of each row (1/N)."""
-    return rows * RowLayout.of(spec, TensorParallel(tensor_parallel_size), vocab).row_bytes(dtype)
+    tp = TensorParallel(tensor_parallel_size, fully_sharded_loras)
+    return rows * RowLayout.of(spec, tp, vocab).row_bytes(dtype)
 
 
 @dataclass
@@ -62,6 +68,7 @@ class SlotPoolConfig:
     tensor_parallel_size: int = 1  # N: each row in N sections, one per device (XLA: the pool split over the mesh)
     lora_vectors: bool = True  # a vector row per slot for DoRA's scale and LoRA's bias (not with N > 1: not built)
     lora_vocab: bool = False  # the rows' vocabulary columns: embedding / lm_head LoRA, trainable tokens (N = 1 only)
+    fully_sharded_loras: bool = False  # N > 1: sections split every A and Bt (1/N of a row each; `sharding`)
 
     def __post_init__(self) -> None:
         if self.max_slots == "auto":
@@ -82,9 +89,19 @@ class SlotPoolConfig:
         self.device = torch.device(self.device)
         if self.device.type not in ("cpu", "cuda", "xla"):
             raise ValueError(f"device must be cpu, cuda or xla, got {self.device}")
-        TensorParallel(self.tensor_parallel_size)  # validates it
+        TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)  # validates it
         if self.lora_vocab and self.tensor_parallel_size > 1:
             raise ValueError(f"lora_vocab with tensor_parallel_size {self.tensor_parallel_size} is not built")
+        if self.fully_sharded_loras and self.tensor_parallel_size > 1 and self.device.type != "xla":
+            raise ValueError(
+                f"fully_sharded_loras runs in XLA's SPMD program; on {self.device.type} (one process per shard) it is "
+                "not built"
+            )
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The plan the rows' sections follow."""
+        return TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)
 
     @property
     def has_vectors(self) -> bool:
@@ -104,9 +121,9 @@ class SlotPoolConfig:
             return self.max_slots * self.max_units
         assert self.memory_budget_bytes is not None
         vector = RowLayout.of(spec).vector_width * self.dtype.itemsize if self.has_vectors else 0  # one per unit
-        tp, vocab = self.tensor_parallel_size, self.lora_vocab
-        block = bytes_needed(spec, self.max_units * self.granule, self.dtype, tp, vocab) + self.max_units * vector
-        zero_row = bytes_needed(spec, 1, self.dtype, tp, vocab) + vector
+        row = RowLayout.of(spec, self.tensor_parallel, self.lora_vocab).row_bytes(self.dtype)
+        block = self.max_units * self.granule * row + self.max_units * vector
+        zero_row = row + vector
         if self.memory_budget_bytes < block + zero_row:
             raise ValueError(
                 f"memory_budget_bytes ({self.memory_budget_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
@@ -160,7 +177,7 @@ class SlotPool:
     def __init__(self, spec: BaseModelSpec, config: SlotPoolConfig | None = None) -> None:
         self.spec = spec
         self.config = config or SlotPoolConfig()
-        self.tensor_parallel = TensorParallel(self.config.tensor_parallel_size)
+        self.tensor_parallel = self.config.tensor_parallel
         self.layout = RowLayout.of(spec, self.tensor_parallel, self.config.lora_vocab)
         self.granule: int = self.config.granule  # type: ignore[assignment]
         self.num_units = self.config.resolve_units(spec)

@@ -240,6 +240,7 @@ def test_serve_and_demo_say_the_librarys_long_steps_as_they_start(tmp_path, monk
 def test_serve_sizes_the_engine_from_the_command_line(tmp_path):
     """--token-budget (vLLM's --max-num-batched-tokens), --max-batch and --max-seq-len reach the engine's config, for
     `serve` and for every replica of `cluster serve`."""
+    from adapter_manager import TensorParallel
     from adapter_manager.runtime.cli import _parser
     from adapter_manager.runtime.options import ServeOptions
 
@@ -252,9 +253,12 @@ def test_serve_sizes_the_engine_from_the_command_line(tmp_path):
         args = _parser().parse_args([*command, "--no-lora-vectors", "--lora-vocab"])
         manager = ServeOptions.from_args(args, "tiny", replica=replica).configs(tmp_path).manager
         assert not manager.lora_vectors and manager.lora_vocab
+        xla = ["--device", "xla", "--tensor-parallel-size", "2", "--fully-sharded-loras"]
+        options = ServeOptions.from_args(_parser().parse_args([*command, *xla]), "tiny", replica=replica)
+        assert options.configs(tmp_path).manager.pool_config().tensor_parallel == TensorParallel(2, True), command
     default = ServeOptions.from_args(_parser().parse_args(["serve", "--random", "tiny"]), "tiny").configs(tmp_path)
     assert default.engine.scheduler.token_budget == 512 and default.manager.lora_vectors
-    assert not default.manager.lora_vocab
+    assert not default.manager.lora_vocab and not default.manager.fully_sharded_loras
 
 
 def test_serve_dtype_auto_is_the_checkpoints(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from adapter_manager.kernels import (
     quantize_weight,
     unpack_weight,
 )
+from adapter_manager.spmd import pin
 
 
 class LoRALinear(nn.Module):
@@ -71,6 +73,7 @@ class LoRALinear(nn.Module):
         self._packed: LinearWeight | None = None  # the packed weight (kernels.pack_weight) once packed
         self._fuse_shrink = True
         self._one_call = True
+        self._fully_sharded = False  # the attached rows split every A and Bt over the shards
 
     @property
     def fuse_shrink(self) -> bool:
@@ -180,41 +183,54 @@ class LoRALinear(nn.Module):
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
-        every forward (the pool may hand out fresh views of the same rows)."""
+        every forward (the pool may hand out fresh views of the same rows). Over S shards the rows are
+        ``[N, S, in_s]``, ``[N, S, out_s]``: the base's split, or the fully sharded one (every part of the linear
+        alike; :class:`sharding.TensorParallel`)."""
         a_rows, bt_rows = stacks.a, stacks.bt
-        a_shape, bt_shape = self._rows_shapes(part)
-        if tuple(a_rows.shape[1:]) != a_shape:
-            raise ValueError(f"a_rows must have shape [N, {', '.join(map(str, a_shape))}], got {tuple(a_rows.shape)}")
-        if tuple(bt_rows.shape) != (a_rows.shape[0], *bt_shape):
+        shapes = [self._rows_shapes(part, full) for full in ((False, True) if self.shards > 1 else (False,))]
+        a_fits = [full for full, (a_shape, _) in enumerate(shapes) if tuple(a_rows.shape[1:]) == a_shape]
+        if not a_fits:
+            a_shape = ", ".join(map(str, shapes[0][0]))
+            raise ValueError(f"a_rows must have shape [N, {a_shape}], got {tuple(a_rows.shape)}")
+        fits = [full for full in a_fits if tuple(bt_rows.shape) == (a_rows.shape[0], *shapes[full][1])]
+        if not fits:
+            bt_shape = shapes[a_fits[0]][1]
             raise ValueError(
                 f"bt_rows must have shape [{a_rows.shape[0]}, {', '.join(map(str, bt_shape))}], got "
                 f"{tuple(bt_rows.shape)}"
             )
         if a_rows.dtype != self.weight_dtype or bt_rows.dtype != self.weight_dtype:
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
+        full = bool(fits[0])
+        others = [stacks for index, stacks in enumerate(self._parts) if index != part and stacks is not None]
+        if others and full != self._fully_sharded:
+            raise ValueError("every part of a linear is sharded alike: fully sharded rows beside the base's split")
+        self._fully_sharded = full
         self._parts[part] = stacks
         self._rebuild()
 
-    def _rows_shapes(self, part: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A part's rows' shapes past N: ``(in,), (out,)`` unsharded; ``(S, in_s), (S, out_s)`` over S shards."""
+    def _rows_shapes(self, part: int, full: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A part's rows' shapes past N: ``(in,), (out,)`` unsharded; ``(S, in_s), (S, out_s)`` over S shards, where
+        ``full`` (fully sharded) splits a column-parallel A by input and a row-parallel Bt by output too."""
         out, shards = self.out_features[part], self.shards
         if shards == 1:
             return (self.in_features,), (out,)
         if self.row_parallel:
-            return (shards, self.in_features // shards), (shards, out)
-        return (shards, self.in_features), (shards, out // shards)
+            return (shards, self.in_features // shards), (shards, out // shards if full else out)
+        return (shards, self.in_features // shards if full else self.in_features), (shards, out // shards)
 
     def _rebuild(self) -> None:
         if any(stacks is not None for stacks in self._parts):
             parts = tuple(self._parts)
-            self._lora = LinearLoRA.build(
-                self.out_features, parts, self._fuse_shrink, self._one_call, self.shards, self.row_parallel
-            )
+            flags = (self._fuse_shrink, self._one_call, self.shards, self.row_parallel, self._fully_sharded)
+            pinned = partial(pin, size=self.shards) if self.shards > 1 else None
+            self._lora = LinearLoRA.build(self.out_features, parts, *flags, pinned)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
         self._parts = [None] * len(self.out_features)
         self._lora = None
+        self._fully_sharded = False
 
     @property
     def fused_parts(self) -> tuple[tuple[int, ...], ...]:

@@ -152,6 +152,42 @@ def test_prepared_sections_join_into_the_unsharded_block(size, write_peft_adapte
     assert ROW_PARALLEL == ("o_proj", "down_proj")
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_fully_sharded_sections_hold_every_feature_once_and_their_summed_shrinks_give_the_delta(
+    size, write_peft_adapter, tiny_spec
+):
+    """``fully_sharded_loras``: every module's A columns and Bt columns each in exactly one section (KV heads aside,
+    replicated with the base), so a device holds 1/N of a row; the shards' shrinks summed (the one all-reduce), then
+    each shard's expand, give PEFT's delta."""
+    folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
+    tp = TensorParallel(size, fully_sharded_loras=True)
+    whole = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
+    sharded = AdapterRegistry(
+        tiny_spec, RegistryConfig(max_rank=8, tensor_parallel_size=size, fully_sharded_loras=True)
+    )
+    reference, ours = (r.register(str(folder), adapter_id="a") and r.prepared("a") for r in (whole, sharded))
+    layout = RowLayout.of(tiny_spec, tp)
+    kv_copies = max(1, size // tiny_spec.num_kv_heads)
+    kv_out = tiny_spec.projection_shape("k_proj")[1]
+    unsharded = RowLayout.of(tiny_spec).width + 2 * tiny_spec.num_layers * kv_out * (kv_copies - 1)  # KV copies aside
+    assert layout.width == unsharded and ours.storage.shape == (reference.rows, layout.width)
+    for key, weights in reference.modules.items():
+        a, bt = ours.modules[key].a, ours.modules[key].bt  # [r, S, in_s], [r, S, out_s]
+        assert torch.equal(torch.cat(a.unbind(1), dim=1), weights.a), key  # A: every input feature once
+        joined = torch.cat(bt.unbind(1), dim=1)
+        if key.proj in ("k_proj", "v_proj") and kv_copies > 1:
+            joined = joined.view(reference.rows, tiny_spec.num_kv_heads, kv_copies, -1)[:, :, 0]
+        assert torch.equal(joined.reshape(reference.rows, -1), weights.bt), key
+        fan_in = weights.a.shape[1]
+        x = torch.randn(3, fan_in)
+        h = sum(x[:, tp.lora_in_index(tiny_spec, key.proj, s)] @ a[:, s].T for s in range(size))  # all-reduced
+        for s in range(size):
+            out = tp.lora_out_index(tiny_spec, key.proj, s)
+            torch.testing.assert_close(h @ bt[:, s], (x @ weights.a.T @ weights.bt)[:, out], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="fully_sharded_loras runs in XLA's SPMD program"):
+        AdapterManagerConfig(tensor_parallel_size=2, fully_sharded_loras=True)  # cpu: one process per shard
+
+
 def test_a_sharded_pool_loads_blocks_and_hands_out_sectioned_views(write_peft_adapter, tiny_spec):
     folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
     registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, tensor_parallel_size=2))

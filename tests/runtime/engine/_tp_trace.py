@@ -4,6 +4,7 @@ it starts.
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp N
     python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp 2 --device cpu
+    ... --fully-sharded-loras       (XLA: every A and Bt split too)
 
 PATHS.json maps each adapter name (and "base") to its folder. Warm-up, then a trace with mixed adapters, swaps
 (5 adapters through 2 slots), prefix hits and preemptions, then echo (prompt_logprobs) requests; OUT.json holds every
@@ -43,7 +44,9 @@ def compile_count(device: torch.device) -> int:
     return 0 if data is None else data[0]
 
 
-def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: int, on: str) -> dict:
+def run(
+    paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: int, on: str, full: bool = False
+) -> dict:
     workers = None
     if on == "xla":
         import torch_xla
@@ -59,7 +62,9 @@ def run(paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: i
         workers = start_shard_workers(ShardLaunch(Path(paths["base"]), tp))
         model = workers.load_model()
     spec = model.config.to_spec(TINY_NAME)
-    config = AdapterManagerConfig(max_slots=2, max_rank=8, device=device, prefetch_workers=0, tensor_parallel_size=tp)
+    config = AdapterManagerConfig(
+        max_slots=2, max_rank=8, device=device, prefetch_workers=0, tensor_parallel_size=tp, fully_sharded_loras=full
+    )
     manager = AdapterManager(spec, config)
     for name, folder in paths.items():
         if name != "base":
@@ -117,10 +122,11 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--device", choices=("xla", "cpu"), default="xla")
+    parser.add_argument("--fully-sharded-loras", action="store_true")
     args = parser.parse_args()
     spec = json.loads(args.paths.read_text())
     combos = [(list(prompt), name) for prompt, name in spec["combos"]]
-    args.out.write_text(json.dumps(run(spec["paths"], combos, args.tp, args.device)))
+    args.out.write_text(json.dumps(run(spec["paths"], combos, args.tp, args.device, args.fully_sharded_loras)))
 
 
 if __name__ == "__main__":

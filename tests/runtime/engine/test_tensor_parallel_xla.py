@@ -4,7 +4,8 @@ Each TP size runs the engine trace of ``_tp_trace`` in its own process (SPMD is 
 tensor; the lane's other tests run without it): warm-up, then mixed adapters with swaps (5 adapters through 2 slots),
 prefix hits and preemptions, then echo requests. TP = 2 (KV heads split) and TP = 4 (KV heads replicated, as 4 > 2
 KV heads) must equal TP = 1, i.e. PEFT: every greedy generation HF's tokens, every prompt logprob within 1e-4 of
-log_softmax of PEFT's logits, and nothing compiled after warm-up.
+log_softmax of PEFT's logits, and nothing compiled after warm-up. The same with ``fully_sharded_loras`` (every A and
+Bt split too: the shrink outputs summed over the shards).
 """
 
 from __future__ import annotations
@@ -18,6 +19,6 @@ pytest.importorskip("torch_xla")
 pytest.importorskip("peft")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_engine_equals_peft_and_compiles_nothing_after_warm_up(written, expected, tmp_path, tp):
-    check_against_peft(trace(written, expected, tmp_path, tp, "xla"), written, expected)
+@pytest.mark.parametrize(("tp", "full"), [(2, False), (4, False), (2, True), (4, True)])
+def test_tensor_parallel_engine_equals_peft_and_compiles_nothing_after_warm_up(written, expected, tmp_path, tp, full):
+    check_against_peft(trace(written, expected, tmp_path, tp, "xla", full), written, expected)
