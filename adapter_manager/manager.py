@@ -288,7 +288,7 @@ class AdapterManager:
 
     def on_slot_load(self, listener: Callable[[int, torch.Tensor], None]) -> None:
         """Call ``listener(start_row, block)`` after every host -> slot copy completes, before the slot is published
-        (``block [r, width]``: every tensor-parallel section of the adapter's rows)."""
+        (``block [r, width]``; over N tensor-parallel sections ``[r, N, W_s]``, every section, `RowLayout.block`)."""
         self.pool.on_load(listener)
 
     def take_prefetch_errors(self) -> dict[str, BaseException]:

@@ -61,13 +61,18 @@ def place(tensor: Any, size: int, dim: int) -> Any:
     """A host tensor as an XLA tensor split over ``size`` devices along ``dim``, each device receiving only its own
     piece (with more devices than ``size``, each replica of it): the host sends the tensor's bytes once per replica,
     where ``tensor.to(device)`` would send all of it to every device."""
+    width = tensor.shape[dim] // size
+    return place_pieces([tensor.narrow(dim, s * width, width).contiguous() for s in range(size)], dim)
+
+
+def place_pieces(pieces: list[Any], dim: int) -> Any:
+    """The host tensors ``pieces`` (N, contiguous, equal shapes) joined along ``dim`` as one XLA tensor split over N
+    devices, device piece s holding ``pieces[s]``: no host copy beyond the transfer itself."""
     import torch_xla
     import torch_xla.runtime as xr
 
+    size = len(pieces)
     placed = mesh(size)
-    width = tensor.shape[dim] // size
-    shards = [
-        tensor.narrow(dim, (d % size) * width, width).contiguous() for d in range(xr.global_runtime_device_count())
-    ]  # mesh position (d // size, d % size): device d holds piece d % size
-    spec = tuple(MODEL_AXIS if axis == dim else None for axis in range(tensor.dim()))
+    shards = [pieces[d % size] for d in range(xr.global_runtime_device_count())]  # device d: mesh column d % size
+    spec = tuple(MODEL_AXIS if axis == dim else None for axis in range(pieces[0].dim()))
     return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, placed.get_op_sharding(spec))

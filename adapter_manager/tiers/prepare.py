@@ -47,7 +47,7 @@ class PreparedAdapter:
     adapter_id: str
     sha: str  # revision the weights came from
     modules: Mapping[ModuleKey, ModuleWeights]  # targeted modules only; the others are zero
-    storage: torch.Tensor  # Shape: [r, width], the block every module's `a` and `bt` view into
+    storage: torch.Tensor  # Shape: [r, width], over N shards [r, N, W_s] (`RowLayout.block`): what `a`, `bt` view
     digest: str = ""  # the content digest of the files it was prepared from (`sources.digests`)
     variant: Variant = Variant.LORA  # what it adds beyond A and B
     vector: torch.Tensor | None = None  # Shape: [vector_width], the vector row (DoRA's g - 1, LoRA's s · b); else None
@@ -190,7 +190,7 @@ def _build(
     adapter_id, sha, handle, tensors, modules, spec, layout: RowLayout, dtype, pin_memory, base_weight
 ) -> PreparedAdapter:
     rank = max(lora.rank for lora in modules.values())
-    storage = _block(rank, layout.width, dtype, pin_memory)  # [r, width]
+    storage = layout.block(_block(rank, layout.width, dtype, pin_memory))  # [r, width]; over N shards [r, N, W_s]
     prepared: dict[ModuleKey, ModuleWeights] = {}
     tp, awaiting = layout.tensor_parallel, False
     for module in sorted(modules):

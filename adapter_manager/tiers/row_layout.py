@@ -15,9 +15,11 @@ Over N tensor-parallel shards (:class:`sharding.TensorParallel`) a row is N equa
 s holding shard s's pieces in the same order: column-parallel modules' whole A and their Bt columns of shard s,
 row-parallel modules' A columns of shard s and their whole Bt. A device holds its section of every row (the pool's
 row tensor is split by sections), and each module's views gain the section axis: ``A [r, N, in_s]``,
-``Bt [r, N, out_s]``. With ``fully_sharded_loras`` (:class:`sharding.TensorParallel`) section s holds the
-column-parallel modules' A columns of its hidden slice and the row-parallel ones' Bt columns of it as well: 1/N of the
-row each.
+``Bt [r, N, out_s]``. A prepared block over N sections is section-major in memory (``[N, r, W_s]``, seen as
+``[r, N, W_s]``: :meth:`RowLayout.block`), so the piece one device receives is one contiguous copy.
+
+With ``fully_sharded_loras`` (:class:`sharding.TensorParallel`) section s holds the column-parallel modules' A columns
+of its hidden slice and the row-parallel ones' Bt columns of it as well: 1/N of the row each.
 
 An adapter with a per-output vector on each module (DoRA's scale, LoRA's bias: `sources.peft_format.Variant`) holds
 it in a **vector row** of ``vector_width`` elements, in the same order and sections as the Bt pieces of a row::
@@ -131,7 +133,21 @@ class RowLayout:
         return sectioned[..., c.vector_start : c.vector_start + c.out_features]
 
     def _sectioned(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows if self.sections == 1 else rows.view(rows.shape[0], self.sections, self.section_width)
+        if self.sections == 1 or rows.dim() == 3:  # a prepared block over N sections is [n, N, W_s] already
+            return rows
+        return rows.view(rows.shape[0], self.sections, self.section_width)
+
+    def block_shape(self, rows: int) -> tuple[int, ...]:
+        """A prepared block's shape: ``[r, width]``; over N sections ``[r, N, section_width]`` (:meth:`block`)."""
+        return (rows, self.width) if self.sections == 1 else (rows, self.sections, self.section_width)
+
+    def block(self, memory: torch.Tensor) -> torch.Tensor:
+        """A prepared block of ``r`` rows over ``memory``, a contiguous ``[r, width]`` tensor: itself, or over N
+        sections the ``[r, N, section_width]`` view of it as section-major memory (section s, ``block[:, s]``, is one
+        contiguous ``[r, section_width]`` piece: what one device receives)."""
+        if self.sections == 1:
+            return memory
+        return memory.view(self.sections, memory.shape[0], self.section_width).transpose(0, 1)
 
     def row_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one row, every section."""

@@ -28,7 +28,7 @@ import torch
 from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import SlotLoadError
 from ..sharding import TensorParallel
-from ..spmd import MODEL_AXIS, mark, place
+from ..spmd import MODEL_AXIS, mark, place_pieces
 from .prepare import PreparedAdapter
 from .row_layout import RowLayout
 
@@ -259,18 +259,20 @@ class SlotPool:
 
         Semantics:
             rows[slot * G : slot * G + r] = prepared.storage      # [r, width]; the other rows are untouched
+        Over N tensor-parallel sections the block is ``[r, N, W_s]`` and each device's section one contiguous piece
+        (`RowLayout.block`): on XLA each device receives only its own.
         Returns once the copy has completed on the device. Raises `SlotLoadError` (naming the adapter) on a bad
         slot, rank, dtype or width before writing anything; if a copy itself fails the range may be partly written
         and must not be published.
         """
         if not 0 <= slot < self.num_units:
             raise SlotLoadError(prepared.adapter_id, f"slot {slot} is outside 0..{self.num_units - 1}")
-        storage = prepared.storage
-        if storage.dim() != 2 or storage.shape[1] != self.layout.width or storage.dtype != self.dtype:
+        storage, row_shape = prepared.storage, self.layout.block_shape(0)[1:]
+        if tuple(storage.shape[1:]) != row_shape or storage.dtype != self.dtype:
             raise SlotLoadError(
                 prepared.adapter_id,
                 f"prepared block is {list(storage.shape)} {storage.dtype}, the pool holds rows of "
-                f"{self.layout.width} in {self.dtype}",
+                f"{' x '.join(map(str, row_shape))} in {self.dtype}",
             )
         rank, vector = storage.shape[0], prepared.vector
         if not 0 < rank <= self.max_rank:
@@ -294,7 +296,8 @@ class SlotPool:
         start = slot * self.granule
         if self.device.type == "xla":
             with self._xla_lock:
-                padded = torch.zeros(self.units_for(rank) * self.granule, self.layout.width, dtype=self.dtype)
+                rows = self.units_for(rank) * self.granule
+                padded = self.layout.block(torch.zeros(rows, self.layout.width, dtype=self.dtype))
                 padded[:rank].copy_(storage)  # the graph depends on the block size class only
                 self._copy_xla(slot, padded)
                 if vector is not None:
@@ -305,14 +308,14 @@ class SlotPool:
             # waits on an event before the allocator publishes the slot, which keeps the host block alive until read.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                self.rows[start : start + rank].copy_(storage, non_blocking=True)
+                self.rows[start : start + rank].view(storage.shape).copy_(storage, non_blocking=True)
                 if vector is not None:
                     self.vectors[slot].copy_(vector, non_blocking=True)  # type: ignore[index]
                 done = torch.cuda.Event()
                 done.record(self._stream)
             done.synchronize()
         else:
-            self.rows[start : start + rank].copy_(storage)
+            self.rows[start : start + rank].view(storage.shape).copy_(storage)  # over N sections [r, N, W_s]
             if vector is not None:
                 self.vectors[slot].copy_(vector)  # type: ignore[index]
         for key in self.spec.vocab_keys() if self.layout.vocab else ():
@@ -325,14 +328,16 @@ class SlotPool:
     def on_load(self, listener: Callable[[int, torch.Tensor], None]) -> None:
         """Call ``listener(start_row, block)`` (on the loading thread) after every load has completed, before the
         allocator publishes its range: with one process per tensor-parallel shard, the other shards' sections of
-        ``block [r, width]`` still have to reach their processes."""
+        ``block [r, N, W_s]`` (`RowLayout.block`) still have to reach their processes."""
         self._load_listeners.append(listener)
 
     def _copy_xla(self, slot: int, block: torch.Tensor) -> None:
         # The start row is a device index tensor, never a Python int: one graph per block size for every slot.
         index = (torch.arange(block.shape[0]) + slot * self.granule).to(self.device)  # [rows]
-        sections = self.tensor_parallel.size
-        placed = block.to(self.device) if sections == 1 else place(block, sections, 1)  # a device gets its section
+        if block.dim() == 2:
+            placed = block.to(self.device)
+        else:  # [units·G, N, W_s]: each device gets its section, one contiguous piece
+            placed = place_pieces(list(block.transpose(0, 1)), 1).view(block.shape[0], -1)
         self.rows.index_copy_(0, index, placed)
         _xla_sync()
 

@@ -121,22 +121,17 @@ class ShardChannel:
         _scatter([("setup", sizes, meta_args, rows[rank]) for rank in range(self.size)])
 
     def _on_load(self, start: int, block: torch.Tensor) -> None:
-        """A slot load completed on rank 0: every other shard writes its section of ``block [r, N·W]`` (shard k's is
-        ``[:, k·W : (k+1)·W]``) into its rows from ``start``; returns once all have."""
+        """A slot load completed on rank 0: every other shard writes its section of ``block [r, N, W]`` (shard k's,
+        ``block[:, k]``, is one contiguous piece: `RowLayout.block`) into its rows from ``start``; returns once all
+        have."""
         with self._lock:
-            _scatter(
-                [None] + [("rows", start, _section(block, k, self.size)) for k in range(1, self.size)], self._loads
-            )
+            # Cloned: a pickled view would carry its whole storage, every section (the piece itself is contiguous).
+            _scatter([None] + [("rows", start, block[:, k].clone()) for k in range(1, self.size)], self._loads)
             dist.barrier(group=self._loads)
 
     def send(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> None:
         """Hand every shard the step: its batch and the slots' ranks."""
         _scatter([("step", batch, dict(slot_rows))] * self.size)
-
-
-def _section(block: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    width = block.shape[1] // size
-    return block[:, rank * width : (rank + 1) * width].contiguous()
 
 
 def _scatter(messages: list, group: object | None = None) -> object:

@@ -129,7 +129,9 @@ def test_prepared_sections_join_into_the_unsharded_block(size, write_peft_adapte
     sharded = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, tensor_parallel_size=size))
     reference, ours = (r.register(str(folder), adapter_id="a") and r.prepared("a") for r in (whole, sharded))
     layout = RowLayout.of(tiny_spec, tp)
-    assert ours.storage.shape == (reference.rows, layout.width) and layout.width == size * layout.section_width
+    assert ours.storage.shape == (reference.rows, size, layout.section_width)
+    assert layout.width == size * layout.section_width
+    assert all(ours.storage[:, s].is_contiguous() for s in range(size))  # each device's piece: one contiguous copy
     x = torch.randn(5, tiny_spec.projection_shape("down_proj")[0])
     for key, weights in reference.modules.items():
         a, bt = ours.modules[key].a, ours.modules[key].bt  # [r, S, in_s], [r, S, out_s]
@@ -170,7 +172,7 @@ def test_fully_sharded_sections_hold_every_feature_once_and_their_summed_shrinks
     kv_copies = max(1, size // tiny_spec.num_kv_heads)
     kv_out = tiny_spec.projection_shape("k_proj")[1]
     unsharded = RowLayout.of(tiny_spec).width + 2 * tiny_spec.num_layers * kv_out * (kv_copies - 1)  # KV copies aside
-    assert layout.width == unsharded and ours.storage.shape == (reference.rows, layout.width)
+    assert layout.width == unsharded and ours.storage.shape == (reference.rows, size, layout.section_width)
     for key, weights in reference.modules.items():
         a, bt = ours.modules[key].a, ours.modules[key].bt  # [r, S, in_s], [r, S, out_s]
         assert torch.equal(torch.cat(a.unbind(1), dim=1), weights.a), key  # A: every input feature once

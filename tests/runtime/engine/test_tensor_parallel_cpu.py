@@ -9,6 +9,12 @@ all-reduces a layer, the embedding's, and the logits' all-gather."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from tests.runtime.engine._tp_oracle import check_against_peft, trace
@@ -23,3 +29,41 @@ def test_shard_processes_equal_peft(written, expected, tmp_path, tp):
     layers = 3  # the tiny Llama's
     forwards = result["collectives"] / (2 * layers + 2)
     assert forwards == int(forwards) and forwards > 50, result["collectives"]
+
+
+_RANK0 = """
+import sys, time
+from pathlib import Path
+from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
+workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), 2))
+workers.load_model()
+print(*[p.pid for p in workers.processes], flush=True)
+time.sleep(600)
+"""
+
+
+def test_shards_exit_when_rank_0_is_killed_outright(written, tmp_path):
+    """SIGKILL sends no stop message (an OOM kill, a cluster replica torn down): the shards must still exit, not wait
+    days for their next step holding their weights (their gloo connections to rank 0 break)."""
+    folder = written[None][0]
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        shards = [int(pid) for pid in rank0.stdout.readline().split()]  # once every shard has loaded its part
+        assert shards and all(_alive(pid) for pid in shards)
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in shards) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in shards), shards
+    finally:
+        rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
