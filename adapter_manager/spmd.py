@@ -53,8 +53,36 @@ def pin(tensor: Any, dim: int | None, size: int) -> Any:
     elsewhere. A tensor off the XLA device is returned as it is."""
     if tensor.device.type != "xla":
         return tensor
-    mark(tensor, size, tuple(MODEL_AXIS if axis == dim else None for axis in range(tensor.dim())))
+    mark(tensor, size, _spec(tensor.dim(), dim))
     return tensor
+
+
+class Shards:
+    """The marks a sharded linear of the traced step makes over ``size`` devices (``kernels.linear_lora.ShardHooks``):
+    pin an intermediate's sharding, and run a backend's kernels per shard between manual-sharding marks (what GSPMD
+    cannot partition, the Pallas kernels, sees one device's shapes there)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def pin(self, tensor: Any, dim: int | None) -> Any:
+        return pin(tensor, dim, self.size)
+
+    def local(self, tensor: Any, dim: int | None) -> Any:
+        import torch_xla.distributed.spmd as xs
+
+        return xs.enable_manual_sharding(tensor, _spec(tensor.dim(), dim), mesh=mesh(self.size)).global_tensor
+
+    def join(self, tensor: Any, dim: int | None, shape: tuple[int, ...]) -> Any:
+        import torch
+        import torch_xla.distributed.spmd as xs
+
+        spec, full = _spec(len(shape), dim), torch.Size(shape)
+        return xs.disable_manual_sharding(tensor, spec, full, mesh=mesh(self.size)).global_tensor
+
+
+def _spec(rank: int, dim: int | None) -> tuple[str | None, ...]:
+    return tuple(MODEL_AXIS if axis == dim else None for axis in range(rank))
 
 
 def place(tensor: Any, size: int, dim: int) -> Any:
@@ -74,5 +102,4 @@ def place_pieces(pieces: list[Any], dim: int) -> Any:
     size = len(pieces)
     placed = mesh(size)
     shards = [pieces[d % size] for d in range(xr.global_runtime_device_count())]  # device d: mesh column d % size
-    spec = tuple(MODEL_AXIS if axis == dim else None for axis in range(pieces[0].dim()))
-    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, placed.get_op_sharding(spec))
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, placed.get_op_sharding(_spec(pieces[0].dim(), dim)))

@@ -10,7 +10,7 @@ on the device or the form:
 - :class:`CpuExecutor`: first the cpu backend's one-call form (base matmul and LoRA in one C++ call for the weight's
   layout), else as above.
 - :class:`TracedExecutor` (laned XLA, Pallas): the base matmul plus one laned shrink / expand per part, new tensors
-  (static shapes, no in-place update).
+  (static shapes, no in-place update); a linear sharded over devices runs :func:`kernels.sharded.sharded_linear`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from adapter_manager.kernels.linear_lora import LinearLoRA
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
 from adapter_manager.kernels.protocol import LinearWeight, WeightLayout
+from adapter_manager.kernels.sharded import sharded_linear
 from adapter_manager.kernels.vectors import apply_vectors
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class TracedExecutor(LinearExecutor):
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
     ) -> torch.Tensor:
         if lora.shards > 1:
-            return _sharded(x, weight, lora, meta, step)
+            return sharded_linear(x, weight, lora, meta, step.kernels.linear, self.backend)
         y = step.kernels.linear(x, weight)
         if len(lora.out_features) == 1:
             stacks = lora.parts[0]
@@ -141,72 +142,3 @@ class TracedExecutor(LinearExecutor):
             if stacks is not None:
                 parts[index] = expand(parts[index], shrink(x, stacks.a, meta), stacks.bt, meta)
         return torch.cat(parts, dim=-1)
-
-
-def _sharded(
-    x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
-) -> torch.Tensor:
-    """A linear whose tensors hold S shards side by side (one SPMD program: GSPMD keeps each shard on its device).
-
-    Semantics (S shards, every part's rows ``A [N, S, in_s]``, ``Bt [N, S, out_s]``, laned over the active table)::
-
-        column-parallel (q/k/v, gate/up): y = x @ W.T                  # [T, S, sum(out_s)], shard-major
-            y[:, s, part p] += lanes(x @ A_p[:, s].T) @ Bt_p[:, s]      # each shard expands only its columns
-        row-parallel (o, down): x = x.view(T, S, in_s)                  # each shard holds its input features
-            y = sum over s of (x_s @ W_s.T + lanes(x_s @ A[:, s].T) @ Bt[:, s])   # partials joined, then ONE sum
-
-    The sum over s is the layer's one all-reduce: the LoRA joins the base before it, so it adds no collective.
-    Fully sharded (:attr:`LinearLoRA.fully_sharded`): each shard's A covers its slice of the input, so the lanes
-    ``h = sum over s of x_s @ A[:, s].T`` ([T, lanes] for every part at once) are one all-reduce per linear; then
-    column-parallel shards expand their output columns as above, and row-parallel ones their hidden slice of the
-    output (``Bt [N, S, hidden / S]``), added to the summed base output.
-    Shape: x [T, in]; returns a new [T, sum(out)].
-    """
-    tokens, shards = x.shape[0], lora.shards
-    token_compact, gather_rows, lane_owner = meta.args()
-    own = token_compact[:, None] == lane_owner[None, :]  # [T, A·R]: a token's own lanes
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-
-    def rows(stacks) -> tuple[torch.Tensor, torch.Tensor]:  # [A·R, S, in_s], [A·R, S, out_s]
-        return stacks.a.index_select(0, gather_rows), stacks.bt.index_select(0, gather_rows)
-
-    def lanes(x3: torch.Tensor, stacks) -> torch.Tensor:  # x3 [T, S, in_s] -> [T, S, out_s]
-        a, bt = rows(stacks)
-        h = torch.where(own[:, None, :], torch.einsum("tsi,lsi->tsl", x3, a), zero)
-        return torch.einsum("tsl,lso->tso", h, bt)
-
-    def summed_lanes(x3: torch.Tensor, parts: list) -> list[torch.Tensor]:  # fully sharded: each part's [T, A·R]
-        h = torch.cat([torch.einsum("tsi,lsi->tsl", x3, rows(stacks)[0]) for stacks in parts], dim=2).sum(dim=1)
-        return [torch.where(own, piece, zero) for piece in h.chunk(len(parts), dim=1)]  # one all-reduce above
-
-    if lora.row_parallel:
-        x3 = x.view(tokens, shards, -1)  # [T, S, in_s]
-        w3 = weight.tensor.view(weight.tensor.shape[0], shards, -1)  # [out, S, in_s]
-        y3 = torch.einsum("tsi,osi->tso", x3, w3)  # the shards' partial outputs
-        stacks = lora.parts[0]
-        if stacks is None:
-            return y3.sum(dim=1)
-        if not lora.fully_sharded:
-            return (y3 + lanes(x3, stacks)).sum(dim=1)
-        (h,) = summed_lanes(x3, [stacks])
-        z = torch.einsum("tl,lso->tso", h, rows(stacks)[1])  # [T, S, hidden / S]: shard s's slice of the output
-        # Shard s adds its slice into its own partial output (zero in the others' slices), so the layer's one
-        # all-reduce joins them: z [T, S, 1, hidden / S] times the identity over (s, slice) -> [T, S, S, hidden / S].
-        own_slice = torch.eye(shards, dtype=x.dtype, device=x.device)[:, :, None]
-        y4 = y3.view(tokens, shards, shards, -1) + z[:, :, None, :] * own_slice
-        return y4.sum(dim=1).reshape(tokens, -1)
-    y3 = step.kernels.linear(x, weight).view(tokens, shards, -1)  # [T, S, sum(out_s)]
-    pieces = list(y3.split([out // shards for out in lora.out_features], dim=2))
-    with_lora = [index for index, stacks in enumerate(lora.parts) if stacks is not None]
-    if lora.fully_sharded:
-        # Pinned whole on every device, each reading its slice: left to the partitioner, the slices the shrink reads
-        # split the norm and the residual by hidden, and x was all-gathered before every column-parallel linear.
-        x = x if lora.pin is None else lora.pin(x, None)
-        hs = summed_lanes(x.view(tokens, shards, -1), [lora.parts[index] for index in with_lora])
-        for index, h in zip(with_lora, hs, strict=True):
-            pieces[index] = pieces[index] + torch.einsum("tl,lso->tso", h, rows(lora.parts[index])[1])
-    else:
-        x3 = x.unsqueeze(1).expand(tokens, shards, x.shape[1])  # every shard reads all of x
-        for index in with_lora:
-            pieces[index] = pieces[index] + lanes(x3, lora.parts[index])
-    return torch.cat(pieces, dim=2).reshape(tokens, -1)

@@ -3,7 +3,6 @@ the groups one ``apply_parts`` (or one-call) form takes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -23,6 +22,23 @@ class Stacks(Protocol):
 
     @property
     def vector(self) -> torch.Tensor | None: ...  # Shape: [S + 1, out]: each slot's vector row piece; None: none
+
+
+class ShardHooks(Protocol):
+    """The SPMD program's marks a sharded linear needs (``adapter_manager.spmd.Shards``)."""
+
+    def pin(self, tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """``tensor`` marked split along ``dim`` over the devices (None: whole on every device); returns it."""
+        ...
+
+    def local(self, tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """This device's piece of ``tensor`` split along ``dim`` (None: the whole, replicated), in manual sharding:
+        what the ops after it see is one device's shape."""
+        ...
+
+    def join(self, tensor: torch.Tensor, dim: int | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """The devices' pieces ``tensor`` back as one tensor of ``shape`` split along ``dim``."""
+        ...
 
 
 class FusedParts(NamedTuple):
@@ -115,9 +131,9 @@ class LinearLoRA:
     fully_sharded: bool = False
     """With S > 1: A (column-parallel) and Bt (row-parallel) are split too, ``A [N, S, in/S]``, ``Bt [N, S, out/S]``;
     the shards' shrink outputs are summed (one all-reduce of ``[T, lanes]`` per linear)."""
-    pin: Callable[[torch.Tensor, int | None], torch.Tensor] | None = None
-    """With S > 1: ``pin(t, dim)`` marks an intermediate split over the S devices along ``dim`` (None: whole) and
-    returns it (the SPMD program's mark, ``adapter_manager.spmd.pin``); None: the partitioner places it."""
+    spmd: ShardHooks | None = None
+    """With S > 1: the SPMD program's marks (``adapter_manager.spmd.Shards``): pin an intermediate's sharding, run a
+    backend's kernels per shard; None: the partitioner places everything (the laned form only)."""
     vector_groups: tuple[tuple[slice, torch.Tensor], ...] = ()
     """Eager devices: the parts' vector rows joined where adjacent in the pool (q|k|v, gate|up are), each as (the
     group's columns of the output, a ``[S + 1, columns]`` view): one gather or add per group, not per part."""
@@ -135,7 +151,7 @@ class LinearLoRA:
         shards: int = 1,
         row_parallel: bool = False,
         fully_sharded: bool = False,
-        pin: Callable[[torch.Tensor, int | None], torch.Tensor] | None = None,
+        spmd: ShardHooks | None = None,
     ) -> LinearLoRA:
         fused = _fused_runs([None if s is None else s.a for s in parts])
         groups = _groups(out_features, parts, fused)
@@ -146,7 +162,7 @@ class LinearLoRA:
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
         vectors = _vector_groups(out_features, parts)
-        flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded, pin)
+        flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded, spmd)
         args = None
         if vectors and all(v.stride(1) == 1 for _, v in vectors):
             args = (tuple(v for _, v in vectors), tuple(c.start for c, _ in vectors))

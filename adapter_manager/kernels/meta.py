@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from typing import cast
@@ -316,6 +317,13 @@ class LoRAKernelMeta:
         """Shape: [k·R] int64: the compact table's rows of the k active slots (no bucket padding; eager forms)."""
         assert self.gather_rows is not None, "no compact table this step"
         return self.gather_rows[: self.num_active * self.rank]
+
+    def on_shard(self, local: Callable[[torch.Tensor], torch.Tensor]) -> LoRAKernelMeta:
+        """A copy of this step's metadata whose traced operands (:meth:`args`) are ``local(t)`` of this one's: what a
+        backend called per shard under manual sharding reads (``kernels.sharded``)."""
+        shard = copy.copy(self)
+        shard.token_compact, shard.gather_rows, shard.lane_owner = (local(t) for t in self.args())
+        return shard
 
     def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The traced kernels' operands: ``(token_compact [T] int32, gather_rows [A·R] int64, lane_owner [A·R])``."""

@@ -25,6 +25,7 @@ class PallasBackend:
     traced = True
     laned_output = True
     executor_type = TracedExecutor
+    per_shard = True  # GSPMD cannot partition the kernels: a sharded linear calls them per shard (`kernels.sharded`)
 
     def __init__(self, table: BlockSizeTable, *, interpret: PallasInterpret) -> None:
         self._table = table

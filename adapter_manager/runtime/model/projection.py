@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from functools import partial
 
 import torch
 from torch import nn
@@ -19,7 +18,7 @@ from adapter_manager.kernels import (
     quantize_weight,
     unpack_weight,
 )
-from adapter_manager.spmd import pin
+from adapter_manager.spmd import Shards
 
 
 class LoRALinear(nn.Module):
@@ -223,8 +222,8 @@ class LoRALinear(nn.Module):
         if any(stacks is not None for stacks in self._parts):
             parts = tuple(self._parts)
             flags = (self._fuse_shrink, self._one_call, self.shards, self.row_parallel, self._fully_sharded)
-            pinned = partial(pin, size=self.shards) if self.shards > 1 else None
-            self._lora = LinearLoRA.build(self.out_features, parts, *flags, pinned)
+            spmd = Shards(self.shards) if self.shards > 1 else None
+            self._lora = LinearLoRA.build(self.out_features, parts, *flags, spmd)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""

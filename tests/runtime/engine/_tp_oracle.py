@@ -15,7 +15,7 @@ from tests.runtime._oracle import ADAPTERS, FP32_TOL, oracle_logits
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def trace(written, expected, tmp_path: Path, tp: int, device: str, full: bool = False) -> dict:
+def trace(written, expected, tmp_path: Path, tp: int, device: str, full: bool = False, pallas: bool = False) -> dict:
     combos = sorted(expected, key=str)
     paths = {name or "base": str(folder) for name, (folder, _) in written.items()}
     spec = tmp_path / f"paths-{tp}.json"
@@ -23,7 +23,7 @@ def trace(written, expected, tmp_path: Path, tp: int, device: str, full: bool = 
     out = tmp_path / f"trace-{tp}.json"
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     command = [sys.executable, "-m", "tests.runtime.engine._tp_trace", str(spec), str(out), "--tp", str(tp)]
-    command += ["--device", device] + (["--fully-sharded-loras"] if full else [])
+    command += ["--device", device] + (["--fully-sharded-loras"] if full else []) + (["--pallas"] if pallas else [])
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())

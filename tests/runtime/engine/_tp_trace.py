@@ -5,6 +5,7 @@ it starts.
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp N
     python -m tests.runtime.engine._tp_trace PATHS.json OUT.json --tp 2 --device cpu
     ... --fully-sharded-loras       (XLA: every A and Bt split too)
+    ... --pallas                    (XLA: the Pallas kernels, interpreted as HLO, run per shard)
 
 PATHS.json maps each adapter name (and "base") to its folder. Warm-up, then a trace with mixed adapters, swaps
 (5 adapters through 2 slots), prefix hits and preemptions, then echo (prompt_logprobs) requests; OUT.json holds every
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager.kernels import BackendKind, KernelConfig, PallasInterpret
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.kv_space import block_bytes
 from adapter_manager.runtime.engine.sampling import SamplingParams
@@ -33,6 +35,7 @@ BUCKETS = (8, 16, 32)
 STEPS = 120
 NEW_TOKENS = 6
 TINY_NAME = "test-org/tiny-llama"
+PALLAS = KernelConfig(xla_backend=BackendKind.PALLAS, pallas_interpret=PallasInterpret.HLO)
 
 
 def compile_count(device: torch.device) -> int:
@@ -45,9 +48,24 @@ def compile_count(device: torch.device) -> int:
 
 
 def run(
-    paths: dict[str, str], combos: list[tuple[list[int], str | None]], tp: int, on: str, full: bool = False
+    paths: dict[str, str],
+    combos: list[tuple[list[int], str | None]],
+    tp: int,
+    on: str,
+    full: bool = False,
+    pallas: bool = False,
 ) -> dict:
-    workers = None
+    workers, calls = None, {"pallas": 0}
+    if pallas:  # count the Pallas shrinks traced: the proof the per-shard path ran (it traces every step)
+        from adapter_manager.kernels.pallas.backend import PallasBackend
+
+        shrink = PallasBackend.shrink
+
+        def counted(self, *args, **kwargs):
+            calls["pallas"] += 1
+            return shrink(self, *args, **kwargs)
+
+        PallasBackend.shrink = counted
     if on == "xla":
         import torch_xla
 
@@ -78,6 +96,7 @@ def run(
         eos_ids=(),
         kv_block_size=4,
         kv_cache_bytes=kv_bytes,
+        kernels=PALLAS if pallas else None,
     )
     manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled before the engine (and its shards) runs
     engine = Engine(model, manager, engine_config)
@@ -109,6 +128,7 @@ def run(
             "preemptions": kv.preemptions,
             "swaps": manager.metrics().moves["host_to_slot"].count,
             "collectives": None if model.shard_group is None else model.shard_group.collectives,
+            "pallas_shrinks": calls["pallas"],
         }
     finally:
         manager.close()
@@ -123,10 +143,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--device", choices=("xla", "cpu"), default="xla")
     parser.add_argument("--fully-sharded-loras", action="store_true")
+    parser.add_argument("--pallas", action="store_true", help="the Pallas backend, interpreted (HLO), per shard")
     args = parser.parse_args()
     spec = json.loads(args.paths.read_text())
     combos = [(list(prompt), name) for prompt, name in spec["combos"]]
-    args.out.write_text(json.dumps(run(spec["paths"], combos, args.tp, args.device, args.fully_sharded_loras)))
+    result = run(spec["paths"], combos, args.tp, args.device, args.fully_sharded_loras, args.pallas)
+    args.out.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
