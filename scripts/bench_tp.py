@@ -10,7 +10,7 @@ graph is compiled then, and its optimized HLO (XLA_FLAGS --xla_dump_to) lists ev
 
 Floors: collectives, Megatron's 2 all-reduces of [T, hidden] per layer plus the vocabulary-parallel embedding's one,
 and 0 for LoRA (it joins each row-parallel layer's partial sum before the all-reduce; fully sharded, each part's
-shrink output [T, lanes] summed over the shards: 4 all-reduces a layer, q/k/v's and gate/up's parts joined); the
+shrink output [T, r] summed over the shards: 4 all-reduces a layer, q/k/v's and gate/up's parts joined); the
 logits may come back as one all-gather of [rows, vocab] (printed on its own line). Memory, 1/N of the base weights and
 of the pool's rows plus what stays whole (norms, the RoPE table). ``llama70b``: Llama-3.1-70B's layer shapes (hidden
 8192, 64 heads, 8 KV heads, MLP 28672) with a 32,000-token vocabulary and ``--layers`` layers (random weights, bf16).
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="decode tokens in the step (one request each)")
     parser.add_argument("--device", choices=("xla", "cpu"), default="xla", help="cpu: one process per shard (gloo)")
     parser.add_argument(
-        "--fully-sharded-loras", action="store_true", help="split every A and Bt too (XLA; one all-reduce per linear)"
+        "--fully-sharded-loras", action="store_true", help="split every A and Bt too (one all-reduce per linear)"
     )
     parser.add_argument("--out", default="bench_tp.json")
     args = parser.parse_args()
@@ -161,24 +161,29 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     if group is not None:  # counted: the all-reduces, then the logits' all-gather of [T, vocab / N]
         ops, nbytes = group.collectives - counted[0], group.collective_bytes - counted[1]
         gather = t * (config.vocab_size // n) * item
-        found = [("all-reduce", f"[{t}, {hidden}]", t * hidden * item)] * (ops - 1)
+        megatron = 2 * layers + 1  # the all-reduces of [T, hidden]; the rest are the fully sharded shrinks'
+        found = [("all-reduce", f"[{t}, {hidden}]", t * hidden * item)] * megatron
+        lora_ops, lora_bytes = ops - megatron - 1, nbytes - megatron * t * hidden * item - gather
+        if lora_ops:  # their shapes are not recorded: one entry with their total
+            found += [("all-reduce", f"{lora_ops} LoRA shrink outputs", lora_bytes)]
         found += [("all-gather", f"[{t}, {config.vocab_size // n}] (the logits)", gather)]
-        assert sum(c[2] for c in found) == nbytes, (found, nbytes)
+        assert sum(c[2] for c in found) == nbytes and (lora_ops > 0) == args.fully_sharded_loras, (found, nbytes)
     else:
         found = [c for path in step_modules for c in collectives(path.read_text())]
     engine.run_until_idle(max_steps=20)
     reduces = [c for c in found if c[0] == "all-reduce"]
+    reduce_ops = len(reduces) + (lora_ops - 1 if group is not None and lora_ops else 0)
     others = [c for c in found if c[0] != "all-reduce"]
     print(
         f"CPU: {cpu_model()}; {where}, TP = {n}, {args.shape} "
         f"shapes ({layers} layers, hidden {hidden}, {dtype}), decode step of {t} tokens on {t} adapters"
     )
-    lanes = t * 16  # the laned shrink's output width: the active adapters (one per token) times the max rank
-    lora_floor = 7 * layers * t * lanes * item if args.fully_sharded_loras else 0  # every part's [T, lanes] summed
+    rank = 16  # the adapters' (and the pool's max) rank: each token's shrink output is [r]
+    lora_floor = 7 * layers * t * rank * item if args.fully_sharded_loras else 0  # every part's [T, r] summed
     print(
-        f"all-reduce: {len(reduces)} ops, {sum(c[2] for c in reduces):,} B | Megatron floor: {2 * layers + 1} "
+        f"all-reduce: {reduce_ops} ops, {sum(c[2] for c in reduces):,} B | Megatron floor: {2 * layers + 1} "
         f"(2 per layer + the embedding's) of [{t}, {hidden}] = {floor:,} B; LoRA floor {lora_floor:,} B"
-        + (f" (each part's shrink output [{t}, {lanes}] summed: 4 all-reduces per layer)" if lora_floor else "")
+        + (f" (each part's shrink output [{t}, {rank}] summed: 4 all-reduces per layer)" if lora_floor else "")
     )
     for kind, shape, nbytes in others:
         print(f"  also {kind} {shape}: {nbytes:,} B")
@@ -209,7 +214,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     write_json(args.out, {
         "tp": n, "shape": args.shape, "layers": layers, "tokens": t, "dtype": str(dtype),
         "collectives": [{"kind": k, "shape": s, "bytes": b} for k, s, b in found],
-        "all_reduce_ops": len(reduces), "all_reduce_bytes": sum(c[2] for c in reduces), "floor_bytes": floor,
+        "all_reduce_ops": reduce_ops, "all_reduce_bytes": sum(c[2] for c in reduces), "floor_bytes": floor,
         "lora_floor_bytes": lora_floor, "fully_sharded_loras": args.fully_sharded_loras,
         "memory_per_device": {k: {"local": v[0], "whole": v[1]} for k, v in memory.items()},
     })  # fmt: skip

@@ -21,7 +21,7 @@ from adapter_manager.kernels.layer_ops import (
     quantize_weight,
     unpack_weight,
 )
-from adapter_manager.kernels.linear_lora import LinearLoRA, Stacks
+from adapter_manager.kernels.linear_lora import LinearLoRA, ProcessShard, Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, fused_linear, shrink, shrink_parts
 from adapter_manager.kernels.protocol import (
@@ -48,6 +48,7 @@ __all__ = [
     "LayerKernels",
     "LinearExecutor",
     "LinearLoRA",
+    "ProcessShard",
     "LinearStep",
     "LinearWeight",
     "LoRAForm",

@@ -23,7 +23,7 @@ from adapter_manager.kernels.linear_lora import LinearLoRA
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
 from adapter_manager.kernels.protocol import LinearWeight, WeightLayout
-from adapter_manager.kernels.sharded import sharded_linear
+from adapter_manager.kernels.sharded import process_fully_sharded, sharded_linear
 from adapter_manager.kernels.vectors import apply_vectors
 
 if TYPE_CHECKING:
@@ -75,6 +75,8 @@ class LinearExecutor:
                 f"a linear sharded {lora.shards} ways runs on a traced backend (one SPMD program); "
                 f"{type(self).__name__} runs one device's shard"
             )
+        if lora.fully_sharded:  # one process per shard: this process's section, its shrinks summed over the group
+            return process_fully_sharded(x, weight, lora, meta, step.kernels.linear)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
             y = step.kernels.linear(x, weight)
             for group in lora.groups:
@@ -111,6 +113,7 @@ class CpuExecutor(LinearExecutor):
         vectors = meta.bias_index is not None or meta.scale_index is not None
         epilogue = backend.epilogue(lora, meta) if vectors else None  # type: ignore[union-attr]
         offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
+        offered = offered and not lora.fully_sharded  # a process's section: its shrinks are summed between the calls
         if lora.one_call and lora.unit_groups and offered and (epilogue is not None or not vectors):
             y = backend.fused_linear(x, weight, lora.kernel_groups, meta, epilogue)  # type: ignore[union-attr]
             if y is not None:

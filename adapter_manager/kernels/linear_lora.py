@@ -41,6 +41,17 @@ class ShardHooks(Protocol):
         ...
 
 
+class ProcessShard(Protocol):
+    """This process's place in a group of processes, one per shard (``runtime.model.shard_group.ShardGroup``)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the shards, in place; returns it."""
+        ...
+
+
 class FusedParts(NamedTuple):
     """Consecutive parts whose A rows are adjacent column blocks of one pool tensor: one fused shrink for all."""
 
@@ -130,7 +141,11 @@ class LinearLoRA:
     outputs are summed (one all-reduce); False: column-parallel (q/k/v, gate/up), A whole and Bt by output features."""
     fully_sharded: bool = False
     """With S > 1: A (column-parallel) and Bt (row-parallel) are split too, ``A [N, S, in/S]``, ``Bt [N, S, out/S]``;
-    the shards' shrink outputs are summed (one all-reduce of ``[T, lanes]`` per linear)."""
+    the shards' shrink outputs are summed (one all-reduce of ``[T, lanes]`` per linear). With ``process``: this
+    process's section of them, ``A [N, in/G]`` or ``Bt [N, out/G]`` over G processes."""
+    process: ProcessShard | None = None
+    """One process per shard, fully sharded (S = 1 here, the process's own section): where the shrink outputs are
+    summed (``kernels.sharded.process_fully_sharded``)."""
     spmd: ShardHooks | None = None
     """With S > 1: the SPMD program's marks (``adapter_manager.spmd.Shards``): pin an intermediate's sharding, run a
     backend's kernels per shard; None: the partitioner places everything (the laned form only)."""
@@ -152,6 +167,7 @@ class LinearLoRA:
         row_parallel: bool = False,
         fully_sharded: bool = False,
         spmd: ShardHooks | None = None,
+        process: ProcessShard | None = None,
     ) -> LinearLoRA:
         fused = _fused_runs([None if s is None else s.a for s in parts])
         groups = _groups(out_features, parts, fused)
@@ -162,11 +178,11 @@ class LinearLoRA:
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
         vectors = _vector_groups(out_features, parts)
-        flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded, spmd)
+        flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded)
         args = None
         if vectors and all(v.stride(1) == 1 for _, v in vectors):
             args = (tuple(v for _, v in vectors), tuple(c.start for c, _ in vectors))
-        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags, vectors, args)
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags[:5], process, spmd, vectors, args)
 
 
 def _groups(

@@ -27,6 +27,7 @@ import torch
 
 from adapter_manager.kernels.linear_lora import LinearLoRA, ShardHooks
 from adapter_manager.kernels.meta import LoRAKernelMeta
+from adapter_manager.kernels.ops import expand, shrink
 from adapter_manager.kernels.protocol import LinearWeight
 
 
@@ -75,10 +76,47 @@ def sharded_linear(
     return torch.cat(pieces, dim=2).reshape(tokens, -1)
 
 
+def process_fully_sharded(
+    x: torch.Tensor,
+    weight: LinearWeight,
+    lora: LinearLoRA,
+    meta: LoRAKernelMeta,
+    base: Callable[[torch.Tensor, LinearWeight], torch.Tensor],
+) -> torch.Tensor:
+    """One process's shard of a fully sharded linear (one process per shard, ``lora.process`` of G): the module
+    docstring's semantics on this process's section, the shrink outputs summed over the processes (one all-reduce per
+    linear, every part's together); a row-parallel output's LoRA goes into this process's hidden slice of its
+    partial output, which the layer's all-reduce then joins.
+
+    Shape: x [T, in] (column-parallel: the whole input, this process's A covers its slice ``in / G``; row-parallel:
+    this process's input features); returns a new [T, sum(out)].
+    """
+    group = lora.process
+    assert group is not None
+    y = base(x, weight)
+    with_lora = [index for index, stacks in enumerate(lora.parts) if stacks is not None]
+    if not lora.row_parallel:
+        width = x.shape[1] // group.size
+        x = x[:, group.rank * width : (group.rank + 1) * width].contiguous()
+    hs = [shrink(x, lora.parts[index].a, meta) for index in with_lora]  # type: ignore[union-attr]
+    joined = group.all_reduce(torch.cat(hs, dim=1) if len(hs) > 1 else hs[0])
+    hs = list(joined.split([h.shape[1] for h in hs], dim=1))
+    if lora.row_parallel:
+        width = y.shape[1] // group.size
+        own = y[:, group.rank * width : (group.rank + 1) * width]  # zero in the other processes' partial outputs
+        expand(own, hs[0], lora.parts[0].bt, meta, accumulate=True)  # type: ignore[union-attr]
+        return y
+    parts = list(y.split(lora.out_features, dim=1)) if len(lora.out_features) > 1 else [y]
+    for index, h in zip(with_lora, hs, strict=True):
+        expand(parts[index], h.contiguous(), lora.parts[index].bt, meta, accumulate=True)  # type: ignore[union-attr]
+    return y
+
+
 class _Laned:
     """The laned einsums over the shard axis: GSPMD partitions them like the base's matmuls."""
 
     def __init__(self, meta: LoRAKernelMeta) -> None:
+        self.rank = meta.rank
         self.token_compact, self.gather_rows, lane_owner = meta.args()
         self.own = self.token_compact[:, None] == lane_owner[None, :]  # [T, A·R]: a token's own lanes
 
@@ -94,9 +132,8 @@ class _Laned:
     def summed_shrinks(self, x3: torch.Tensor, parts: list) -> list[torch.Tensor]:
         """Each part's lanes summed over the shards (one all-reduce for every part): [T, A·R] each."""
         rows = [stacks.a.index_select(0, self.gather_rows) for stacks in parts]  # [A·R, S, in_s]
-        h = torch.cat([torch.einsum("tsi,lsi->tsl", x3, a) for a in rows], dim=2).sum(dim=1)
-        zero = torch.zeros((), dtype=x3.dtype, device=x3.device)
-        return [torch.where(self.own, piece, zero) for piece in h.chunk(len(parts), dim=1)]
+        h = torch.cat([torch.einsum("tsi,lsi->tsl", x3, a) for a in rows], dim=2)  # [T, S, P·A·R], partial
+        return _summed_own_lanes(h, self.own, len(parts), self.rank)
 
     def expand(self, h: torch.Tensor, stacks, y3: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         """``y3 + h @ Bt`` per shard, h whole. Shape: h [T, A·R], y3 [T, S, out_s]."""
@@ -108,7 +145,12 @@ class _PerShard:
 
     def __init__(self, spmd: ShardHooks, backend: object, meta: LoRAKernelMeta) -> None:
         self.spmd, self.backend = spmd, backend
-        self.meta = meta.on_shard(lambda t: spmd.local(t, None))  # the step's operands, whole on each device
+        token_compact, _, lane_owner = meta.args()
+        self.own = token_compact[:, None] == lane_owner[None, :]  # [T, A·R]: a token's own lanes
+        self.rank = meta.rank
+        # The step's operands whole on each device, cloned first: marking lane_owner (kept per active width across
+        # steps) in place changed its sharding between steps, and a graph traced before the mark compiled again.
+        self.meta = meta.on_shard(lambda t: spmd.local(t.clone(), None))
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:  # [N, S, F] -> this device's [N, F]
         return self.spmd.local(rows, 1).view(rows.shape[0], -1)
@@ -125,12 +167,26 @@ class _PerShard:
         tokens, shards, _ = x3.shape
         x_s = self.spmd.local(x3, 1).view(tokens, -1)
         shrink = self.backend.shrink  # type: ignore[attr-defined]
-        h_s = torch.cat([shrink(x_s, self._rows(p.a), self.meta) for p in parts], dim=1)
-        h = self.spmd.join(h_s.view(tokens, 1, -1), 1, (tokens, shards, h_s.shape[1])).sum(dim=1)  # one all-reduce
-        return list(h.chunk(len(parts), dim=1))
+        h_s = torch.cat([shrink(x_s, self._rows(p.a), self.meta) for p in parts], dim=1)  # [T, P·A·R], partial
+        h = self.spmd.join(h_s.view(tokens, 1, -1), 1, (tokens, shards, h_s.shape[1]))
+        return _summed_own_lanes(h, self.own, len(parts), self.rank)
 
     def expand(self, h: torch.Tensor, stacks, y3: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         tokens = y3.shape[0]
         y_s, h_s = self.spmd.local(y3, 1).view(tokens, -1), self.spmd.local(h, None)
         y_s = self.backend.expand(y_s, h_s, self._rows(stacks.bt), self.meta)  # type: ignore[attr-defined]
         return self.spmd.join(y_s.view(tokens, 1, -1), 1, tuple(y3.shape))
+
+
+def _summed_own_lanes(h: torch.Tensor, own: torch.Tensor, parts: int, rank: int) -> list[torch.Tensor]:
+    """The shards' partial laned shrink outputs ``h [T, S, P·A·R]`` summed over S, each part's as ``[T, A·R]``.
+
+    A token's rows are one adapter's R lanes, so each part's lanes are first folded to the token's own R (a masked
+    sum over A, on each device), the ``[T, P, R]`` summed over the shards (the one all-reduce: the floor's bytes, not
+    A times them), then put back in the token's lanes for the laned expand. ``own [T, A·R]``: a token's lanes."""
+    tokens, shards, _ = h.shape
+    lanes = own.shape[1]
+    own4 = own.view(tokens, 1, lanes // rank, rank).to(h.dtype)  # [T, 1, A, R]
+    folded = (h.view(tokens, shards, parts, lanes // rank, rank) * own4[:, None]).sum(dim=3)  # [T, S, P, R]
+    summed = folded.sum(dim=1)  # [T, P, R]: the all-reduce
+    return list((summed[:, :, None, :] * own4).reshape(tokens, parts, lanes).unbind(1))

@@ -92,11 +92,6 @@ class SlotPoolConfig:
         TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)  # validates it
         if self.lora_vocab and self.tensor_parallel_size > 1:
             raise ValueError(f"lora_vocab with tensor_parallel_size {self.tensor_parallel_size} is not built")
-        if self.fully_sharded_loras and self.tensor_parallel_size > 1 and self.device.type != "xla":
-            raise ValueError(
-                f"fully_sharded_loras runs in XLA's SPMD program; on {self.device.type} (one process per shard) it is "
-                "not built"
-            )
 
     @property
     def tensor_parallel(self) -> TensorParallel:

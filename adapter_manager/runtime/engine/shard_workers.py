@@ -118,7 +118,8 @@ class ShardChannel:
                 {key: (s.a[:, rank].clone(), s.bt[:, rank].clone()) for key, s in manager.stacks.items()}
                 for rank in range(1, self.size)
             ]
-        _scatter([("setup", sizes, meta_args, rows[rank]) for rank in range(self.size)])
+        plan = manager.pool.tensor_parallel  # the rows' sections: the base's split, or fully sharded
+        _scatter([("setup", sizes, meta_args, rows[rank], plan) for rank in range(self.size)])
 
     def _on_load(self, start: int, block: torch.Tensor) -> None:
         """A slot load completed on rank 0: every other shard writes its section of ``block [r, N, W]`` (shard k's,
@@ -166,9 +167,9 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
         if message[0] == "stop":
             break
         if message[0] == "setup":
-            (max_batch, max_seq_len, blocks, block_size), meta_args, rows_now = message[1:]
+            (max_batch, max_seq_len, blocks, block_size), meta_args, rows_now, plan = message[1:]
             model.setup_caches(max_batch, max_seq_len, blocks, block_size)
-            rows, meta = _own_pool(model, meta_args, device, rows_now)
+            rows, meta = _own_pool(model, meta_args, device, rows_now, plan)
             pool.append(rows)
             ready.set()
             continue
@@ -194,13 +195,13 @@ def _receive_loads(loads: object, pool: list[torch.Tensor], ready: threading.Eve
 
 
 def _own_pool(
-    model: Llama, meta_args: tuple, device: torch.device, rows_now: Mapping
+    model: Llama, meta_args: tuple, device: torch.device, rows_now: Mapping, plan: TensorParallel
 ) -> tuple[torch.Tensor, LoRAKernelMeta]:
     """This shard's section of the row pool ``[N, W]`` as rank 0's pool holds it now (later loads arrive with the
     steps), attached to the model, and the step metadata rank 0's runner has."""
     num_slots, rank, max_tokens, granule, active_buckets, kernels = meta_args
     spec = model.config.to_spec()
-    layout = RowLayout.of(spec, TensorParallel(model.tensor_parallel.size))
+    layout = RowLayout.of(spec, plan)
     rows = torch.zeros(num_slots * granule + 1, layout.section_width, dtype=model.dtype, device=device)
     stacks = {key: _Rows(rows, columns) for key, columns in layout.columns.items()}
     for key, (a, bt) in rows_now.items():

@@ -59,8 +59,8 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads // tp.size * self.shards
         self.num_kv_heads = local_kv * self.shards  # the cache's heads (replicated where KV < S)
         q_width, kv_width = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
-        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width), shards=self.shards)
-        self.wo = LoRALinear(q_width, (config.hidden_size,), shards=self.shards, row_parallel=True)
+        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width), shards=self.shards, process=group)
+        self.wo = LoRALinear(q_width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group)
         self.kv_cache: KVCache | None = None
 
     def _output(self, out: torch.Tensor, step: BlockStep) -> torch.Tensor:
@@ -120,8 +120,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.group, self.shards = group, 1 if group is not None else tp.size
         width = config.intermediate_size // tp.size * self.shards
-        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=self.shards)
-        self.w2 = LoRALinear(width, (config.hidden_size,), shards=self.shards, row_parallel=True)
+        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=self.shards, process=group)
+        self.w2 = LoRALinear(width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group)
 
     def forward(self, x: torch.Tensor, step: BlockStep) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""

@@ -11,6 +11,7 @@ from adapter_manager.kernels import (
     LinearLoRA,
     LinearStep,
     LinearWeight,
+    ProcessShard,
     Stacks,
     WeightLayout,
     choose_weight_layout,
@@ -56,6 +57,7 @@ class LoRALinear(nn.Module):
         dtype: torch.dtype | None = None,
         shards: int = 1,
         row_parallel: bool = False,
+        process: ProcessShard | None = None,
     ) -> None:
         super().__init__()
         if in_features <= 0 or not out_features or min(out_features) <= 0:
@@ -66,6 +68,7 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_features = tuple(out_features)
         self.shards, self.row_parallel = shards, row_parallel
+        self.process = process  # one process per shard: this process's (a fully sharded LoRA sums its shrinks there)
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self._parts: list[Stacks | None] = [None] * len(out_features)
         self._lora: LinearLoRA | None = None  # built from _parts at each attach
@@ -186,7 +189,8 @@ class LoRALinear(nn.Module):
         ``[N, S, in_s]``, ``[N, S, out_s]``: the base's split, or the fully sharded one (every part of the linear
         alike; :class:`sharding.TensorParallel`)."""
         a_rows, bt_rows = stacks.a, stacks.bt
-        shapes = [self._rows_shapes(part, full) for full in ((False, True) if self.shards > 1 else (False,))]
+        split = self.shards > 1 or self.process is not None
+        shapes = [self._rows_shapes(part, full) for full in ((False, True) if split else (False,))]
         a_fits = [full for full, (a_shape, _) in enumerate(shapes) if tuple(a_rows.shape[1:]) == a_shape]
         if not a_fits:
             a_shape = ", ".join(map(str, shapes[0][0]))
@@ -213,6 +217,11 @@ class LoRALinear(nn.Module):
         ``full`` (fully sharded) splits a column-parallel A by input and a row-parallel Bt by output too."""
         out, shards = self.out_features[part], self.shards
         if shards == 1:
+            if full and self.process is not None:  # this process's section: A or Bt split over the processes
+                size = self.process.size
+                if self.row_parallel:
+                    return (self.in_features,), (out // size,)
+                return (self.in_features // size,), (out,)
             return (self.in_features,), (out,)
         if self.row_parallel:
             return (shards, self.in_features // shards), (shards, out // shards if full else out)
@@ -223,7 +232,7 @@ class LoRALinear(nn.Module):
             parts = tuple(self._parts)
             flags = (self._fuse_shrink, self._one_call, self.shards, self.row_parallel, self._fully_sharded)
             spmd = Shards(self.shards) if self.shards > 1 else None
-            self._lora = LinearLoRA.build(self.out_features, parts, *flags, spmd)
+            self._lora = LinearLoRA.build(self.out_features, parts, *flags, spmd, self.process)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
