@@ -26,6 +26,7 @@ from .metrics import AdapterMove, AdapterResidency, MetricsSnapshot, SwapMetrics
 from .policy.admission import FrequencySketch
 from .policy.prefetch import Prefetcher
 from .registry import AdapterRecord, AdapterRegistry, RegisterResult, UnrestoredAdapter
+from .sharding import TensorParallel
 from .tiers.allocator import SlotAllocator, SlotLease
 from .tiers.lease import SlotState
 from .tiers.slot_pool import SlotPool, SlotStacks
@@ -81,6 +82,11 @@ class AdapterManager:
     def tensor_parallel_size(self) -> int:
         """N: the pool's rows hold N sections, one per device of the model's N-way tensor parallelism."""
         return self.pool.tensor_parallel.size
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The plan the pool's sections follow: N, and whether every A and Bt is split (``fully_sharded_loras``)."""
+        return self.pool.tensor_parallel
 
     @property
     def lora_vectors(self) -> bool:

@@ -118,7 +118,7 @@ class ShardChannel:
                 {key: (s.a[:, rank].clone(), s.bt[:, rank].clone()) for key, s in manager.stacks.items()}
                 for rank in range(1, self.size)
             ]
-        plan = manager.pool.tensor_parallel  # the rows' sections: the base's split, or fully sharded
+        plan = manager.tensor_parallel  # the rows' sections: the base's split, or fully sharded
         _scatter([("setup", sizes, meta_args, rows[rank], plan) for rank in range(self.size)])
 
     def _on_load(self, start: int, block: torch.Tensor) -> None:
