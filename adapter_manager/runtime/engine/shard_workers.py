@@ -36,6 +36,7 @@ from .config import EngineConfig
 
 log = logging.getLogger(__name__)
 _TIMEOUT_S = 7 * 24 * 3600  # a shard waits this long for rank 0's next step (an idle server sends none)
+_STOP = -1  # a load header's start row that says stop
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class ShardWorkers:
             return
         self._closed = True
         if dist.is_initialized():
-            _scatter([("stop",)] * self.launch.size, self.group.loads)
+            for rank in range(1, self.launch.size):
+                dist.send(torch.tensor([_STOP, 0]), rank, group=self.group.loads)
             _scatter([("stop",)] * self.launch.size)
             dist.destroy_process_group()
         for process in self.processes:
@@ -125,9 +127,10 @@ class ShardChannel:
         """A slot load completed on rank 0: every other shard writes its section of ``block [r, N, W]`` (shard k's,
         ``block[:, k]``, is one contiguous piece: `RowLayout.block`) into its rows from ``start``; returns once all
         have."""
-        with self._lock:
-            # Cloned: a pickled view would carry its whole storage, every section (the piece itself is contiguous).
-            _scatter([None] + [("rows", start, block[:, k].clone()) for k in range(1, self.size)], self._loads)
+        with self._lock:  # a header (start, rows), then the section itself: its bytes as they are, no pickle
+            for rank in range(1, self.size):
+                dist.send(torch.tensor([start, block.shape[0]]), rank, group=self._loads)
+                dist.send(block[:, rank], rank, group=self._loads)  # contiguous: section-major memory
             dist.barrier(group=self._loads)
 
     def send(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> None:
@@ -183,14 +186,16 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
 
 
 def _receive_loads(loads: object, pool: list[torch.Tensor], ready: threading.Event) -> None:
-    """Write every section of adapter rows rank 0 sends into this shard's pool, acknowledging each, until stop."""
+    """Receive every section of adapter rows rank 0 sends straight into this shard's pool rows, acknowledging each,
+    until stop."""
+    header = torch.empty(2, dtype=torch.int64)
     while True:
-        message = _scatter([], loads)
-        if message[0] == "stop":
+        dist.recv(header, 0, group=loads)
+        start, rows = header.tolist()
+        if start == _STOP:
             return
-        _, start, section = message
         ready.wait()  # the pool exists once the setup (which rank 0 sends before any load) has been applied
-        pool[0][start : start + section.shape[0]].copy_(section)
+        dist.recv(pool[0][start : start + rows], 0, group=loads)  # a contiguous row range: received in place
         dist.barrier(group=loads)
 
 
