@@ -8,8 +8,8 @@ every feature: the plan of an unsharded model.
 
 With ``fully_sharded_loras`` (vLLM's name) the LoRA splits what the default keeps whole, so a device holds exactly
 1/N of every adapter's rows: column-parallel A by input features (hidden / N each) and row-parallel Bt by output
-features (hidden / N each). The price is one all-reduce of the shrink output ``[T, lanes]`` per linear, since each
-shard's ``x_s A_sᵀ`` is then a partial sum.
+features (hidden / N each). The price is one all-reduce of the shrink output (each token's ``[r]`` per part) per
+linear, since each shard's ``x_s A_sᵀ`` is then a partial sum.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ class LinearLoRA:
     outputs are summed (one all-reduce); False: column-parallel (q/k/v, gate/up), A whole and Bt by output features."""
     fully_sharded: bool = False
     """With S > 1: A (column-parallel) and Bt (row-parallel) are split too, ``A [N, S, in/S]``, ``Bt [N, S, out/S]``;
-    the shards' shrink outputs are summed (one all-reduce of ``[T, lanes]`` per linear). With ``process``: this
-    process's section of them, ``A [N, in/G]`` or ``Bt [N, out/G]`` over G processes."""
+    the shards' shrink outputs are summed (one all-reduce per linear, each token's ``[r]`` a part). With
+    ``process``: this process's section of them, ``A [N, in/G]`` or ``Bt [N, out/G]`` over G processes."""
     process: ProcessShard | None = None
     """One process per shard, fully sharded (S = 1 here, the process's own section): where the shrink outputs are
     summed (``kernels.sharded.process_fully_sharded``)."""
@@ -182,7 +182,7 @@ class LinearLoRA:
         args = None
         if vectors and all(v.stride(1) == 1 for _, v in vectors):
             args = (tuple(v for _, v in vectors), tuple(c.start for c, _ in vectors))
-        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags[:5], process, spmd, vectors, args)
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags, process, spmd, vectors, args)
 
 
 def _groups(

@@ -1,5 +1,6 @@
-"""The linears of one SPMD program over S devices (tensor parallelism on XLA): tensors hold the S shards side by side
-and GSPMD keeps each shard on its device.
+"""Tensor-parallel linears: those of one SPMD program over S devices (XLA), whose tensors hold the S shards side by
+side while GSPMD keeps each shard on its device (:func:`sharded_linear`), and one process's shard of a fully sharded
+linear (one process per shard, CPU: :func:`process_fully_sharded`).
 
 Semantics (S shards, every part's rows ``A [N, S, in_s]``, ``Bt [N, S, out_s]``, laned over the active table)::
 
@@ -9,8 +10,9 @@ Semantics (S shards, every part's rows ``A [N, S, in_s]``, ``Bt [N, S, out_s]``,
         y = sum over s of (x_s @ W_s.T + lanes(x_s @ A[:, s].T) @ Bt[:, s])   # partials joined, then ONE sum
 
 The sum over s is the layer's one all-reduce: the LoRA joins the base before it, so it adds no collective. Fully
-sharded (:attr:`LinearLoRA.fully_sharded`): each shard's A covers its slice of the input, so the lanes
-``h = sum over s of x_s @ A[:, s].T`` ([T, lanes] for every part at once) are one all-reduce per linear; then
+sharded (:attr:`LinearLoRA.fully_sharded`): each shard's A covers its slice of the input, so the shrink outputs
+``h = sum over s of x_s @ A[:, s].T`` (each token's own [r] per part, every part at once) are one all-reduce per
+linear; then
 column-parallel shards expand their output columns as above, and row-parallel ones their hidden slice of the output
 (``Bt [N, S, hidden / S]``), added into their own partial output before the layer's all-reduce.
 

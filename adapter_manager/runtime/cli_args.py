@@ -53,8 +53,8 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
     parser.add_argument(
         "--fully-sharded-loras",
         action="store_true",
-        help="with --tensor-parallel-size N on XLA: split every adapter's A and B N ways too (1/N of the pool per "
-        "device, one all-reduce of the shrink output per linear; default: no LoRA collective, docs/pool.md)",
+        help="with --tensor-parallel-size N: split every adapter's A and B N ways too (1/N of the pool per device, "
+        "one all-reduce of the shrink output per linear; default: no LoRA collective; docs/engine.md)",
     )
     parser.add_argument("--max-batch", type=int, default=16, help=f"sequences in flight{each} (default 16)")
     parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens per sequence (2048)")
