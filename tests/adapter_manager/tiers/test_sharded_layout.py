@@ -118,6 +118,13 @@ def test_a_row_is_size_sections_of_local_pieces_and_views_gain_the_section_axis(
     assert k.a_start == q.a_start + q.in_features and v.a_start == k.a_start + k.in_features  # fused shrink's A
 
 
+def test_fully_sharded_needs_a_hidden_size_the_shards_split():
+    odd = BaseModelSpec("odd", 64, 96, 2, 6, 3, 16)  # heads, KV heads and the MLP split 3 ways; hidden 64 does not
+    TensorParallel(3).check(odd)
+    with pytest.raises(ValueError, match="fully_sharded_loras splits the hidden size 64 3 ways"):
+        TensorParallel(3, fully_sharded_loras=True).check(odd)
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_prepared_sections_join_into_the_unsharded_block(size, write_peft_adapter, tiny_spec):
     """Column-parallel: every section's A is the whole A, the sections' Bt columns joined (KV heads de-duplicated) the
