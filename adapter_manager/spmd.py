@@ -47,16 +47,6 @@ def mark(tensor: Any, size: int, spec: tuple[str | None, ...]) -> None:
     xs.mark_sharding(tensor, mesh(size), spec)
 
 
-def pin(tensor: Any, dim: int | None, size: int) -> Any:
-    """Mark ``tensor``, an intermediate of the traced step, split over ``size`` devices along ``dim`` (None: whole on
-    every device), and return it: the partitioner then moves it there, where its own choice can cost a collective
-    elsewhere. A tensor off the XLA device is returned as it is."""
-    if tensor.device.type != "xla":
-        return tensor
-    mark(tensor, size, _spec(tensor.dim(), dim))
-    return tensor
-
-
 class Shards:
     """The marks a sharded linear of the traced step makes over ``size`` devices (``kernels.linear_lora.ShardHooks``):
     pin an intermediate's sharding, and run a backend's kernels per shard between manual-sharding marks (what GSPMD
@@ -66,7 +56,12 @@ class Shards:
         self.size = size
 
     def pin(self, tensor: Any, dim: int | None) -> Any:
-        return pin(tensor, dim, self.size)
+        """Mark ``tensor``, an intermediate of the traced step, split along ``dim`` (None: whole on every device), and
+        return it: the partitioner then moves it there, where its own choice can cost a collective elsewhere. A
+        tensor off the XLA device is returned as it is."""
+        if tensor.device.type == "xla":
+            mark(tensor, self.size, _spec(tensor.dim(), dim))
+        return tensor
 
     def local(self, tensor: Any, dim: int | None) -> Any:
         import torch_xla.distributed.spmd as xs

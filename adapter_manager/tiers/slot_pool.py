@@ -42,17 +42,11 @@ def units_for(rank: int, granule: int) -> int:
 
 
 def bytes_needed(
-    spec: BaseModelSpec,
-    rows: int,
-    dtype: torch.dtype,
-    tensor_parallel_size: int = 1,
-    vocab: bool = False,
-    fully_sharded_loras: bool = False,
+    spec: BaseModelSpec, rows: int, dtype: torch.dtype, tensor_parallel_size: int = 1, vocab: bool = False
 ) -> int:
     """Device bytes of ``rows`` rank rows (one row holds every module's A and Bt row; ``vocab``: and the vocabulary
     modules'), over every device: with N-way tensor parallelism each device holds one section of each row (1/N)."""
-    tp = TensorParallel(tensor_parallel_size, fully_sharded_loras)
-    return rows * RowLayout.of(spec, tp, vocab).row_bytes(dtype)
+    return rows * RowLayout.of(spec, TensorParallel(tensor_parallel_size), vocab).row_bytes(dtype)
 
 
 @dataclass
