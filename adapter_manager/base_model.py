@@ -18,6 +18,12 @@ PROJECTION_PARENT: dict[str, str] = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+# Checkpoints that fuse projections (Phi-3) name these modules, each the listed projections' outputs side by side;
+# a LoRA on one is served as a LoRA on each part with the same A (`sources.peft_fused`).
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 # The modules over the vocabulary a LoRA adapter may also target (with the pool's vocabulary columns on): the input
 # embedding table and the output head. Their ModuleKey has layer -1.
 VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
@@ -64,6 +70,7 @@ class BaseModelSpec:
     aliases: tuple[str, ...] = ()  # the served checkpoint's other identities (its folder, hub id, hub id@revision)
     vocab_size: int = 0  # V, rows of the embedding table and the head (0: unknown, no vocabulary module can be served)
     tie_word_embeddings: bool = False  # the head's weight is the embedding table
+    fused_projections: bool = False  # the model's modules are qkv_proj and gate_up_proj (Phi-3), not their parts
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -138,10 +145,21 @@ class BaseModelSpec:
         for layer in range(self.num_layers):
             prefix = f"model.layers.{layer}"
             names += [prefix, f"{prefix}.self_attn"]
-            names += [f"{prefix}.self_attn.{p}" for p in PROJECTIONS[:4]]
-            names += [f"{prefix}.mlp"] + [f"{prefix}.mlp.{p}" for p in PROJECTIONS[4:]]
+            attention, mlp = PROJECTIONS[:4], PROJECTIONS[4:]
+            if self.fused_projections:
+                attention, mlp = ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")
+            names += [f"{prefix}.self_attn.{p}" for p in attention]
+            names += [f"{prefix}.mlp"] + [f"{prefix}.mlp.{p}" for p in mlp]
             names += [f"{prefix}.mlp.act_fn", f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
         return names + ["model.norm", "model.rotary_emb", "lm_head"]
+
+    def fused_parts(self, name: str) -> tuple[ModuleKey, ...]:
+        """The projections a fused module ``name`` (``model.layers.3.self_attn.qkv_proj``) holds, in order; () for
+        any other name or where the model does not fuse."""
+        parts = name.split(".")
+        if not self.fused_projections or len(parts) != 5 or parts[-1] not in FUSED_PROJECTIONS:
+            return ()
+        return tuple(ModuleKey(int(parts[2]), proj) for proj in FUSED_PROJECTIONS[parts[-1]])
 
     def max_adapter_bytes(self, max_rank: int, element_size: int) -> int:
         """Bytes of a prepared adapter that targets every projection of every layer at max_rank."""

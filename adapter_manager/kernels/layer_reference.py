@@ -63,6 +63,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: :meth:`kernels.protocol.DecodeOps.gelu_tanh_mul`, as torch ops (HF Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def base_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Semantics: :func:`kernels.layer_ops.base_linear` on the plain weight. Shape: x [T, in]; weight [out, in];
     returns a new [T, out]."""
@@ -78,6 +84,7 @@ class TorchDecodeOps:
     """The ops are torch's (no decode-only attention op worth taking over the model's batched attention)."""
     decode_attention = staticmethod(decode_attention)
     silu_mul = staticmethod(silu_mul)
+    gelu_tanh_mul = staticmethod(gelu_tanh_mul)
 
     @staticmethod
     def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

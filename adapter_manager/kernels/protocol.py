@@ -167,6 +167,16 @@ class DecodeOps(Protocol):
         """
         ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU's activation over the fused gate|up output (Gemma).
+
+        Semantics: ``gate, up = gate_up.chunk(2, -1); out = gelu(gate, approximate="tanh") · up`` (gelu rounded to
+        the dtype first).
+
+        Shape: gate_up [T, 2·I] (unit inner stride); returns a new [T, I].
+        """
+        ...
+
 
 @runtime_checkable
 class DecodeCapture(Protocol):

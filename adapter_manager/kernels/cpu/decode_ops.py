@@ -1,6 +1,6 @@
-"""The decode step's glue on CPU: RoPE + KV write + GQA attention, residual add + RMSNorm, and SiLU·mul, one C++ call
-each (``csrc/decode_attention.cpp``, ``add_rms_norm.cpp``, ``silu_mul.cpp``; built with the rest of the library by
-:mod:`kernels.cpu.library`).
+"""The decode step's glue on CPU: RoPE + KV write + GQA attention, residual add + RMSNorm, and SiLU·mul (GELU·mul for
+GeGLU), one C++ call each (``csrc/decode_attention.cpp``, ``add_rms_norm.cpp``, ``silu_mul.cpp``,
+``gelu_tanh_mul.cpp``; built with the rest of the library by :mod:`kernels.cpu.library`).
 
 Between its weight matmuls an eager decode layer is ~35 small torch ops (views, the rotation, two ``index_put_``,
 SDPA, norms, the residual adds), each a Python call, a dispatch and an allocation, and SDPA over 8 rows of 144 keys
@@ -66,3 +66,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Shape: gate_up [T, 2·I] (unit inner stride); returns a new [T, I].
     """
     return torch.ops.adapter_manager.silu_mul.default(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's activation over the fused gate|up output (Gemma).
+
+    Semantics: ``gate, up = gate_up.chunk(2, -1); out = gelu(gate, approximate="tanh") · up`` (gelu rounded to the
+    dtype first).
+
+    Shape: gate_up [T, 2·I] (unit inner stride); returns a new [T, I].
+    """
+    return torch.ops.adapter_manager.gelu_tanh_mul.default(gate_up)

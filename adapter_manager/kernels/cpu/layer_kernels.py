@@ -22,6 +22,7 @@ class CompiledDecodeOps:
     decode_attention = staticmethod(decode_ops.decode_attention)
     add_rms_norm = staticmethod(decode_ops.add_rms_norm)
     silu_mul = staticmethod(decode_ops.silu_mul)
+    gelu_tanh_mul = staticmethod(decode_ops.gelu_tanh_mul)
 
 
 class CpuLayerKernels(LayerKernels):

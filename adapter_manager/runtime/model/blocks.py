@@ -1,5 +1,6 @@
-"""The decoder block of the batched Llama: GQA attention over the KV cache and SwiGLU, every projection a
-:class:`LoRALinear`, and what every block of one forward shares (:class:`BlockStep`)."""
+"""The decoder block of the batched Llama: GQA attention over the KV cache and a gated MLP, every projection a
+:class:`LoRALinear`, and what every block of one forward shares (:class:`BlockStep`). The served families' terms
+(:mod:`.families`) are the config's: projection biases, per-head q/k norms, a query scale, GeGLU, sandwich norms."""
 
 from __future__ import annotations
 
@@ -59,9 +60,35 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads // tp.size * self.shards
         self.num_kv_heads = local_kv * self.shards  # the cache's heads (replicated where KV < S)
         q_width, kv_width = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
-        self.wqkv = LoRALinear(config.hidden_size, (q_width, kv_width, kv_width), shards=self.shards, process=group)
-        self.wo = LoRALinear(q_width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group)
+        qkv_bias = "q_proj" in config.bias
+        self.wqkv = LoRALinear(
+            config.hidden_size, (q_width, kv_width, kv_width), shards=self.shards, process=group, bias=qkv_bias
+        )
+        self.wo = LoRALinear(
+            q_width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group,
+            bias="o_proj" in config.bias,
+        )
         self.kv_cache: KVCache | None = None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        scalar = config.query_pre_attn_scalar
+        self.q_scale = None if scalar is None or scalar == config.head_dim else (config.head_dim / scalar) ** 0.5
+        """q's factor that turns the attention's 1/√D into ``query_pre_attn_scalar ** -0.5`` (Gemma 2)."""
+
+    def _qk_terms(self, qkv: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
+        """The family's terms on q and k before RoPE, in place: each head's RMSNorm (Qwen3), q's scale (Gemma 2).
+        Shape: qkv [T, (H + 2·KV)·D] (shard-major over S shards); returns it."""
+        if self.q_norm is None and self.q_scale is None:
+            return qkv
+        q_heads, kv_heads = self.num_heads // self.shards, self.num_kv_heads // self.shards
+        heads = qkv.view(qkv.shape[0], self.shards, q_heads + 2 * kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            for norm, part in ((self.q_norm, heads[:, :, :q_heads]), (self.k_norm, heads[:, :, q_heads:-kv_heads])):
+                normed = ops.add_rms_norm(part.reshape(-1, self.head_dim), None, norm.weight, norm.eps)
+                part.copy_(normed.view(part.shape))
+        if self.q_scale is not None:
+            heads[:, :, :q_heads].mul_(self.q_scale)
+        return qkv
 
     def _output(self, out: torch.Tensor, step: BlockStep) -> torch.Tensor:
         y = self.wo.output(out, step.linear)
@@ -76,7 +103,7 @@ class Attention(nn.Module):
         """
         assert self.kv_cache is not None, "setup_caches() first"
         batch = step.batch
-        qkv = self.wqkv.output(x, step.linear)  # [T, (H + 2·KV)·D]
+        qkv = self._qk_terms(self.wqkv.output(x, step.linear), step.ops)  # [T, (H + 2·KV)·D]
         if step.rope_table is not None:
             cache = self.kv_cache
             out = step.ops.decode_attention(
@@ -113,39 +140,55 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) · up(x))`` with gate/up fused into one base matmul (over S shards shard-major:
-    shard s's gate and up columns side by side; one process per shard: its slice, down's output summed)."""
+    """The gated MLP: ``down(act(gate(x)) · up(x))``, act SiLU (SwiGLU) or tanh-GELU (GeGLU), with gate/up fused
+    into one base matmul (over S shards shard-major: shard s's gate and up columns side by side; one process per
+    shard: its slice, down's output summed)."""
 
     def __init__(self, config: LlamaConfig, tp: TensorParallel, group: ShardGroup | None = None) -> None:
         super().__init__()
         self.group, self.shards = group, 1 if group is not None else tp.size
+        self.act = config.hidden_act
         width = config.intermediate_size // tp.size * self.shards
-        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=self.shards, process=group)
-        self.w2 = LoRALinear(width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group)
+        bias = "gate_proj" in config.bias
+        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=self.shards, process=group, bias=bias)
+        self.w2 = LoRALinear(
+            width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group, bias=bias
+        )
+
+    def _gated(self, gate_up: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
+        return ops.silu_mul(gate_up) if self.act == "silu" else ops.gelu_tanh_mul(gate_up)
 
     def forward(self, x: torch.Tensor, step: BlockStep) -> torch.Tensor:
         """Shape: x [T, H]; returns [T, H]."""
         gate_up = self.w13.output(x, step.linear)  # [T, 2·I]
         if self.shards > 1:  # [T, S, 2·I_s]: each shard's gate|up (the shard axis kept, so each stays on its device)
-            gated = step.ops.silu_mul(gate_up.view(x.shape[0], self.shards, -1)).flatten(1)  # [T, I]: shard-major
+            gated = self._gated(gate_up.view(x.shape[0], self.shards, -1), step.ops).flatten(1)  # [T, I]: shard-major
         else:
-            gated = step.ops.silu_mul(gate_up)
+            gated = self._gated(gate_up, step.ops)
         y = self.w2.output(gated, step.linear)
         return y if self.group is None else self.group.all_reduce(y)
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+    """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; with sandwich norms (Gemma 2)
+    each branch's output is normed too: ``h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))``."""
 
     def __init__(self, config: LlamaConfig, tp: TensorParallel, group: ShardGroup | None) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.attention_norm = RMSNorm(hidden, eps)
         self.attention = Attention(config, tp, group)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(hidden, eps)
         self.feed_forward = FeedForward(config, tp, group)
+        self.attention_post_norm = RMSNorm(hidden, eps) if config.sandwich_norms else None
+        self.ffn_post_norm = RMSNorm(hidden, eps) if config.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, step: BlockStep) -> torch.Tensor:
         ops = step.ops  # the residual adds fused with the norms or done in place
         h = self.attention(ops.add_rms_norm(x, None, self.attention_norm.weight, self.attention_norm.eps), step)
+        if self.attention_post_norm is not None:
+            h = ops.add_rms_norm(h, None, self.attention_post_norm.weight, self.attention_post_norm.eps)
         out = self.feed_forward(ops.add_rms_norm(h, x, self.ffn_norm.weight, self.ffn_norm.eps), step)
+        if self.ffn_post_norm is not None:
+            out = ops.add_rms_norm(out, None, self.ffn_post_norm.weight, self.ffn_post_norm.eps)
         return out.add_(h)  # h: x + attention, written by add_rms_norm

@@ -25,7 +25,7 @@ from adapter_manager.spmd import mesh
 
 from .config import LlamaConfig, eos_ids
 from .cpu_features import warn_if_slow_bf16
-from .hf_map import hf_target, load_hf
+from .hf_map import hf_target, hf_tensor_shapes, load_hf
 from .llama import Llama
 from .projection import LoRALinear, quantize_linears
 from .shard_group import ShardGroup
@@ -242,7 +242,7 @@ def load_model(
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.output is None):
                     continue
                 if name not in expected:
-                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for this Llama config")
+                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for this {config.model_type} config")
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != expected[name]:
                     raise CheckpointError(
@@ -294,27 +294,6 @@ def load_checkpoint(
     source = CheckpointSource(source) if isinstance(source, str) else source
     folder = source.resolve()
     return load_model(folder, dtype, device, quantize=quantize), folder
-
-
-def hf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of an HF ``LlamaForCausalLM`` checkpoint with this config, in HF order."""
-    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
-    for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}"
-        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.self_attn.q_proj.weight"] = (config.num_heads * dim, hidden)
-        shapes[f"{prefix}.self_attn.k_proj.weight"] = (config.num_kv_heads * dim, hidden)
-        shapes[f"{prefix}.self_attn.v_proj.weight"] = (config.num_kv_heads * dim, hidden)
-        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, config.num_heads * dim)
-        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, inter)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
 
 
 def write_random_checkpoint(

@@ -1,4 +1,5 @@
-"""The Llama model configuration, read from (and written as) a Hugging Face ``config.json``."""
+"""The model configuration: the Llama block and the terms each served family adds to it (:mod:`.families`), read
+from a Hugging Face ``config.json`` (and written as Llama's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from typing import Any
 
 from adapter_manager import BaseModelSpec
 
+from .families import read_config
+
 _ROPE_TYPES = ("default", "llama3")
+_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,30 @@ class LlamaConfig:
     """Beginning-of-sequence token, if any."""
     eos_token_ids: tuple[int, ...] = (2,)
     """End-of-sequence tokens (HF allows one id or a list); the engine stops a request at any of them by default."""
+    model_type: str = "llama"
+    """The served family (:data:`families.FAMILIES`); the fields below are the terms it adds to the Llama block."""
+    hidden_act: str = "silu"
+    """The MLP's gated activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
+    bias: tuple[str, ...] = ()
+    """The projections with a base bias (Qwen2: q/k/v; Llama's attention_bias: q/k/v/o)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and of k before RoPE (Qwen3)."""
+    norm_offset: float = 0.0
+    """Added to every RMSNorm weight at load: Gemma's ``(1 + w)`` norms."""
+    scale_embeddings: bool = False
+    """The embedding (with its LoRA) times √hidden, rounded to the dtype (Gemma)."""
+    sandwich_norms: bool = False
+    """RMSNorms on the attention's and the MLP's outputs too, before each residual add (Gemma 2)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma 2)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores soft-capped: ``c · tanh(s / c)`` (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Logits soft-capped: ``c · tanh(l / c)`` (Gemma 2)."""
+    sliding_window: int | None = None
+    """The shortest sliding window of any layer; served only where every context fits it (:meth:`Llama.setup_caches`)."""
+    fused_projections: bool = False
+    """The checkpoint holds q|k|v as ``qkv_proj`` and gate|up as ``gate_up_proj`` (Phi-3)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -99,6 +127,12 @@ class LlamaConfig:
             raise ValueError(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta ({self.rope_theta}) must be > 0")
         if self.max_position_embeddings <= 0:
             raise ValueError(f"max_position_embeddings must be positive, got {self.max_position_embeddings}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {_ACTIVATIONS}, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive or None, got {value!r}")
 
     @classmethod
     def tiny(cls) -> LlamaConfig:
@@ -121,38 +155,28 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | Path) -> LlamaConfig:
-        """Read an HF Llama ``config.json`` (a dict, the file, or its folder).
+        """Read an HF ``config.json`` (a dict, the file, or its folder) of a served family (:mod:`.families`: by
+        ``model_type``); any other architecture, or a field whose value we do not compute, raises
+        :class:`families.UnsupportedModelError` naming both.
 
         Both the legacy layout (``rope_theta`` + ``rope_scaling``) and transformers 5's ``rope_parameters`` are read.
         """
         if not isinstance(config, dict):
             path = Path(config)
             config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
-        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        fields = read_config(config)
+        rope = fields.pop("rope_scaling")
         known = RopeScaling.__dataclass_fields__
-        scaling = RopeScaling(rope_type=rope_type, **{k: v for k, v in rope.items() if k in known})
-        num_heads = config["num_attention_heads"]
-        return cls(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or 0,
-            vocab_size=config["vocab_size"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids(config.get("eos_token_id")),
-        )
+        fields["rope_scaling"] = RopeScaling(**{k: v for k, v in rope.items() if k in known})
+        fields["eos_token_ids"] = eos_ids(fields.pop("eos_token_id"))
+        fields["bias"] = tuple(fields.get("bias", ()))
+        return cls(**fields)
 
     def to_hf(self) -> dict[str, Any]:
-        """An HF ``config.json`` dict for ``LlamaForCausalLM`` (legacy rope layout, read by transformers 4 and 5)."""
+        """An HF ``config.json`` dict for ``LlamaForCausalLM`` (legacy rope layout, read by transformers 4 and 5); the
+        other families' checkpoints are written by transformers itself."""
+        if self.model_type != "llama" or self.hidden_act != "silu":
+            raise ValueError(f"to_hf writes Llama configs, this one is {self.model_type} ({self.hidden_act})")
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -171,8 +195,8 @@ class LlamaConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
+            "attention_bias": "q_proj" in self.bias,
+            "mlp_bias": "down_proj" in self.bias,
         }
 
     def to_spec(self, name: str = "", aliases: tuple[str, ...] = ()) -> BaseModelSpec:
@@ -189,6 +213,7 @@ class LlamaConfig:
             head_dim=self.head_dim,
             vocab_size=self.vocab_size,
             tie_word_embeddings=self.tie_word_embeddings,
+            fused_projections=self.fused_projections,
         )
 
 

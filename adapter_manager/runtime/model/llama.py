@@ -1,4 +1,5 @@
-"""The batched Llama: RMSNorm, RoPE (Llama 3 scaling), GQA attention over a KV cache, SwiGLU, LoRA linears.
+"""The batched Llama: RMSNorm, RoPE (Llama 3 scaling), GQA attention over a KV cache, SwiGLU, LoRA linears; with the
+served families' terms (:mod:`.families`: the blocks' own, the embedding's scale and the logits' soft-cap here).
 
 One forward is one engine step over a flat, ragged token batch (:class:`ForwardBatch`): prefill chunks and decode
 tokens of many sequences together, each with its own KV cache row and its own adapter slot. Build it on the ``meta``
@@ -30,6 +31,7 @@ from adapter_manager.spmd import MODEL_AXIS, mark
 from .batch import ForwardBatch
 from .blocks import BlockStep, TransformerBlock
 from .config import LlamaConfig
+from .families import UnsupportedModelError
 from .kv_cache import KVCache, plan_attention, slot_index
 from .norm import RMSNorm
 from .projection import LoRALinear, pack_linears
@@ -86,6 +88,13 @@ class Llama(nn.Module):
         """The vocabulary modules' rows (embed_tokens, lm_head) where the pool has them (:meth:`attach_lora`)."""
 
     @property
+    def embed_scale(self) -> float | None:
+        """The embedding's factor where the family scales it (Gemma: √hidden, rounded to the dtype as HF does)."""
+        if not self.config.scale_embeddings:
+            return None
+        return float(torch.tensor(self.config.hidden_size**0.5, dtype=self.dtype))
+
+    @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
@@ -129,6 +138,14 @@ class Llama(nn.Module):
         if max_seq_len <= 0 or max_batch <= 0 or block_size <= 0:
             raise ValueError(
                 f"max_batch ({max_batch}), max_seq_len ({max_seq_len}) and block_size ({block_size}) must be positive"
+            )
+        window = self.config.sliding_window
+        if window is not None and max_seq_len > window:
+            raise UnsupportedModelError(
+                self.config.model_type,
+                "sliding_window",
+                f"{window} is shorter than max_seq_len {max_seq_len}: the sliding-window attention past it is not "
+                f"computed here; serve with max_seq_len <= {window}",
             )
         config, width = self.config, -(-max_seq_len // block_size)
         num_blocks = max_batch * width if num_blocks is None else num_blocks
@@ -279,6 +296,8 @@ class Llama(nn.Module):
         vocab = self.vocab_lora if lora_meta is not None else {}
         if "embed_tokens" in vocab:
             h = embed_lora(h, batch.tokens, vocab["embed_tokens"], lora_meta, self.deterministic)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
         if self.deterministic and batch.spans is None:
             raise ValueError("the deterministic mode runs eager batches (with spans), not traced ones")
@@ -306,6 +325,9 @@ class Llama(nn.Module):
             logits = self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]
         if "lm_head" in vocab:
             logits = head_lora(logits, h, vocab["lm_head"], lora_meta, batch.logits_index, self.deterministic)
+        if self.config.final_logit_softcapping is not None:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         if self.shard_group is not None:
             return self.shard_group.all_gather(logits)  # each shard's rows
         if self.tensor_parallel.size > 1:  # one SPMD program: the logits leave it whole, gathered in the graph

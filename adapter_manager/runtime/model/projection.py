@@ -43,6 +43,10 @@ class LoRALinear(nn.Module):
     ``state_dict`` still holds the plain weight (made on demand); loading into a packed layer is refused; pickling and
     ``deepcopy`` carry the weight plain and pack it again.
 
+    Bias (``bias=True``: Qwen2's q/k/v, Llama's attention_bias and mlp_bias): one ``[sum(out)]`` vector added to the
+    output after the LoRA, as ``nn.Linear`` + PEFT compute it; a row-parallel layer's is added by the first shard
+    only (the shards' outputs are summed after it).
+
     Quantized weight: :meth:`quantize` replaces the plain weight by its int8 form (:func:`kernels.quantize_weight`,
     one scale per output row; any device), held like a packed one (``layout`` INT8); the LoRA stays in the serving
     dtype and adds onto the int8 matmul's output. ``state_dict`` and :meth:`unpack` give the dequantized weight;
@@ -58,6 +62,7 @@ class LoRALinear(nn.Module):
         shards: int = 1,
         row_parallel: bool = False,
         process: ProcessShard | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         if in_features <= 0 or not out_features or min(out_features) <= 0:
@@ -70,6 +75,8 @@ class LoRALinear(nn.Module):
         self.shards, self.row_parallel = shards, row_parallel
         self.process = process  # one process per shard: this process's (a fully sharded LoRA sums its shrinks there)
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(sum(out_features), device=device, dtype=dtype)) if bias else None
+        self._adds_bias = bias and not (row_parallel and process is not None and process.rank != 0)
         self._parts: list[Stacks | None] = [None] * len(out_features)
         self._lora: LinearLoRA | None = None  # built from _parts at each attach
         self._packed: LinearWeight | None = None  # the packed weight (kernels.pack_weight) once packed
@@ -262,9 +269,11 @@ class LoRALinear(nn.Module):
             y = x @ W.T                                        # all parts in one matmul
             for each part p with rows (A_p, Bt_p), unless the step has no LoRA metadata or no adapter token:
                 y_p += shrink / expand of x through A_p, Bt_p   # y_p[t] += x[t] @ A_p[rows of slot[t]].T @ ...
+            y += bias                                          # where the layer has one
 
         Shape: x [T, in]; returns a new [T, sum(out)]."""
-        return step.executor.linear(x, self._weight(), self._lora, step)
+        y = step.executor.linear(x, self._weight(), self._lora, step)
+        return y.add_(self.bias) if self._adds_bias else y
 
     def extra_repr(self) -> str:
         extra = f"in_features={self.in_features}, out_features={self.out_features}, lora={self.has_lora}"

@@ -18,8 +18,9 @@ from .llama import Llama
 
 def shard_dim(name: str) -> int | None:
     """The dim along which parameter ``name`` of a :class:`Llama` is split over the mesh; None: whole on every
-    device (the norms)."""
-    if name in ("tok_embeddings.weight", "output.weight") or name.endswith(("wqkv.weight", "w13.weight")):
+    device (the norms, a row-parallel layer's bias)."""
+    column = ("wqkv.weight", "w13.weight", "wqkv.bias", "w13.bias")
+    if name in ("tok_embeddings.weight", "output.weight") or name.endswith(column):
         return 0
     return 1 if name.endswith(("wo.weight", "w2.weight")) else None
 

@@ -120,3 +120,13 @@ def test_silu_mul_equals_the_reference(tokens, dtype):
     gate_up = (torch.randn(tokens, 2 * 700 + 4, generator=gen) * 6).to(dtype)[:, 4:]
     gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # exp's clamped ends and zero
     torch.testing.assert_close(decode_ops.silu_mul(gate_up), layer_reference.silu_mul(gate_up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 7, 200])
+def test_gelu_tanh_mul_equals_the_reference(tokens, dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * 700 + 4, generator=gen) * 6).to(dtype)[:, 4:]
+    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # tanh's saturated ends and zero
+    out = decode_ops.gelu_tanh_mul(gate_up)
+    torch.testing.assert_close(out, layer_reference.gelu_tanh_mul(gate_up), **TOL[dtype])
