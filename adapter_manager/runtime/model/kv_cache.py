@@ -95,6 +95,9 @@ class KVCache(nn.Module):
             for tensor in (self.k, self.v):
                 mark(tensor, shards, (None, None, MODEL_AXIS, None))
         self._kernels = layer_kernels(device)  # the device's paged attention, where it has one
+        self.softcap: float | None = None
+        """Attention scores soft-capped, ``c · tanh(s / c)`` before the mask and softmax (Gemma 2): every form then
+        computes its scores explicitly (:func:`attention`), the paged kernel stepping aside."""
 
     @property
     def num_blocks(self) -> int:
@@ -142,7 +145,7 @@ class KVCache(nn.Module):
             if count > 1:
                 query_pos = torch.arange(end - count, end, device=q.device)  # [n]
                 mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]  # [n, end]
-            out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, enable_gqa=True)[0]
+            out = attention(qs[None], ks[None], vs[None], mask, softcap=self.softcap)[0]
             outputs.append(out.transpose(0, 1))  # out: [H, n, D]; 4-D operands: see _attend_chunk
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
@@ -167,20 +170,19 @@ class KVCache(nn.Module):
             else:
                 ks, vs = self.gather(tables[row, : -(-end // self.block_size)])
                 ks, vs = ks[:end], vs[:end]
-            out[span] = _attend_chunk(q[span], ks, vs, count, end)
+            out[span] = _attend_chunk(q[span], ks, vs, count, end, self.softcap)
         return out
 
     def _attend_decode(self, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """Shape: q [B, H, D], one token per row; returns [B, H, D]. Where the device has a paged kernel
         (:func:`kernels.paged_attention`: CUDA) it reads the blocks in place instead of gathering them."""
         assert plan.blocks is not None and plan.positions is not None
-        out = self._kernels.paged_attention(q, self.k, self.v, plan.blocks, None, plan.positions)
-        if out is not None:
-            return out
+        if self.softcap is None:
+            out = self._kernels.paged_attention(q, self.k, self.v, plan.blocks, None, plan.positions)
+            if out is not None:
+                return out
         ks, vs = self.gather(plan.blocks)  # [B, nb·BS, KV, D]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=plan.mask, enable_gqa=True
-        )
+        out = attention(q[:, :, None, :], ks.transpose(1, 2), vs.transpose(1, 2), plan.mask, softcap=self.softcap)
         return out[:, :, 0, :]  # [B, H, D]
 
     def attend_static(
@@ -196,9 +198,10 @@ class KVCache(nn.Module):
         shape: the form a traced (XLA) step and a captured CUDA graph use, padding tokens pointed at a spare block.
         On CUDA the paged kernel (:func:`kernels.paged_attention`) reads the blocks in place, its grid T alone.
         """
-        out = self._kernels.paged_attention(q, self.k, self.v, tables, rows, positions)
-        if out is not None:
-            return out
+        if self.softcap is None:
+            out = self._kernels.paged_attention(q, self.k, self.v, tables, rows, positions)
+            if out is not None:
+                return out
         ks, vs = self.gather(tables.index_select(0, rows))  # [T, P = MB·BS, KV, D]
         tokens, heads, dim = q.shape
         kv_heads = ks.shape[2]
@@ -208,6 +211,8 @@ class KVCache(nn.Module):
         # tensor-parallel devices attends where it lies
         grouped = q.view(tokens, kv_heads, heads // kv_heads, dim)  # [T, KV, G, D]
         scores = torch.einsum("tkgd,tpkd->tkgp", grouped, ks).float() * dim**-0.5  # [T, KV, G, P]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(vs.dtype)
         return torch.einsum("tkgp,tpkd->tkgd", probs, vs).reshape(tokens, heads, dim)
 
@@ -218,7 +223,38 @@ def slot_index(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
     return tables[rows, positions // block_size] * block_size + positions % block_size
 
 
-def _attend_chunk(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, count: int, end: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """SDPA with GQA; with ``softcap`` the scores explicitly, as HF's eager attention computes them (Gemma 2).
+
+    Semantics::
+
+        s = q · kᵀ / √D;  s = c · tanh(s / c) where softcap c;  out = softmax(s masked, fp32) · v
+
+    Shape: q [B, H, n, D]; k, v [B, KV, m, D] (query head h reads KV head h // (H / KV)); mask broadcastable to
+    [B, H, n, m], True where a key is read; ``causal``: the lower triangle instead. Returns [B, H, n, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, n, m]
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+
+
+def _attend_chunk(
+    q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, count: int, end: int, softcap: float | None = None
+) -> torch.Tensor:
     """One sequence's ``count`` tokens ending at position ``end`` over its keys 0 .. end-1. Shape: q [n, H, D];
     ks, vs [end, KV, D]; returns [n, H, D].
 
@@ -227,9 +263,9 @@ def _attend_chunk(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, count: in
     qs = q.transpose(0, 1)[None]  # [1, H, n, D]
     ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, KV, end, D]
     if count == end:  # no cached prefix: plain causal (the kernel skips the masked blocks)
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        out = attention(qs, ks, vs, causal=True, softcap=softcap)
     else:
         query_pos = torch.arange(end - count, end, device=q.device)  # [n]
         mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]  # [n, end]
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        out = attention(qs, ks, vs, mask, softcap=softcap)
     return out[0].transpose(0, 1)

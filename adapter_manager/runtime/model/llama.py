@@ -156,6 +156,7 @@ class Llama(nn.Module):
             layer.attention.kv_cache = KVCache(
                 num_blocks + 1, block_size, heads, config.head_dim, self.dtype, self.device, layer.attention.shards
             )
+            layer.attention.kv_cache.softcap = config.attn_logit_softcapping
         self.max_batch = max_batch
         self.dense_tables = None
         if num_blocks >= max_batch * width:
@@ -165,6 +166,10 @@ class Llama(nn.Module):
         self.rope_table = rope_table(config, max_seq_len, self.device)
         if self.deterministic and self.packed:
             raise ValueError("the deterministic mode reads plain weights: unpack_weights() first")
+        if self.deterministic and config.attn_logit_softcapping is not None:
+            raise UnsupportedModelError(
+                config.model_type, "attn_logit_softcapping", "the deterministic mode's attention has no soft-cap"
+            )
         self.kernels = layer_kernels(self.device, self.deterministic)
         self.kernels.decode_ops(self.rope_table, self.cpu_ops)  # builds the CPU library now (first use), not in a step
 
@@ -302,7 +307,8 @@ class Llama(nn.Module):
         if self.deterministic and batch.spans is None:
             raise ValueError("the deterministic mode runs eager batches (with spans), not traced ones")
         linear = LinearStep.make(lora_meta, self.kernels, ops.compiled)
-        if self.deterministic or (ops.compiled and all(span.count == 1 for span in batch.spans)):
+        compiled_attention = ops.compiled and self.config.attn_logit_softcapping is None  # its op has no soft-cap
+        if self.deterministic or (compiled_attention and all(span.count == 1 for span in batch.spans)):
             # decode only (or the deterministic mode, compiled or not): RoPE, the cache write and attention per token
             step = BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
         else:

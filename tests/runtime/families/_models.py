@@ -19,7 +19,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=64, attn_logit_softcapping=None),
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=64,
+            attn_logit_softcapping=1.0,  # small caps, so the random model's scores and logits feel them
+            final_logit_softcapping=2.0,
+        ),
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict()),
 }

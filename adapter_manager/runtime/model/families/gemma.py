@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .family import GELU_TANH, Family, neutral
+from .family import GELU_TANH, Family
 from .llama import ATTENTION
 
 _GEMMA1_ACT = {**GELU_TANH, "gelu": "gelu_tanh"}  # transformers reads Gemma 1's legacy "gelu" as the tanh form
@@ -22,7 +22,6 @@ def read_gemma(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_gemma2(config: Mapping[str, Any]) -> dict[str, Any]:
-    neutral(config, "attn_logit_softcapping", None)
     return {
         **read_gemma(config),
         "sandwich_norms": True,
