@@ -182,8 +182,8 @@ class LoraAdapterConfig:
                 raise fail(f"{field} must be a bool, got {value!r}")
         if use_dora and lora_bias:
             raise UnsupportedAdapterError(adapter, "use_dora and lora_bias together (PEFT refuses them too)")
-        if raw.get("bias", "none") != "none":
-            raise UnsupportedAdapterError(adapter, f"bias must be 'none', got {raw['bias']!r}")
+        if raw.get("bias", "none") not in ("none", "lora_only"):  # lora_only's base biases: refused as tensors
+            raise UnsupportedAdapterError(adapter, f"bias must be 'none' or 'lora_only', got {raw['bias']!r}")
         for field, value in raw.items():
             if field in _KNOWN_FIELDS:
                 continue
@@ -304,6 +304,11 @@ def parse_tensor_key(key: str, adapter: str) -> tuple[ModuleKey, str]:
             raise UnsupportedAdapterError(adapter, f"tensor {key!r}: not a LoRA or trainable-tokens tensor")
         return vocab
     match = _TENSOR_KEY.fullmatch(key)
+    if match is None and key.endswith(".bias"):
+        raise TensorKeyError(
+            adapter, f"tensor {key!r} is a trained base-layer bias (adapter_config.json bias 'all' / 'lora_only'); "
+            "only LoRA weights are served"
+        )  # fmt: skip
     if match is None or match["proj"] not in PROJECTIONS:
         raise TensorKeyError(adapter, f"unexpected tensor key {key!r} in {WEIGHTS_NAME}")
     module = ModuleKey(int(match["layer"]), match["proj"])

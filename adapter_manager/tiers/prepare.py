@@ -97,7 +97,7 @@ def prepare_adapter(
     check fails.
     """
     with _opened(adapter_id, weights_path) as handle:
-        tensors = _match_keys(adapter_id, list(handle.keys()), modules, variant)
+        tensors = _match_keys(adapter_id, list(handle.keys()), modules, spec, variant)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
         layout = layout or RowLayout.of(spec)  # over N tensor-parallel shards: RowLayout.of(spec, tp)
         prepared = _build(adapter_id, sha, handle, tensors, modules, spec, layout, dtype, pin_memory, base_weight)
@@ -116,7 +116,7 @@ def check_weights(
     """Every check of `prepare_adapter` that needs only the file's header: a whole safetensors file (its length
     covers every tensor), the keys, every shape and dtype. Reads no tensor, so it cannot find non-finite values."""
     with _opened(adapter_id, weights_path) as handle:
-        tensors = _match_keys(adapter_id, list(handle.keys()), modules, variant)
+        tensors = _match_keys(adapter_id, list(handle.keys()), modules, spec, variant)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
 
 
@@ -148,13 +148,18 @@ def _kinds(module: ModuleKey, lora: ModuleLora, variant: Variant) -> tuple[tuple
 
 
 def _match_keys(
-    adapter_id: str, keys: list[str], modules: Mapping[ModuleKey, ModuleLora], variant: Variant
+    adapter_id: str, keys: list[str], modules: Mapping[ModuleKey, ModuleLora], spec: BaseModelSpec, variant: Variant
 ) -> dict[ModuleKey, dict[str, str]]:
     """Each targeted module's tensor keys by kind ("A", "B", the variant's vector, a vocabulary module's "base" and
     "tokens")."""
     found: dict[ModuleKey, dict[str, str]] = {}
     for key in keys:
         module, kind = parse_tensor_key(key, adapter_id)
+        if module.layer >= spec.num_layers:
+            raise TensorKeyError(
+                adapter_id, f"tensor {key!r} is for layer {module.layer}, but the base model has {spec.num_layers} "
+                f"layers (0..{spec.num_layers - 1}): the adapter was trained on a deeper model"
+            )  # fmt: skip
         if module not in modules:
             raise TensorKeyError(adapter_id, f"tensor {key!r} is for a module adapter_config.json does not target")
         required, optional = _kinds(module, modules[module], variant)

@@ -152,6 +152,14 @@ CASES = [
         TensorKeyError,
     ),
     Case("bias_all", edit_config(bias="all"), UnsupportedAdapterError),
+    Case(
+        "bias_lora_only_with_base_biases",
+        both(
+            edit_config(bias="lora_only"),
+            add_tensor("base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias", torch.zeros(32)),
+        ),
+        TensorKeyError,
+    ),
     Case("pissa_init", edit_config(init_lora_weights="pissa"), UnsupportedAdapterError),
     Case("unknown_variant", edit_config(use_fancy_lora=True), UnsupportedAdapterError),
     Case(

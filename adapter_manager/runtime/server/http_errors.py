@@ -4,6 +4,7 @@ each typed error deserves (the openai client turns them into NotFoundError, BadR
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,10 @@ from ..engine.request import RequestFailedError
 from .generation import OverloadedError
 
 log = logging.getLogger(__name__)
+
+# A part of a validation error's location that names a union member (pydantic's "str", "list[int]", ...), not a field:
+# the schemas' fields are snake_case and none is named after a type.
+_UNION_MEMBER = re.compile(r"[^a-z0-9_]|^(str|int|float|bool|list|dict)$")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -87,6 +92,23 @@ def to_api_error(err: BaseException, param: str | None = None) -> APIError:
     return APIError(500, f"internal error: {type(err).__name__}: {err}", None, "internal_error")
 
 
+def _validation_param(loc: tuple) -> str | None:
+    """The OpenAI ``param`` of a request validation error's location: ``("body", "messages", 0, "content", "str")``
+    -> ``messages[0].content`` (a union member's tag and what lies under it dropped); None for the body itself (not
+    JSON: its location is a character position)."""
+    param = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int):
+            if not param:
+                return None
+            param += f"[{part}]"
+        elif _UNION_MEMBER.search(part):
+            break
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
 def install_handlers(app) -> None:
     """Every error leaves the server as an OpenAI-shaped JSON body; none takes the server down."""
 
@@ -96,9 +118,10 @@ def install_handlers(app) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where or None)
+        errors = err.errors()
+        where = _validation_param(errors[0].get("loc", ())) if errors else None
+        said = dict.fromkeys(e.get("msg", "") for e in errors if _validation_param(e.get("loc", ())) == where)
+        return error_response(400, f"{where or 'body'}: {'; '.join(said) or 'invalid request'}", where)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, err: HTTPException) -> JSONResponse:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.sampling import MAX_LOGPROBS
 
@@ -15,9 +15,11 @@ MAX_PROMPTS = 32
 
 
 class _Body(BaseModel):
-    """Unknown fields are ignored (clients send fields such as ``user``); known unsupported ones are refused."""
+    """Unknown fields are ignored (clients send fields such as ``user``); known unsupported ones are refused. Types
+    are strict, as OpenAI's are: ``"8"``, ``true`` or ``8.0`` for an int, a string or a bool for a number, ``1`` for a
+    bool are refused, not coerced (an int for a number is a JSON number)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -102,14 +104,21 @@ class ContentPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _not_null(cls, content: object) -> object:
+        if content is None:
+            raise ValueError("content must be text or a list of text parts, got null (tool calls are not supported)")
+        return content
 
     def text(self) -> str:
         """The message's text; only text parts are served (others are refused before this is called)."""
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -13,6 +13,7 @@ from adapter_manager import (
     AdapterConflictError,
     AdapterNotFoundError,
     AdapterRegistry,
+    BaseModelSpec,
     InvalidAdapterRefError,
     Move,
     RegistryConfig,
@@ -21,6 +22,7 @@ from adapter_manager import (
 )
 from adapter_manager.sources.peft_format import CONFIG_NAME
 from tests.adapter_manager._malformed import CASES
+from tests.conftest import TINY, TINY_NAME
 
 
 @pytest.fixture
@@ -178,3 +180,25 @@ def test_changed_local_files_are_not_served_under_the_old_sha(good, tiny_spec):
         registry.prepared("a")
     assert registry.register(str(good), adapter_id="a", refresh=True).action == "updated"
     assert registry.prepared("a").modules[next(iter(registry.get("a").modules))].rank == 8
+
+
+def test_adapter_of_a_deeper_model_names_the_layer_it_has_and_the_base_lacks(write_peft_adapter):
+    folder, _ = write_peft_adapter()  # PEFT on the 3-layer tiny Llama
+    shallow = BaseModelSpec.from_hf_config({**TINY, "num_hidden_layers": 2}, name=TINY_NAME)
+    registry = registry_for(shallow)
+    with pytest.raises(TensorKeyError) as info:
+        registry.register(str(folder), adapter_id="deep")
+    message = str(info.value)
+    assert "'base_model.model.model.layers.2.self_attn." in message and ".lora_" in message
+    assert "layer 2" in message and "the base model has 2 layers" in message and "does not target" not in message
+    assert len(registry) == 0
+
+
+def test_bias_lora_only_without_bias_tensors_serves_as_plain_lora(write_peft_adapter, tiny_spec):
+    plain, _ = write_peft_adapter(seed=3)
+    lora_only, _ = write_peft_adapter(seed=3, bias="lora_only")  # Llama's projections have no bias: nothing saved
+    assert json.loads((lora_only / CONFIG_NAME).read_text())["bias"] == "lora_only"
+    registry = registry_for(tiny_spec)
+    registry.register(str(plain), adapter_id="plain")
+    registry.register(str(lora_only), adapter_id="lora_only")
+    assert torch.equal(registry.prepared("lora_only").storage, registry.prepared("plain").storage)

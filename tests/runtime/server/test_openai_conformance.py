@@ -68,3 +68,68 @@ def test_parameter_errors_name_their_parameter(client, stream):
     for call, param in cases:
         err = _refusal(call)
         assert err.param == param, (param, err.body)
+
+
+_HI = [{"role": "user", "content": "hi"}]
+# (route, field, value) that lax pydantic would coerce: a string, a bool or a whole float for an int, a string or a
+# bool for a number, an int or a string for a bool
+_WRONG_TYPES = [
+    *[("completions", "max_tokens", v) for v in ("8", True, 8.0)],
+    *[("completions", field, v) for field in ("n", "seed", "min_tokens", "logprobs", "best_of") for v in ("1", True)],
+    *[
+        (route, field, v)
+        for route in ("completions", "chat/completions")
+        for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for v in ("1", True)
+    ],
+    *[
+        (route, field, v)
+        for route in ("completions", "chat/completions")
+        for field in ("stream", "ignore_eos")
+        for v in (1, "true")
+    ],
+    ("completions", "echo", 1),
+    ("chat/completions", "max_tokens", "8"),
+    ("chat/completions", "max_completion_tokens", True),
+    ("chat/completions", "logprobs", 1),
+    ("chat/completions", "top_logprobs", "2"),
+]
+
+
+@pytest.mark.parametrize(("route", "field", "value"), _WRONG_TYPES)
+def test_wrong_json_types_are_refused_not_coerced(server, route, field, value):
+    httpx = pytest.importorskip("httpx")
+    body = {"model": NAME, "max_tokens": 2, **({"prompt": "hi"} if route == "completions" else {"messages": _HI})}
+    answer = httpx.post(f"{server[1].url}/v1/{route}", json={**body, field: value}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == field and answer.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prompt": [True, False]}, "prompt"),
+        ({"prompt": [[1, True]]}, "prompt"),
+        ({"prompt": "hi", "logit_bias": {"5": True}}, "logit_bias.5"),
+        ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ],
+)
+def test_wrong_json_types_inside_values_name_where(server, extra, param):
+    httpx = pytest.importorskip("httpx")
+    answer = httpx.post(f"{server[1].url}/v1/completions", json={"model": NAME, "max_tokens": 2, **extra}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_whole_numbers_are_numbers(client):
+    out = client.completions.create(
+        model=NAME, prompt="hi", max_tokens=2, temperature=1, top_p=1, presence_penalty=0, logit_bias={"5": 1}
+    )
+    assert out.usage.completion_tokens <= 2
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
+def test_null_message_content_is_refused_for_every_role(client, role):
+    for content in ({"content": None}, {}):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": role, **content}]
+        err = _refusal(lambda: client.chat.completions.create(model=NAME, messages=messages, max_tokens=2))  # noqa: B023
+        assert err.param == "messages[1].content", err.body
