@@ -265,20 +265,20 @@ class LoraAdapterConfig:
         for name in spec.module_names():
             if not self.targets(name):
                 continue
-            key = by_name.get(name)
-            if key is None:
+            keys = spec.fused_parts(name) or ((by_name[name],) if name in by_name else ())  # a fused one: its parts
+            if not keys:
                 raise UnsupportedAdapterError(
                     adapter, f"target {name!r} is a non-linear module; only {PROJECTIONS}, embed_tokens and lm_head "
                     "are supported"
                 )  # fmt: skip
             lora = self.module_lora(name)
-            if key.is_vocab:
+            if keys[0].is_vocab:
                 check_vocab_module(name, lora.rank, spec, adapter, max_rank, "LoRA")
                 if self.variant is not Variant.LORA:
                     raise UnsupportedAdapterError(adapter, f"{self.variant.value} on {name} is not supported")
             if lora.rank > max_rank:
                 raise RankTooLargeError(adapter, f"module {name!r} has rank {lora.rank} > max_rank {max_rank}")
-            modules[key] = lora
+            modules.update(dict.fromkeys(keys, lora))
         tokens = resolve_tokens(self.trainable_tokens, self.ensure_weight_tying, spec, adapter)
         for name, trained in tokens.items():
             key = ModuleKey.vocab(name)

@@ -15,7 +15,8 @@ import torch
 
 from ..base_model import FUSED_PROJECTIONS, BaseModelSpec
 
-_FUSED_KEY = re.compile(rf"(?P<head>.*\.layers\.\d+\.(?:self_attn|mlp)\.)(?P<fused>{'|'.join(FUSED_PROJECTIONS)})\.(?P<tail>.+)")
+_FUSED = "|".join(FUSED_PROJECTIONS)
+_FUSED_KEY = re.compile(rf"(?P<head>.*\.layers\.\d+\.(?:self_attn|mlp)\.)(?P<fused>{_FUSED})\.(?P<tail>.+)")
 _SHARED = ("lora_A.weight",)  # the tensors every part shares whole; the others are split by output rows
 
 

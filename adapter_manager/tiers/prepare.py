@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import CorruptWeightsError, NonFiniteWeightsError, TensorKeyError, TensorShapeError
 from ..sources.peft_format import ModuleLora, Variant, parse_tensor_key
+from ..sources.peft_fused import UnfusedHandle
 from .row_layout import RowLayout
 from .vectors import BaseWeight, bias_vector, dora_vector
 from .vocab import check_base_copy, token_rows
@@ -96,7 +97,7 @@ def prepare_adapter(
     is checked whole but comes back without its vector row (``complete`` False: not servable). Nothing is kept if any
     check fails.
     """
-    with _opened(adapter_id, weights_path) as handle:
+    with _opened(adapter_id, weights_path, spec) as handle:
         tensors = _match_keys(adapter_id, list(handle.keys()), modules, spec, variant)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
         layout = layout or RowLayout.of(spec)  # over N tensor-parallel shards: RowLayout.of(spec, tp)
@@ -115,17 +116,18 @@ def check_weights(
 ) -> None:
     """Every check of `prepare_adapter` that needs only the file's header: a whole safetensors file (its length
     covers every tensor), the keys, every shape and dtype. Reads no tensor, so it cannot find non-finite values."""
-    with _opened(adapter_id, weights_path) as handle:
+    with _opened(adapter_id, weights_path, spec) as handle:
         tensors = _match_keys(adapter_id, list(handle.keys()), modules, spec, variant)
         _check_shapes(adapter_id, handle, tensors, modules, spec)
 
 
 @contextmanager
-def _opened(adapter_id: str, weights_path: Path) -> Iterator[Any]:
-    """The safetensors handle of `weights_path`; a missing or malformed file raises `CorruptWeightsError`."""
+def _opened(adapter_id: str, weights_path: Path, spec: BaseModelSpec) -> Iterator[Any]:
+    """The safetensors handle of `weights_path`, a fused module's tensors read as its parts' (`UnfusedHandle`:
+    Phi-3's qkv_proj); a missing or malformed file raises `CorruptWeightsError`."""
     try:
         with safe_open(weights_path, framework="pt") as handle:
-            yield handle
+            yield UnfusedHandle(handle, spec)
     except FileNotFoundError:
         raise CorruptWeightsError(adapter_id, f"{weights_path.name} is missing") from None
     except SafetensorError as err:

@@ -242,7 +242,8 @@ def load_model(
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.output is None):
                     continue
                 if name not in expected:
-                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for this {config.model_type} config")
+                    family = config.model_type
+                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for this {family} config")
                 shape = tuple(handle.get_slice(name).get_shape())
                 if shape != expected[name]:
                     raise CheckpointError(

@@ -104,7 +104,7 @@ class LlamaConfig:
     final_logit_softcapping: float | None = None
     """Logits soft-capped: ``c · tanh(l / c)`` (Gemma 2)."""
     sliding_window: int | None = None
-    """The shortest sliding window of any layer; served only where every context fits it (:meth:`Llama.setup_caches`)."""
+    """The shortest sliding window of any layer; served only where every context fits it (`Llama.setup_caches`)."""
     fused_projections: bool = False
     """The checkpoint holds q|k|v as ``qkv_proj`` and gate|up as ``gate_up_proj`` (Phi-3)."""
 

@@ -7,7 +7,7 @@ it starts.
     ... --fully-sharded-loras       (XLA: every A and Bt split too)
     ... --pallas                    (XLA: the Pallas kernels, interpreted as HLO, run per shard)
 
-PATHS.json maps each adapter name (and "base") to its folder. Warm-up, then a trace with mixed adapters, swaps
+PATHS.json maps each adapter name (and "base") to its folder; the first two adapters fill the slots. Warm-up, then a trace with mixed adapters, swaps
 (5 adapters through 2 slots), prefix hits and preemptions, then echo (prompt_logprobs) requests; OUT.json holds every
 request's tokens, the echoes' prompt logprobs, the compile counts and the KV / move counters, for the test to compare
 with PEFT.
@@ -98,7 +98,8 @@ def run(
         kv_cache_bytes=kv_bytes,
         kernels=PALLAS if pallas else None,
     )
-    manager.release(manager.acquire(["qv", "all_rslora"]))  # every slot filled before the engine (and its shards) runs
+    fill = [name for name in paths if name != "base"][:2]
+    manager.release(manager.acquire(fill))  # every slot filled before the engine (and its shards) runs
     engine = Engine(model, manager, engine_config)
     try:
         warm_up_graphs = engine.warm_up()

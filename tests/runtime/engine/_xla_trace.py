@@ -7,6 +7,7 @@ import random
 from collections.abc import Sequence
 
 from adapter_manager import AdapterManager
+from adapter_manager.kernels import KernelConfig
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
@@ -23,13 +24,15 @@ def compile_count() -> int:
 
 def serve_trace(
     model, manager: AdapterManager, rows: Sequence[tuple[list[int], str | None]], fill: list[str], new_tokens: int,
-    seed: int,
+    seed: int, kernels: KernelConfig | None = None,
 ) -> tuple[list[tuple[object, list[int], str | None]], int, int]:  # fmt: skip
-    """An engine over ``model`` and ``manager`` (max_batch 4, token buckets :data:`BUCKETS`), the ``fill`` adapters
-    in its slots, warmed up; then 80 steps with 0-2 random rows arriving in each of the first 60, run until idle.
+    """An engine over ``model`` and ``manager`` (max_batch 4, token buckets :data:`BUCKETS`, ``kernels`` its backend
+    choice), the ``fill`` adapters in its slots, warmed up; then 80 steps with 0-2 random rows arriving in each of the
+    first 60, run until idle.
     Returns (each request's handle, prompt and adapter; the warm-up's graphs; the compiles after warm-up)."""
     config = EngineConfig(
-        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS, eos_ids=()
+        max_batch=4, max_seq_len=32, scheduler=SchedulerConfig(token_budget=32), token_buckets=BUCKETS, eos_ids=(),
+        kernels=kernels,
     )
     engine = Engine(model, manager, config)
     manager.release(manager.acquire(fill))  # every slot filled
