@@ -7,10 +7,10 @@ it starts.
     ... --fully-sharded-loras       (XLA: every A and Bt split too)
     ... --pallas                    (XLA: the Pallas kernels, interpreted as HLO, run per shard)
 
-PATHS.json maps each adapter name (and "base") to its folder; the first two adapters fill the slots. Warm-up, then a trace with mixed adapters, swaps
-(5 adapters through 2 slots), prefix hits and preemptions, then echo (prompt_logprobs) requests; OUT.json holds every
-request's tokens, the echoes' prompt logprobs, the compile counts and the KV / move counters, for the test to compare
-with PEFT.
+PATHS.json maps each adapter name (and "base") to its folder; the first two adapters fill the slots. Warm-up, then a
+trace with mixed adapters, swaps (more adapters than the 2 slots), prefix hits and preemptions, then echo
+(prompt_logprobs) requests; OUT.json holds every request's tokens, the echoes' prompt logprobs, the compile counts and
+the KV / move counters, for the test to compare with PEFT.
 """
 
 from __future__ import annotations
