@@ -22,6 +22,43 @@ def write_checkpoint(
     return folder
 
 
+FAMILY_CLASSES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+"""Families whose bench-shaped checkpoints transformers writes (:func:`write_family_checkpoint`)."""
+
+
+def write_family_checkpoint(folder: Path, config: LlamaConfig, family: str, dtype: torch.dtype) -> Path:
+    """A random checkpoint of ``family`` with ``config``'s shapes (so the same weight bytes as the Llama one, an
+    untied head included), written by transformers (the dev extra); norms and biases random too."""
+    import transformers
+
+    config_class, model_class, extra = FAMILY_CLASSES[family]
+    hf_config = getattr(transformers, config_class)(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(hf_config).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                param.normal_(0.0 if family == "gemma" or name.endswith("bias") else 1.0, 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
 TRAINED_TOKENS = 8  # trainable tokens of a "tokens" adapter: ids 100 .. 107
 VOCAB_KINDS = {
     "vocab": {"target_modules": (*PROJECTIONS, "embed_tokens", "lm_head")},

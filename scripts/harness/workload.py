@@ -29,7 +29,7 @@ from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.config import LlamaConfig
 from adapter_manager.runtime.model.llama import Llama
-from scripts.harness.checkpoint import VOCAB_KINDS, write_adapters, write_checkpoint
+from scripts.harness.checkpoint import VOCAB_KINDS, write_adapters, write_checkpoint, write_family_checkpoint
 
 RANK = 16
 """Rank of the engine workload's adapters."""
@@ -112,16 +112,21 @@ def engine_workload(
     device: str = "cpu",
     pack_weights: bool | None = None,
     variants: dict[str, str] | None = None,
+    family: str = "llama",
 ) -> Iterator[EngineWorkload]:
     """Write the bench checkpoint and the ADAPTERS synthetic adapters into a temp folder, load the model
     (``pack_weights`` as in :func:`load_model`), register the adapters on a manager; on exit close the manager and
     remove the folder. ``variants``: more sets of ADAPTERS adapters, id prefix -> LoRA variant (e.g. ``{"d":
-    "dora"}`` registers d0 .. d7 as DoRA adapters), each with slots of its own."""
+    "dora"}`` registers d0 .. d7 as DoRA adapters), each with slots of its own. ``family``: the bench shapes as
+    another family's checkpoint (:data:`harness.checkpoint.FAMILY_CLASSES`, written by transformers)."""
     config = LlamaConfig.bench()
     variants = variants or {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        checkpoint = write_checkpoint(root / "model", config, dtype=dtype)
+        if family == "llama":
+            checkpoint = write_checkpoint(root / "model", config, dtype=dtype)
+        else:
+            checkpoint = write_family_checkpoint(root / "model", config, family, dtype)
         spec = config.to_spec("bench")
         ids = [f"a{i}" for i in range(ADAPTERS)]
         folders = write_adapters(root, spec, ids, [RANK] * ADAPTERS)
@@ -132,6 +137,7 @@ def engine_workload(
         start = time.perf_counter()
         model = load_model(checkpoint, dtype=dtype, device=device, pack_weights=pack_weights)
         load_s = time.perf_counter() - start
+        config = model.config
         vocab = any(kind in VOCAB_KINDS for kind in variants.values())
         manager_config = AdapterManagerConfig(
             max_slots=len(ids), max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0, lora_vocab=vocab
