@@ -60,14 +60,10 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads // tp.size * self.shards
         self.num_kv_heads = local_kv * self.shards  # the cache's heads (replicated where KV < S)
         q_width, kv_width = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
-        qkv_bias = "q_proj" in config.bias
-        self.wqkv = LoRALinear(
-            config.hidden_size, (q_width, kv_width, kv_width), shards=self.shards, process=group, bias=qkv_bias
-        )
-        self.wo = LoRALinear(
-            q_width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group,
-            bias="o_proj" in config.bias,
-        )
+        qkv_bias, o_bias = "q_proj" in config.bias, "o_proj" in config.bias
+        widths, hidden = (q_width, kv_width, kv_width), config.hidden_size
+        self.wqkv = LoRALinear(hidden, widths, shards=self.shards, process=group, bias=qkv_bias)
+        self.wo = LoRALinear(q_width, (hidden,), shards=self.shards, row_parallel=True, process=group, bias=o_bias)
         self.kv_cache: KVCache | None = None
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -151,9 +147,8 @@ class FeedForward(nn.Module):
         width = config.intermediate_size // tp.size * self.shards
         bias = "gate_proj" in config.bias
         self.w13 = LoRALinear(config.hidden_size, (width, width), shards=self.shards, process=group, bias=bias)
-        self.w2 = LoRALinear(
-            width, (config.hidden_size,), shards=self.shards, row_parallel=True, process=group, bias=bias
-        )
+        hidden = config.hidden_size
+        self.w2 = LoRALinear(width, (hidden,), shards=self.shards, row_parallel=True, process=group, bias=bias)
 
     def _gated(self, gate_up: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
         return ops.silu_mul(gate_up) if self.act == "silu" else ops.gelu_tanh_mul(gate_up)

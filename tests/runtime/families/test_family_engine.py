@@ -1,5 +1,6 @@
 """Every served family through the engine (mixed batches, more adapters than slots, hot swaps) equals HF
-transformers + PEFT run one adapter at a time: greedy tokens and prompt logprobs (fp32, ≤ 1e-4)."""
+transformers + PEFT run one adapter at a time: greedy tokens and prompt logprobs (fp32, ≤ 1e-4), with the C++ decode
+glue, the torch forms and the deterministic mode (which refuses Gemma 2's attention soft-cap by name)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from adapter_manager import AdapterManager, AdapterManagerConfig
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig, SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
+from adapter_manager.runtime.model.families import UnsupportedModelError
 from tests.runtime.families._oracle import NEW_TOKENS, greedy, prompt_logprobs, requests
 
 TOL = 1e-4
@@ -19,25 +21,32 @@ def serve(family, cpu_ops: bool = True, **engine_kwargs) -> list[tuple[list[int]
     model = load_model(family.folder, dtype=torch.float32)
     model.cpu_ops = cpu_ops
     manager = AdapterManager(model.config.to_spec("base"), AdapterManagerConfig(max_slots=2, max_rank=8))
-    for name, (folder, _) in family.adapters.items():
-        manager.register(str(folder), adapter_id=name)
-    config = EngineConfig(
-        max_batch=4, max_seq_len=64, scheduler=SchedulerConfig(token_budget=12), eos_ids=(), **engine_kwargs
-    )
-    engine = Engine(model, manager, config)
     try:
-        params = SamplingParams(max_tokens=NEW_TOKENS, prompt_logprobs=0)
-        handles = [engine.submit(prompt, adapter, params) for prompt, adapter in requests(family)]
-        engine.run_until_idle()
-        return [(h.result(timeout=0), [lp.logprob for lp in h.prompt_logprobs[1:]]) for h in handles]
+        for name, (folder, _) in family.adapters.items():
+            manager.register(str(folder), adapter_id=name)
+        config = EngineConfig(
+            max_batch=4, max_seq_len=64, scheduler=SchedulerConfig(token_budget=12), eos_ids=(), **engine_kwargs
+        )
+        engine = Engine(model, manager, config)
+        try:
+            params = SamplingParams(max_tokens=NEW_TOKENS, prompt_logprobs=0)
+            handles = [engine.submit(prompt, adapter, params) for prompt, adapter in requests(family)]
+            engine.run_until_idle()
+            return [(h.result(timeout=0), [lp.logprob for lp in h.prompt_logprobs[1:]]) for h in handles]
+        finally:
+            engine.close()
     finally:
-        engine.close()
         manager.close()
 
 
-@pytest.mark.parametrize("cpu_ops", [True, False], ids=["cpp-glue", "torch-forms"])
-def test_family_equals_transformers_and_peft(family, cpu_ops) -> None:
-    served = serve(family, cpu_ops=cpu_ops)
+@pytest.mark.parametrize("mode", ["cpp-glue", "torch-forms", "deterministic"])
+def test_family_equals_transformers_and_peft(family, mode) -> None:
+    deterministic = mode == "deterministic"
+    if deterministic and family.name == "gemma2":
+        with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+            serve(family, deterministic=True)
+        return
+    served = serve(family, cpu_ops=mode != "torch-forms", deterministic=deterministic)
     for (prompt, adapter), (tokens, logprobs) in zip(requests(family), served, strict=True):
         assert tokens == greedy(family, prompt, adapter), (family.name, prompt, adapter)
         expected = torch.tensor(prompt_logprobs(family, prompt, adapter))
