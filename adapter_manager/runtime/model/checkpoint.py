@@ -250,7 +250,9 @@ def load_model(
                         f"{path.name}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
                     )
                 index[name] = handle
-        if spmd:  # one parameter at a time on the host, then each device receives only its shard of it
+        if torch.device(device).type == "xla":  # one parameter at a time on the host, then placed whole: each
+            # device receives only its shard of it (SPMD), and no parameter is left a view of slice writes (the
+            # first step would materialise it, and compile a graph no later step reuses)
             destinations = {id(param): name for name, param in model.named_parameters()}
             groups: dict[str, list[str]] = {}
             for name in index:

@@ -28,8 +28,8 @@ def shard_dim(name: str) -> int | None:
 def place_sharded(model: Llama, name: str, host: torch.Tensor, device: torch.device) -> None:
     """Make parameter ``name`` of ``model`` (built on the meta device) the host tensor ``host`` placed on the mesh:
     each device receives only its shard (:func:`spmd.place`: the host sends each shard once), a norm whole on each.
-    A weight moved whole and then marked would sit whole on every device first."""
-    dim = shard_dim(name)
+    A weight moved whole and then marked would sit whole on every device first. Unsharded: moved whole."""
+    dim = shard_dim(name) if model.tensor_parallel.size > 1 else None
     placed = host.to(device) if dim is None else place(host, model.tensor_parallel.size, dim)
     module, attribute = name.rsplit(".", 1)
     setattr(model.get_submodule(module), attribute, nn.Parameter(placed, requires_grad=False))

@@ -12,7 +12,7 @@ import torch
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     # name: (transformers config class, causal LM class, config fields beyond SHAPE)
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, rope_theta=1e6)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=32, sliding_window=64)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),
