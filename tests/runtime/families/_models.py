@@ -85,8 +85,8 @@ def write_family(root: Path, family: str, adapters: dict[str, dict] = ADAPTERS) 
     written = WrittenFamily(family, root / "base", model)
     for i, (name, kwargs) in enumerate(adapters.items()):
         kwargs = dict(kwargs)
-        config = peft.LoraConfig(init_lora_weights=False, target_modules=targets(family, kwargs.pop("target", None)),
-                                 **kwargs)
+        kwargs.setdefault("target_modules", targets(family, kwargs.pop("target", None)))
+        config = peft.LoraConfig(init_lora_weights=False, **kwargs)
         torch.manual_seed(100 + i)
         peft_model = peft.get_peft_model(hf_model(family), config).eval()
         peft_model.save_pretrained(root / name)

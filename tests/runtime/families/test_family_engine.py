@@ -17,10 +17,13 @@ from tests.runtime.families._oracle import NEW_TOKENS, greedy, prompt_logprobs, 
 TOL = 1e-4
 
 
-def serve(family, cpu_ops: bool = True, **engine_kwargs) -> list[tuple[list[int], list[float]]]:
+def serve(
+    family, cpu_ops: bool = True, lora_vocab: bool = False, **engine_kwargs
+) -> list[tuple[list[int], list[float]]]:
     model = load_model(family.folder, dtype=torch.float32)
     model.cpu_ops = cpu_ops
-    manager = AdapterManager(model.config.to_spec("base"), AdapterManagerConfig(max_slots=2, max_rank=8))
+    pool = AdapterManagerConfig(max_slots=2, max_rank=8, lora_vocab=lora_vocab)
+    manager = AdapterManager(model.config.to_spec("base"), pool)
     try:
         for name, (folder, _) in family.adapters.items():
             manager.register(str(folder), adapter_id=name)
@@ -51,3 +54,18 @@ def test_family_equals_transformers_and_peft(family, mode) -> None:
         assert tokens == greedy(family, prompt, adapter), (family.name, prompt, adapter)
         expected = torch.tensor(prompt_logprobs(family, prompt, adapter))
         assert torch.allclose(torch.tensor(logprobs), expected, atol=TOL, rtol=0), (family.name, prompt, adapter)
+
+
+@pytest.mark.parametrize("name", ["gemma", "qwen2"])
+def test_embedding_lora_on_a_family_equals_peft(name, tmp_path) -> None:
+    """Gemma scales its embedding inside the module PEFT wraps (PEFT scales the LoRA delta alike); Qwen2 ties its
+    head: an adapter on embed_tokens and the projections, served with the pool's vocabulary columns."""
+    from tests.runtime.families._models import write_family
+
+    vocab = {"emb": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "down_proj"])}
+    family = write_family(tmp_path, name, vocab)
+    served = serve(family, lora_vocab=True)
+    for (prompt, adapter), (tokens, logprobs) in zip(requests(family), served, strict=True):
+        assert tokens == greedy(family, prompt, adapter), (name, prompt, adapter)
+        expected = torch.tensor(prompt_logprobs(family, prompt, adapter))
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=TOL, rtol=0), (name, prompt, adapter)
