@@ -107,6 +107,10 @@ class LlamaConfig:
     """The shortest sliding window of any layer; served only where every context fits it (`Llama.setup_caches`)."""
     fused_projections: bool = False
     """The checkpoint holds q|k|v as ``qkv_proj`` and gate|up as ``gate_up_proj`` (Phi-3)."""
+    local_rope_theta: float | None = None
+    """The RoPE base of the ``local_layers`` (Gemma 3's sliding layers); None: every layer uses ``rope_theta``."""
+    local_layers: tuple[int, ...] = ()
+    """The layers that rotate by ``local_rope_theta`` (plain RoPE)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -170,6 +174,7 @@ class LlamaConfig:
         fields["rope_scaling"] = RopeScaling(**{k: v for k, v in rope.items() if k in known})
         fields["eos_token_ids"] = eos_ids(fields.pop("eos_token_id"))
         fields["bias"] = tuple(fields.get("bias", ()))
+        fields["local_layers"] = tuple(fields.get("local_layers", ()))
         return cls(**fields)
 
     def to_hf(self) -> dict[str, Any]:

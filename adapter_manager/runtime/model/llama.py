@@ -10,6 +10,7 @@ device and load weights into it (:func:`runtime.model.checkpoint.load_checkpoint
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from adapter_manager.spmd import MODEL_AXIS, mark
 
 from .batch import ForwardBatch
 from .blocks import BlockStep, TransformerBlock
-from .config import LlamaConfig
+from .config import LlamaConfig, RopeScaling
 from .families import UnsupportedModelError
 from .kv_cache import KVCache, plan_attention, slot_index
 from .norm import RMSNorm
@@ -79,6 +80,8 @@ class Llama(nn.Module):
         """The device's base matmuls and decode glue (:func:`kernels.layer_kernels`), set by :meth:`setup_caches`."""
         self.rope_table: torch.Tensor | None
         self.register_buffer("rope_table", None, persistent=False)  # [P, 2, D/2], made by setup_caches
+        self.local_rope_table: torch.Tensor | None
+        self.register_buffer("local_rope_table", None, persistent=False)  # the config's local_layers' (Gemma 3)
         self.dense_tables: torch.Tensor | None
         self.register_buffer("dense_tables", None, persistent=False)  # [max_batch + 1, MB], made by setup_caches
         self.max_batch = 0
@@ -164,6 +167,9 @@ class Llama(nn.Module):
             dense[:max_batch] = torch.arange(max_batch * width).view(max_batch, width)
             self.dense_tables = dense.to(self.device)
         self.rope_table = rope_table(config, max_seq_len, self.device)
+        if config.local_layers and config.local_rope_theta is not None:
+            local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling())
+            self.local_rope_table = rope_table(local, max_seq_len, self.device)
         if self.deterministic and self.packed:
             raise ValueError("the deterministic mode reads plain weights: unpack_weights() first")
         if self.deterministic and config.attn_logit_softcapping is not None:
@@ -318,8 +324,9 @@ class Llama(nn.Module):
             plan = plan_attention(batch.spans, tables, block_size, self.device) if batched else None
             slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
             step = BlockStep(batch, linear, tables, slots, rope, plan, None, ops)
-        for layer in self.layers:
-            h = layer(h, step)
+        local = self._local_step(step, batch.positions)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, local if index in self.config.local_layers else step)
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
         h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps)
@@ -342,6 +349,15 @@ class Llama(nn.Module):
             logits = logits.clone()
             mark(logits, size, (None, None))  # ...then gathered: [N, V], never the head's [V, H] weight
         return logits
+
+    def _local_step(self, step: BlockStep, positions: torch.Tensor) -> BlockStep:
+        """The step as the local layers see it: their own RoPE table (Gemma 3's sliding layers); ``step`` where the
+        model has none."""
+        table = self.local_rope_table
+        if table is None:
+            return step
+        rope = None if step.rope is None else rope_factors(table[positions], self.dtype)
+        return step._replace(rope=rope, rope_table=None if step.rope_table is None else table)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Shape: tokens [T]; returns [T, H]. One process per shard: each holds ``vocab / N`` rows, looks up the tokens

@@ -27,6 +27,20 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
             final_logit_softcapping=2.0,
         ),
     ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},  # far from the global base
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        ),
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict()),
 }
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

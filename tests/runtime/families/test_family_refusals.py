@@ -24,7 +24,16 @@ REFUSED = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}, "smollm3", "model_type"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}, "ernie4_5", "model_type"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "olmo2", "model_type"),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}, "gemma3_text", "model_type"),
+    "gemma3-linear-rope": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        }},
+        "gemma3_text",
+        "rope_parameters.rope_type",
+    ),
     "llama-gelu": ("LlamaConfig", "LlamaForCausalLM", {"hidden_act": "gelu"}, "llama", "hidden_act"),
     "llama-yarn": (
         "LlamaConfig",

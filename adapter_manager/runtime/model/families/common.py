@@ -32,7 +32,10 @@ def common_fields(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
     if act not in family.activations:
         served = ", ".join(family.activations)
         raise refuse(config, family.activation_key, f"{act!r} is not computed for {family.name} (served: {served})")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_parameters = config.get("rope_parameters")
+    if isinstance(rope_parameters, Mapping) and "full_attention" in rope_parameters:  # per layer type (Gemma 3)
+        rope_parameters = rope_parameters["full_attention"]  # the global layers'; the family reads the others
+    rope = dict(rope_parameters or config.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
     rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     if rope_type not in _ROPE_TYPES:

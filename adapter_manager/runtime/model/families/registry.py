@@ -7,13 +7,13 @@ from typing import Any
 
 from .common import common_fields
 from .family import Family, refuse
-from .gemma import GEMMA, GEMMA2
+from .gemma import GEMMA, GEMMA2, GEMMA3
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .phi3 import PHI3
 from .qwen import QWEN2, QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, PHI3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3)
 """Every family the engine computes exactly; any other checkpoint is refused by name."""
 
 
