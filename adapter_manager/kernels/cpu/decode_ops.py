@@ -1,6 +1,6 @@
 """The decode step's glue on CPU: RoPE + KV write + GQA attention, residual add + RMSNorm, and SiLU·mul (GELU·mul for
-GeGLU), one C++ call each (``csrc/decode_attention.cpp``, ``add_rms_norm.cpp``, ``silu_mul.cpp``,
-``gelu_tanh_mul.cpp``; built with the rest of the library by :mod:`kernels.cpu.library`).
+GeGLU), one C++ call each (``csrc/decode_attention.cpp``, ``add_rms_norm.cpp``, ``gated_mul.cpp``; built with the
+rest of the library by :mod:`kernels.cpu.library`).
 
 Between its weight matmuls an eager decode layer is ~35 small torch ops (views, the rotation, two ``index_put_``,
 SDPA, norms, the residual adds), each a Python call, a dispatch and an allocation, and SDPA over 8 rows of 144 keys

@@ -35,9 +35,9 @@ _progress = logging.getLogger("adapter_manager.progress")  # long steps, said as
 _CSRC = Path(__file__).with_name("csrc")
 _OPS = (
     "lora_apply", "lora_onednn", "lora_linear", "lora_blocked", "q8_linear", "decode_attention", "add_rms_norm",
-    "silu_mul", "gelu_tanh_mul", "fixed_linear", "vector_epilogue",
+    "gated_mul", "fixed_linear", "vector_epilogue",
 )  # fmt: skip
-SOURCES = tuple(_CSRC / f"{op}.cpp" for op in _OPS)  # one source per op, named after it
+SOURCES = tuple(_CSRC / f"{op}.cpp" for op in _OPS)  # one source per op, named after it (gated_mul: both activations)
 HEADERS = tuple(_CSRC / name for name in ("vec16.h", "lora_common.h", "decode_common.h"))  # in the build's hash too
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 # -fno-trapping-math: without it GCC 12 will not if-convert a float min / max (exp_poly's clamp), so the decode glue's

@@ -1,6 +1,6 @@
-"""The CPU decode ops (kernels/cpu/csrc: decode_attention, add_rms_norm, silu_mul) equal their torch forms
-(kernels.layer_reference): RoPE + KV write + GQA attention over adversarial rows and positions, the fused residual
-add + RMSNorm, and SwiGLU's activation."""
+"""The CPU decode ops (kernels/cpu/csrc: decode_attention, add_rms_norm, silu_mul, gelu_tanh_mul) equal their torch
+forms (kernels.layer_reference): RoPE + KV write + GQA attention over adversarial rows and positions, the fused
+residual add + RMSNorm, and SwiGLU's and GeGLU's activations."""
 
 from __future__ import annotations
 
@@ -113,20 +113,12 @@ def test_add_rms_norm_equals_the_reference(tokens, with_delta, dtype):
     assert torch.equal(h, h_ref)  # h += delta in place, exactly as the reference's add
 
 
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 7, 200])
-def test_silu_mul_equals_the_reference(tokens, dtype):
+def test_gated_activations_equal_the_reference(tokens, dtype, op):
     gen = torch.Generator().manual_seed(tokens)
     gate_up = (torch.randn(tokens, 2 * 700 + 4, generator=gen) * 6).to(dtype)[:, 4:]
-    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # exp's clamped ends and zero
-    torch.testing.assert_close(decode_ops.silu_mul(gate_up), layer_reference.silu_mul(gate_up), **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 7, 200])
-def test_gelu_tanh_mul_equals_the_reference(tokens, dtype):
-    gen = torch.Generator().manual_seed(tokens)
-    gate_up = (torch.randn(tokens, 2 * 700 + 4, generator=gen) * 6).to(dtype)[:, 4:]
-    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # tanh's saturated ends and zero
-    out = decode_ops.gelu_tanh_mul(gate_up)
-    torch.testing.assert_close(out, layer_reference.gelu_tanh_mul(gate_up), **TOL[dtype])
+    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # the activations' saturated ends and zero
+    out = getattr(decode_ops, op)(gate_up)
+    torch.testing.assert_close(out, getattr(layer_reference, op)(gate_up), **TOL[dtype])

@@ -1,6 +1,8 @@
-"""Every served family on the torch_xla CPU device (XLA lane): the engine's trace with swaps (3 adapters through 2
+"""The served families on the torch_xla CPU device (XLA lane): the engine's trace with swaps (3 adapters through 2
 slots) and changing mixes compiles nothing after warm-up, and every greedy generation equals HF transformers + PEFT
-one adapter at a time; the laned kernels for every family, the Pallas kernels (interpreted as HLO) for one."""
+one adapter at a time. The laned kernels for the families whose terms reach the traced graph differently (Qwen2's
+bias, Gemma 2's soft-capped attention, Gemma 3's q/k norms and local RoPE, Phi-3's fused load; Gemma 1, Mistral and
+Qwen3 add a subset of those), the Pallas kernels (interpreted as HLO) for Qwen3."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ torch_xla = pytest.importorskip("torch_xla")
 pytest.importorskip("peft")
 
 PALLAS = KernelConfig(xla_backend=BackendKind.PALLAS, pallas_interpret=PallasInterpret.HLO)
+LANED_FAMILIES = ("qwen2", "gemma2", "gemma3", "phi3")
 
 
 def _trace(family, kernels: KernelConfig | None) -> None:
@@ -40,6 +43,8 @@ def _trace(family, kernels: KernelConfig | None) -> None:
 
 
 def test_family_on_xla_equals_transformers_and_compiles_nothing_after_warm_up(family) -> None:
+    if family.name not in LANED_FAMILIES:
+        pytest.skip(f"the laned XLA trace runs {LANED_FAMILIES}: this family's terms are a subset of theirs")
     _trace(family, None)
 
 

@@ -139,9 +139,19 @@ def _train_adapter(model_dir: Path, out: Path, kind: str = "lora") -> None:
         prompt = list(encoded["input_ids"])
         answer = tokenizer(answer_text + "<|im_end|>", add_special_tokens=False)["input_ids"]
         examples.append((prompt, answer))
+    train_and_save(model, examples, TRAIN_STEPS, model_dir, out)
+
+
+def train_and_save(
+    model, examples: list[tuple[list[int], list[int]]], steps: int, model_dir: Path, out: Path  # noqa: ANN001
+) -> None:
+    """``steps`` steps of next-token loss on the answers of ``examples`` (prompt ids, answer ids), taken in turn, then
+    the PeftModel ``model`` saved to ``out`` naming ``model_dir`` (the folder it was trained on) as its base."""
+    import torch
+
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     model.train()
-    for step in range(TRAIN_STEPS):
+    for step in range(steps):
         prompt, answer = examples[step % len(examples)]
         ids = torch.tensor([prompt + answer])
         labels = torch.tensor([[-100] * len(prompt) + answer])
@@ -151,7 +161,7 @@ def _train_adapter(model_dir: Path, out: Path, kind: str = "lora") -> None:
         optimizer.zero_grad()
     model.eval()
     model.save_pretrained(out)
-    config_path = out / "adapter_config.json"  # its base model: the checkpoint folder it was trained on
+    config_path = out / "adapter_config.json"
     saved = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**saved, "base_model_name_or_path": str(model_dir)}))
 

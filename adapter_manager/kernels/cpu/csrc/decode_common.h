@@ -1,4 +1,4 @@
-// Shared by the decode glue ops (decode_attention.cpp, add_rms_norm.cpp, silu_mul.cpp): rounding to the model dtype
+// Shared by the decode glue ops (decode_attention.cpp, add_rms_norm.cpp, gated_mul.cpp): rounding to the model dtype
 // as the torch forms round, and a branch-free exp (<= 2 ulp over the softmax's and silu's range) so the loops
 // vectorise.
 #pragma once
