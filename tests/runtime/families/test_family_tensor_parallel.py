@@ -1,7 +1,8 @@
 """Every served family sharded two ways equals the unsharded oracle: q/k/v bias and q/k norms split with their heads,
 the sandwich norms and soft-caps whole. CPU: one process per shard (gloo), every family; XLA lane: one SPMD program
-over 2 of 4 virtual devices, for the families whose terms a shard splits or caps. The trace (``tests.runtime.engine._tp_trace``) swaps 3 adapters through 2 slots, hits the prefix
-cache, preempts, then echoes prompt logprobs."""
+over 2 of 4 virtual devices, for the families whose terms a shard splits or caps. The trace
+(``tests.runtime.engine._tp_trace``) swaps 3 adapters through 2 slots, hits the prefix cache, preempts, then echoes
+prompt logprobs."""
 
 from __future__ import annotations
 
