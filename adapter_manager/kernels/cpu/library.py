@@ -33,11 +33,14 @@ _log = logging.getLogger(__name__)
 _progress = logging.getLogger("adapter_manager.progress")  # long steps, said as they start; the CLI shows them
 
 _CSRC = Path(__file__).with_name("csrc")
-_OPS = (
-    "lora_apply", "lora_onednn", "lora_linear", "lora_blocked", "q8_linear", "decode_attention", "add_rms_norm",
-    "gated_mul", "fixed_linear", "vector_epilogue",
-)  # fmt: skip
-SOURCES = tuple(_CSRC / f"{op}.cpp" for op in _OPS)  # one source per op, named after it (gated_mul: both activations)
+_SOURCES = {  # each source and the ops it registers (one op each, named after it; gated_mul: both activations)
+    "lora_apply": ("lora_apply",), "lora_onednn": ("lora_onednn",), "lora_linear": ("lora_linear",),
+    "lora_blocked": ("lora_blocked",), "q8_linear": ("q8_linear",), "decode_attention": ("decode_attention",),
+    "add_rms_norm": ("add_rms_norm",), "gated_mul": ("silu_mul", "gelu_tanh_mul"), "fixed_linear": ("fixed_linear",),
+    "vector_epilogue": ("vector_epilogue",),
+}  # fmt: skip
+_OPS = tuple(op for ops in _SOURCES.values() for op in ops)
+SOURCES = tuple(_CSRC / f"{source}.cpp" for source in _SOURCES)
 HEADERS = tuple(_CSRC / name for name in ("vec16.h", "lora_common.h", "decode_common.h"))  # in the build's hash too
 CACHE_ENV = "ADAPTER_MANAGER_KERNEL_CACHE"
 # -fno-trapping-math: without it GCC 12 will not if-convert a float min / max (exp_poly's clamp), so the decode glue's

@@ -48,7 +48,7 @@ at::Tensor gated_mul(const at::Tensor& gate_up, const char* name) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               name, ": gate_up must be a CPU [T, 2·I] tensor with unit inner stride, got ", gate_up.sizes());
   auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), name,
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "gated_mul",
                                   [&] { gated_impl<scalar_t, Act>(gate_up, out); });
   return out;
 }
