@@ -1,11 +1,12 @@
 // The gated MLP activations over the fused gate|up output, one call each: out = round(act(gate)) · up.
 //   silu_mul:      act = silu (SwiGLU)
-//   gelu_tanh_mul: act = torch's gelu(approximate="tanh"): 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))) (GeGLU)
+//   gelu_tanh_mul: act = torch's gelu(approximate="tanh"): 0.5·g·(1 + tanh(u)), u = √(2/π)·(g + 0.044715·g³) (GeGLU),
+//                  computed as g / (1 + exp(-2u)) (the same function: 1 + tanh(u) = 2·sigmoid(2u)) with the branch-free
+//                  exp, so the loop vectorizes as silu's does and never cancels where tanh(u) nears -1
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
 
 #include "decode_common.h"
@@ -21,8 +22,8 @@ struct Silu {
 
 struct GeluTanh {
   static float apply(float g) {
-    constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // √(2/π)
-    return 0.5f * g * (1.f + std::tanh(kBeta * (g + kKappa * g * g * g)));
+    constexpr float kTwoBeta = 1.5957691216057308f, kKappa = 0.044715f;  // 2·√(2/π)
+    return g / (1.f + exp_poly(-kTwoBeta * (g + kKappa * g * g * g)));
   }
 };
 
