@@ -18,7 +18,7 @@ TOL = 1e-4
 
 
 def serve(
-    family, cpu_ops: bool = True, lora_vocab: bool = False, **engine_kwargs
+    family, cpu_ops: bool = True, lora_vocab: bool = False, limit: int | None = None, **engine_kwargs
 ) -> list[tuple[list[int], list[float]]]:
     model = load_model(family.folder, dtype=torch.float32)
     model.cpu_ops = cpu_ops
@@ -33,7 +33,7 @@ def serve(
         engine = Engine(model, manager, config)
         try:
             params = SamplingParams(max_tokens=NEW_TOKENS, prompt_logprobs=0)
-            handles = [engine.submit(prompt, adapter, params) for prompt, adapter in requests(family)]
+            handles = [engine.submit(prompt, adapter, params) for prompt, adapter in requests(family)[:limit]]
             engine.run_until_idle()
             return [(h.result(timeout=0), [lp.logprob for lp in h.prompt_logprobs[1:]]) for h in handles]
         finally:
@@ -66,6 +66,23 @@ def test_embedding_lora_on_a_family_equals_peft(name, tmp_path) -> None:
     family = write_family(tmp_path, name, vocab)
     served = serve(family, lora_vocab=True)
     for (prompt, adapter), (tokens, logprobs) in zip(requests(family), served, strict=True):
+        assert tokens == greedy(family, prompt, adapter), (name, prompt, adapter)
+        expected = torch.tensor(prompt_logprobs(family, prompt, adapter))
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=TOL, rtol=0), (name, prompt, adapter)
+
+
+@pytest.mark.usefixtures("triton_interpret")
+@pytest.mark.parametrize("name", ["qwen2", "phi3"])
+def test_family_on_the_triton_backend_equals_peft(name, tmp_path) -> None:
+    """The triton backend's executor (its kernels interpreted on CPU tensors) under a family's terms: Qwen2's bias
+    after its one-call form, Phi-3's fused adapters; four requests (interpret mode runs each kernel program in
+    Python)."""
+    from adapter_manager.kernels import BackendKind, KernelConfig
+    from tests.runtime.families._models import write_family
+
+    family = write_family(tmp_path, name)
+    served = serve(family, limit=4, kernels=KernelConfig(backend=BackendKind.TRITON))
+    for (prompt, adapter), (tokens, logprobs) in zip(requests(family)[:4], served, strict=True):
         assert tokens == greedy(family, prompt, adapter), (name, prompt, adapter)
         expected = torch.tensor(prompt_logprobs(family, prompt, adapter))
         assert torch.allclose(torch.tensor(logprobs), expected, atol=TOL, rtol=0), (name, prompt, adapter)
