@@ -12,6 +12,7 @@ from .policy.admission import SketchConfig
 from .policy.prefetch import PrefetchConfig
 from .registry import RegistryConfig
 from .sources.hub import HubConfig
+from .tiers.row_writers import pins_host
 from .tiers.slot_pool import SlotPoolConfig
 
 _GIB = 1 << 30
@@ -77,7 +78,7 @@ class AdapterManagerConfig:
             dtype=self.dtype,
             host_cache_bytes=self.host_cache_bytes,
             base_model_mismatch=self.base_model_mismatch,
-            pin_memory=torch.device(self.device).type == "cuda",
+            pin_memory=pins_host(self.device),
             allowed_local_roots=self.allowed_local_roots,
             hub=self.hub,
             state_dir=self.state_dir,

@@ -7,7 +7,7 @@ from adapter_manager.kernels.config import BackendKind, KernelConfig, LoRAForm, 
 from adapter_manager.kernels.cpu.machine import cpu_flags, cpu_model, has_fast_bf16
 from adapter_manager.kernels.device_kernels import LayerKernels
 from adapter_manager.kernels.dispatch_table import DispatchEntry, TorchDispatchTable
-from adapter_manager.kernels.executor import CpuExecutor, LinearExecutor, LinearStep, TracedExecutor
+from adapter_manager.kernels.executor import LinearExecutor, LinearStep, TracedExecutor
 from adapter_manager.kernels.grouping import AdapterRows, Segment, SlotGrouping
 from adapter_manager.kernels.layer_ops import (
     base_linear,
@@ -23,7 +23,8 @@ from adapter_manager.kernels.layer_ops import (
 )
 from adapter_manager.kernels.linear_lora import LinearLoRA, ProcessShard, Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
-from adapter_manager.kernels.ops import apply_parts, expand, fused_linear, shrink, shrink_parts
+from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
+from adapter_manager.kernels.platform import Platform, platform_for
 from adapter_manager.kernels.protocol import (
     DecodeCapture,
     DecodeOps,
@@ -38,7 +39,6 @@ from adapter_manager.kernels.vocab import embed_lora, head_lora
 __all__ = [
     "AdapterRows",
     "BackendKind",
-    "CpuExecutor",
     "DecodeCapture",
     "DecodeOps",
     "DispatchEntry",
@@ -54,6 +54,7 @@ __all__ = [
     "LoRAGroups",
     "LoRAKernelMeta",
     "PallasInterpret",
+    "Platform",
     "ProcessShard",
     "Segment",
     "SlotGrouping",
@@ -70,7 +71,6 @@ __all__ = [
     "decode_ops",
     "embed_lora",
     "expand",
-    "fused_linear",
     "layer_kernels",
     "has_fast_bf16",
     "head_lora",
@@ -78,6 +78,7 @@ __all__ = [
     "packs_by_default",
     "paged_attention",
     "plain_matmul",
+    "platform_for",
     "quantize_weight",
     "select_backend",
     "shrink",

@@ -1,9 +1,10 @@
 """A device's layer kernels: the model's ops besides its LoRA terms — a linear's base matmul in the layout its weight
 is held in (vLLM's ``quant_method``), the weights' packing and quantization, the decode step's glue
-(:class:`DecodeOps`) and paged attention. :class:`LayerKernels` holds the torch forms (any device: XLA, and CUDA's base
-of them); the cpu room's :class:`kernels.cpu.layer_kernels.CpuLayerKernels` reads our blocked fp32 layout, oneDNN's and
-int8 with its C++ library and runs the C++ decode glue; :class:`CudaLayerKernels` adds the Triton paged decode
-attention. :func:`kernels.layer_ops.layer_kernels` picks one per device."""
+(:class:`DecodeOps`) and paged attention. :class:`LayerKernels` holds the torch forms (any device); each platform
+(:mod:`kernels.platform`) holds its own: the cpu room's :class:`kernels.cpu.layer_kernels.CpuLayerKernels` reads our
+blocked fp32 layout, oneDNN's and int8 with its C++ library and runs the C++ decode glue; the triton room's
+:class:`kernels.triton.layer_kernels.CudaLayerKernels` adds the Triton paged decode attention; XLA's keeps the norms'
+unfused math."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from adapter_manager.kernels.cpu.layout_choice import LayoutChoice
 from adapter_manager.kernels.layer_reference import RowwiseDecodeOps, TorchDecodeOps, rowwise_linear
-from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
+from adapter_manager.kernels.protocol import DecodeOps, LayoutReport, LinearWeight, WeightLayout
 from adapter_manager.kernels.quantize import dequantize_int8, int8_matmul, quantize_int8
 
 
@@ -61,9 +61,10 @@ class LayerKernels:
             return dequantize_int8(weight.tensor, weight.scales)
         return weight.tensor
 
-    def choose_layout(self, dtype: torch.dtype, shapes: Sequence[tuple[int, int, int]]) -> LayoutChoice:
-        """The layout base weights of ``shapes`` (out, in, count) in ``dtype`` read fastest in (here: plain)."""
-        return LayoutChoice(WeightLayout.PLAIN, "forced", {}, {})
+    def choose_layout(self, dtype: torch.dtype, shapes: Sequence[tuple[int, int, int]]) -> LayoutReport | None:
+        """The layout base weights of ``shapes`` (out, in, count) in ``dtype`` read fastest in, and how it was chosen;
+        None: the plain layout, nothing to choose (here)."""
+        return None
 
     def paged_attention(
         self,
@@ -79,35 +80,3 @@ class LayerKernels:
         SDPA. ``rows`` None: token t reads table row t. Semantics and shapes:
         :class:`kernels.triton.attention.PagedAttention`."""
         return None
-
-
-class CudaLayerKernels(LayerKernels):
-    """CUDA: the torch forms plus the Triton paged decode attention, built on first use (None without triton)."""
-
-    def __init__(self, deterministic: bool = False) -> None:
-        super().__init__(deterministic)
-        self._paged = None  # kernels.triton.attention.PagedAttention once built; False: triton is missing
-
-    def paged_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        tables: torch.Tensor,
-        rows: torch.Tensor | None,
-        positions: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """Semantics: :meth:`LayerKernels.paged_attention`, the Triton kernel."""
-        if self._paged is None:
-            try:
-                from adapter_manager.kernels.triton.attention import PagedAttention
-
-                self._paged = PagedAttention()
-            except ImportError:
-                self._paged = False
-        if self._paged is False:
-            return None
-        rows = torch.arange(q.shape[0], device=q.device) if rows is None else rows
-        q = q if q.stride(2) == 1 else q.contiguous()
-        tables = tables if tables.stride(1) == 1 else tables.contiguous()
-        return self._paged(q, k_cache, v_cache, tables, rows, positions)

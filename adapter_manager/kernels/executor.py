@@ -2,29 +2,33 @@
 
 Each backend names its executor (``executor_type``); the step's metadata holds the one of its backend
 (:attr:`LoRAKernelMeta.executor`), so a layer calls ``step.executor.linear(x, weight, lora, step)`` and never branches
-on the device or the form:
+on the device or the form. An executor also fills the step's metadata (:meth:`LinearExecutor.prepare`: the eager
+forms, or the traced compact table) and runs the step's other LoRA terms: the vector epilogue (:meth:`vectors`) and
+the vocabulary modules' (:meth:`embed`, :meth:`head`).
 
 - :class:`LinearExecutor` (torch forms, reference, triton): the base matmul, then the step's form — one
   ``apply_parts`` per group on FUSED steps (the triton backend's BGMV / SGMV), else shrink / expand per part (fused
   shrink for adjacent parts), the LoRA written first and the base matmul added by one ``addmm_`` on a plain weight.
-- :class:`CpuExecutor`: first the cpu backend's one-call form (base matmul and LoRA in one C++ call for the weight's
-  layout), else as above.
+- ``kernels.cpu.executor.CpuExecutor``: first the cpu backend's one-call form (base matmul and LoRA in one C++ call
+  for the weight's layout), else as above.
 - :class:`TracedExecutor` (laned XLA, Pallas): the base matmul plus one laned shrink / expand per part, new tensors
   (static shapes, no in-place update); a linear sharded over devices runs :func:`kernels.sharded.sharded_linear`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from adapter_manager.kernels.linear_lora import LinearLoRA
+from adapter_manager.kernels.linear_lora import LinearLoRA, Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
-from adapter_manager.kernels.protocol import LinearWeight, WeightLayout
+from adapter_manager.kernels.protocol import LinearWeight
 from adapter_manager.kernels.sharded import process_fully_sharded, sharded_linear
-from adapter_manager.kernels.vectors import apply_vectors
+from adapter_manager.kernels.vectors import eager_vectors, gathered_vectors
+from adapter_manager.kernels.vocab import eager_embed, eager_head, traced_embed, traced_head
 
 if TYPE_CHECKING:
     from adapter_manager.kernels.device_kernels import LayerKernels
@@ -49,8 +53,40 @@ class LinearStep(NamedTuple):
 class LinearExecutor:
     """The eager composition (torch forms, reference, triton); also the base-only executor of a step without LoRA."""
 
+    in_place = True
+    """Ops write their output tensors in place (traced: each returns a new tensor)."""
+
     def __init__(self, backend: object | None = None) -> None:
         self.backend = backend
+
+    def prepare(
+        self, meta: LoRAKernelMeta, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slots: Mapping[int, str]
+    ) -> None:
+        """Fill ``meta`` for one step (:meth:`LoRAKernelMeta.prepare`, arguments checked): one host sync for the
+        slots, then the form the backend chooses and its tables."""
+        meta.prepare_eager(slot_indices, slot_rows, slots)
+
+    def vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
+        """The step's vector epilogue on a linear's output (:func:`kernels.vectors.apply_vectors`): in place."""
+        return eager_vectors(y, lora, meta)
+
+    def embed(
+        self, h: torch.Tensor, tokens: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta, per_token: bool
+    ) -> torch.Tensor:
+        """The embedding's LoRA (:func:`kernels.vocab.embed_lora`): in place."""
+        return eager_embed(h, tokens, stacks, meta, per_token)
+
+    def head(
+        self,
+        logits: torch.Tensor,
+        x: torch.Tensor,
+        stacks: Stacks,
+        meta: LoRAKernelMeta,
+        logits_index: torch.Tensor | None,
+        per_token: bool,
+    ) -> torch.Tensor:
+        """The head's LoRA (:func:`kernels.vocab.head_lora`): in place."""
+        return eager_head(logits, x, stacks, meta, logits_index, per_token)
 
     def linear(self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA | None, step: LinearStep) -> torch.Tensor:
         """Semantics::
@@ -65,7 +101,7 @@ class LinearExecutor:
         if lora is None or meta is None or meta.no_adapter:
             return step.kernels.linear(x, weight, step.fast)
         y = self._with_lora(x, weight, lora, meta, step)
-        return y if meta.bias_index is None and meta.scale_index is None else apply_vectors(y, lora, meta)
+        return y if meta.bias_index is None and meta.scale_index is None else self.vectors(y, lora, meta)
 
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
@@ -100,36 +136,39 @@ class LinearExecutor:
         return y
 
 
-class CpuExecutor(LinearExecutor):
-    """The cpu backend's: the base matmul, the step's LoRA and a LoRA variant's vector epilogue in one C++ call where
-    its backend has a form for the weight's layout and the step (``fused_linear``), else the eager composition and
-    the epilogue in one C++ call per group of adjacent parts."""
-
-    def linear(self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA | None, step: LinearStep) -> torch.Tensor:
-        meta = step.meta
-        if lora is None or meta is None or meta.no_adapter:
-            return step.kernels.linear(x, weight, step.fast)
-        backend = self.backend
-        vectors = meta.bias_index is not None or meta.scale_index is not None
-        epilogue = backend.epilogue(lora, meta) if vectors else None  # type: ignore[union-attr]
-        offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
-        offered = offered and not lora.fully_sharded  # a process's section: its shrinks are summed between the calls
-        if lora.one_call and lora.unit_groups and offered and (epilogue is not None or not vectors):
-            y = backend.fused_linear(x, weight, lora.kernel_groups, meta, epilogue)  # type: ignore[union-attr]
-            if y is not None:
-                return y
-        y = self._with_lora(x, weight, lora, meta, step)
-        if not vectors:
-            return y
-        if epilogue is not None and y.device.type == "cpu" and y.stride(1) == 1:
-            backend.vectors(y, epilogue)  # type: ignore[union-attr]
-            return y
-        return apply_vectors(y, lora, meta)
-
-
 class TracedExecutor(LinearExecutor):
     """The traced backends' (laned XLA, Pallas): the base matmul plus one laned shrink / expand per part, each a new
     tensor; the graph depends only on (token bucket, active bucket)."""
+
+    in_place = False
+
+    def prepare(
+        self, meta: LoRAKernelMeta, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slots: Mapping[int, str]
+    ) -> None:
+        """Fill ``meta`` for one step: the compact active table built on the host from host indices, moved whole."""
+        meta.prepare_traced(slot_indices, slot_rows, slots)
+
+    def vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
+        """A gather per part, a new tensor."""
+        return gathered_vectors(y, lora, meta)
+
+    def embed(
+        self, h: torch.Tensor, tokens: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta, per_token: bool
+    ) -> torch.Tensor:
+        """Laned over the compact active table, a new tensor (one path whatever the mode)."""
+        return traced_embed(h, tokens, stacks, meta)
+
+    def head(
+        self,
+        logits: torch.Tensor,
+        x: torch.Tensor,
+        stacks: Stacks,
+        meta: LoRAKernelMeta,
+        logits_index: torch.Tensor | None,
+        per_token: bool,
+    ) -> torch.Tensor:
+        """Laned over the compact active table, a new tensor."""
+        return traced_head(logits, x, stacks, meta, logits_index)
 
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep

@@ -1,7 +1,7 @@
-"""The seam of the model's ops besides its LoRA terms: :func:`layer_kernels` picks, once per device, the
-:class:`LayerKernels` the model calls (it never branches on the device); the functions below are the same ops for one
-call on a tensor's own device. :mod:`kernels.layer_reference` holds each op's torch form, which the tests compare
-every implementation with.
+"""The seam of the model's ops besides its LoRA terms: :func:`layer_kernels` is the device's platform's
+:class:`LayerKernels` (:mod:`kernels.platform`), which the model calls (it never branches on the device); the
+functions below are the same ops for one call on a tensor's own device. :mod:`kernels.layer_reference` holds each
+op's torch form, which the tests compare every implementation with.
 """
 
 from __future__ import annotations
@@ -11,22 +11,16 @@ from collections.abc import Sequence
 import torch
 
 from adapter_manager.kernels.cpu.layer_kernels import CpuLayerKernels
-from adapter_manager.kernels.cpu.layout_choice import LayoutChoice
-from adapter_manager.kernels.device_kernels import CudaLayerKernels, LayerKernels
-from adapter_manager.kernels.protocol import DecodeOps, LinearWeight, WeightLayout
+from adapter_manager.kernels.device_kernels import LayerKernels
+from adapter_manager.kernels.platform import platform_for
+from adapter_manager.kernels.protocol import DecodeOps, LayoutReport, LinearWeight, WeightLayout
 
 
 def layer_kernels(device: torch.device | str, deterministic: bool = False) -> LayerKernels:
-    """The seam: the layer kernels of ``device``'s type (a new object; hold it for the device's lifetime).
-    ``deterministic``: batch-invariant base matmuls and norms (eager devices; refused on XLA)."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        return CpuLayerKernels(deterministic)
-    if kind == "cuda":
-        return CudaLayerKernels(deterministic)
-    if deterministic:
-        raise ValueError(f"the deterministic mode runs on eager devices (cpu, cuda), got {kind!r}")
-    return LayerKernels()
+    """The layer kernels of ``device``'s platform (:meth:`kernels.platform.Platform.layer_kernels`: one object per
+    device and mode, kept). ``deterministic``: batch-invariant base matmuls and norms (eager devices; refused on
+    XLA)."""
+    return platform_for(device).layer_kernels(deterministic)
 
 
 def decode_ops(x: torch.Tensor) -> DecodeOps | None:
@@ -49,9 +43,10 @@ def quantize_weight(weight: torch.Tensor) -> LinearWeight:
 
 def choose_weight_layout(
     dtype: torch.dtype, shapes: Sequence[tuple[int, int, int]], device: torch.device | str
-) -> LayoutChoice:
+) -> LayoutReport | None:
     """The layout a model's base weights of ``shapes`` (out, in, count) read fastest in on ``device`` (on CPU
-    measured once per machine and cached; ``ADAPTER_MANAGER_WEIGHT_LAYOUT`` forces one)."""
+    measured once per machine and cached; ``ADAPTER_MANAGER_WEIGHT_LAYOUT`` forces one); None: plain, nothing to
+    choose (CUDA, XLA)."""
     return layer_kernels(device).choose_layout(dtype, shapes)
 
 

@@ -78,7 +78,7 @@ def base_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class TorchDecodeOps:
     """:class:`DecodeOps` as torch ops (:mod:`kernels.layer_reference`), for a device without compiled decode glue.
 
-    ``add_rms_norm`` keeps the model's RMSNorm rounding exactly (fp32 through ``F.rms_norm`` off XLA)."""
+    ``add_rms_norm`` keeps the model's RMSNorm rounding exactly (fp32 through ``F.rms_norm``)."""
 
     compiled = False
     """The ops are torch's (no decode-only attention op worth taking over the model's batched attention)."""
@@ -91,8 +91,20 @@ class TorchDecodeOps:
         """Semantics: :meth:`DecodeOps.add_rms_norm`."""
         if delta is not None:
             h += delta
-        if h.dtype == torch.float32 and h.device.type != "xla":  # fp32: the same math as one fused op
+        if h.dtype == torch.float32:  # fp32: the same math as one fused op
             return F.rms_norm(h, weight.shape, weight, eps)
+        return add_rms_norm(h, None, weight, eps)
+
+
+class UnfusedDecodeOps(TorchDecodeOps):
+    """:class:`TorchDecodeOps` with every norm in its unfused math (XLA's: ``F.rms_norm`` is not taken in a traced
+    step)."""
+
+    @staticmethod
+    def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Semantics: :meth:`DecodeOps.add_rms_norm`."""
+        if delta is not None:
+            h += delta
         return add_rms_norm(h, None, weight, eps)
 
 

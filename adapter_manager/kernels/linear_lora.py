@@ -92,13 +92,12 @@ def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _fused_runs(a_rows: list[torch.Tensor | None]) -> tuple[FusedParts, ...]:
     """The runs of ≥ 2 consecutive parts whose A rows (``[N, in]`` each, None = no LoRA) are adjacent column blocks
-    of one tensor, each as one ``[N, P, in]`` view. Eager devices only: on XLA the pool hands out fresh views per
-    step, and a view kept across steps would be materialised as a copy of its own."""
+    of one tensor, each as one ``[N, P, in]`` view (devices that keep views: :meth:`LinearLoRA.build`)."""
     runs, part = [], 0
     while part < len(a_rows):
         first = last = a_rows[part]
         end = part + 1
-        if first is not None and first.device.type != "xla":
+        if first is not None:
             while end < len(a_rows) and (nxt := a_rows[end]) is not None and _adjacent(last, nxt):
                 last, end = nxt, end + 1
         if first is not None and end - part >= 2:
@@ -168,16 +167,20 @@ class LinearLoRA:
         fully_sharded: bool = False,
         spmd: ShardHooks | None = None,
         process: ProcessShard | None = None,
+        keeps_views: bool = True,
     ) -> LinearLoRA:
-        fused = _fused_runs([None if s is None else s.a for s in parts])
-        groups = _groups(out_features, parts, fused)
+        """``keeps_views``: views of the pool kept across steps stay views (eager devices: the platform's
+        ``keeps_views``); False: no runs, groups or vector groups (XLA hands out fresh views per step, and a view
+        kept across steps would be materialised as a copy of its own; its executor reads the parts)."""
+        fused = _fused_runs([None if s is None else s.a for s in parts]) if keeps_views else ()
+        groups = _groups(out_features, parts, fused) if keeps_views else ()
         kernel_groups = LoRAGroups(
             tuple(g.a_parts for g in groups),
             tuple(bt for g in groups for bt in g.bt_parts),
             tuple(g.columns.start for g in groups),
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
-        vectors = _vector_groups(out_features, parts)
+        vectors = _vector_groups(out_features, parts) if keeps_views else ()
         flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded)
         args = None
         if vectors and all(v.stride(1) == 1 for _, v in vectors):
@@ -199,7 +202,7 @@ def _groups(
             groups.append(PartGroup(columns, run.a_parts, bts, columns == slice(0, starts[-1])))
             part = run.parts.stop
             continue
-        if stacks is not None and stacks.a.device.type != "xla":
+        if stacks is not None:
             columns = slice(starts[part], starts[part + 1])
             groups.append(PartGroup(columns, stacks.a.unsqueeze(1), (stacks.bt,), columns == slice(0, starts[-1])))
         part += 1
@@ -210,12 +213,12 @@ def _vector_groups(
     out_features: tuple[int, ...], parts: tuple[Stacks | None, ...]
 ) -> tuple[tuple[slice, torch.Tensor], ...]:
     """Runs of consecutive parts whose vector rows (``[S + 1, out_p]`` each) are adjacent columns of one tensor, each
-    as (its output columns, one ``[S + 1, columns]`` view). Eager devices only (XLA hands out fresh views per step)."""
+    as (its output columns, one ``[S + 1, columns]`` view) (devices that keep views: :meth:`LinearLoRA.build`)."""
     groups: list[tuple[slice, torch.Tensor]] = []
     start = 0
     for out, stacks in zip(out_features, parts, strict=True):
         vector = None if stacks is None else stacks.vector
-        if vector is not None and vector.device.type != "xla":
+        if vector is not None:
             if groups and _adjacent_columns(groups[-1][1], vector) and groups[-1][0].stop == start:
                 columns, joined = groups[-1]
                 wider = joined.as_strided((joined.shape[0], joined.shape[1] + out), joined.stride())

@@ -24,6 +24,7 @@ from adapter_manager.kernels.grouping import AdapterRows, Segment, SlotGrouping,
 from adapter_manager.kernels.protocol import EagerBackend, KernelBackend
 
 _log = logging.getLogger(__name__)
+_HOST = torch.device("cpu")
 
 
 @dataclass
@@ -171,6 +172,8 @@ class LoRAKernelMeta:
         ("bias", "scale"), for the slots that have one.
         """
         slot_vectors = slot_vectors or {}
+        if not set(slot_vectors.values()) <= {"bias", "scale"}:
+            raise ValueError(f"slot_vectors must map slots to 'bias' or 'scale', got {dict(slot_vectors)}")
         if slot_indices.dim() != 1 or slot_indices.dtype != torch.int32:
             raise ValueError(
                 f"slot_indices must be a 1-D int32 tensor, got shape {tuple(slot_indices.shape)} {slot_indices.dtype}"
@@ -178,40 +181,49 @@ class LoRAKernelMeta:
         num_tokens = slot_indices.shape[0]
         if not 1 <= num_tokens <= self.max_tokens:
             raise ValueError(f"slot_indices has {num_tokens} tokens, expected 1..max_tokens={self.max_tokens}")
-        if self.backend.traced and slot_indices.device.type != "cpu":
+        self.executor.prepare(self, slot_indices, slot_rows, slot_vectors)
+
+    def prepare_eager(
+        self, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slot_vectors: Mapping[int, str]
+    ) -> None:
+        """:meth:`prepare` on an eager backend (its executor's): one host sync, the form and its tables."""
+        slots = slot_indices.tolist()  # the step's one host sync
+        self.host_slots = slots
+        self._prepare_eager(slot_indices, slots, slot_rows)
+        self._vector_indices(slots, slot_vectors, any(a.slot in slot_vectors for a in self.active_adapters), False)
+        if self.bias_index is not None or self.scale_index is not None:
+            runs = slot_runs(slots)[1]
+            self.vector_runs = tuple((a, n, s, slot_vectors[s]) for s, a, n in runs if s in slot_vectors)
+
+    def prepare_traced(
+        self, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slot_vectors: Mapping[int, str]
+    ) -> None:
+        """:meth:`prepare` on a traced backend (its executor's): the compact table built on the host, moved whole;
+        the vector indices always (the graph has the epilogue whatever the step's adapters)."""
+        if slot_indices.device != _HOST:
             raise ValueError(
                 f"slot_indices must be a CPU tensor on a traced backend (the compact table is built on the host), "
                 f"got one on {slot_indices.device}"
             )
-        if not self.backend.traced:
-            slots = slot_indices.tolist()  # the step's one host sync
-            self.host_slots = slots
-            self._prepare_eager(slot_indices, slots, slot_rows)
-            self._vector_indices(slots, slot_vectors, any(a.slot in slot_vectors for a in self.active_adapters))
-            if self.bias_index is not None or self.scale_index is not None:
-                runs = slot_runs(slots)[1]
-                self.vector_runs = tuple((a, n, s, slot_vectors[s]) for s, a, n in runs if s in slot_vectors)
-            return
+        if slot_vectors and not self.vectors:
+            raise ValueError(f"slot_vectors {dict(slot_vectors)} on traced metadata made without vectors")
         host = slot_indices.numpy()
         self._check_range(int(host.min()), int(host.max()))
         active, _, compact = compact_ids(host)
         adapters = self._adapters(tuple(active.tolist()), slot_rows)
-        self._set_active(num_tokens, adapters)
+        self._set_active(host.shape[0], adapters)
         self._build_table(compact, adapters)
         self.lane_owner = self._lane_owner(self.active_width)
-        self._vector_indices(host.tolist(), slot_vectors, self.vectors)
+        self._vector_indices(host.tolist(), slot_vectors, self.vectors, True)
 
-    def _vector_indices(self, slots: list[int], slot_vectors: Mapping[int, str], wanted: bool) -> None:
-        """``bias_index`` and ``scale_index`` from the step's slots (eager: only the kinds its adapters have)."""
-        if not set(slot_vectors.values()) <= {"bias", "scale"}:
-            raise ValueError(f"slot_vectors must map slots to 'bias' or 'scale', got {dict(slot_vectors)}")
-        if slot_vectors and self.backend.traced and not self.vectors:
-            raise ValueError(f"slot_vectors {dict(slot_vectors)} on traced metadata made without vectors")
+    def _vector_indices(self, slots: list[int], slot_vectors: Mapping[int, str], wanted: bool, every: bool) -> None:
+        """``bias_index`` and ``scale_index`` from the step's slots; ``every``: both kinds (traced), else only the
+        kinds its adapters have."""
         self.bias_index = self.scale_index = self.vector_runs = None
         if not wanted:
             return
         for kind in ("bias", "scale"):
-            if self.backend.traced or kind in slot_vectors.values():
+            if every or kind in slot_vectors.values():
                 rows = [s if s >= 0 and slot_vectors.get(s) == kind else self.num_slots for s in slots]
                 setattr(self, f"{kind}_index", torch.tensor(rows, dtype=torch.int64).to(self.device))
 

@@ -9,7 +9,7 @@ import torch
 
 from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.meta import LoRAKernelMeta
-from adapter_manager.kernels.protocol import EagerBackend, LinearWeight, LoRAGroups
+from adapter_manager.kernels.protocol import EagerBackend
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -114,30 +114,6 @@ def expand(
     return meta.backend.expand(y, h, bt_rows, meta, accumulate)
 
 
-def fused_linear(
-    x: torch.Tensor, weight: LinearWeight, groups: LoRAGroups, meta: LoRAKernelMeta
-) -> torch.Tensor | None:
-    """The base matmul and every group's LoRA in one call of the step's backend, where it has a form for this
-    weight's layout and this step; None where it has not (the caller runs its base matmul, then :func:`apply_parts`
-    per group, or shrink / expand per part: the same values within fp32 rounding).
-
-    Semantics (where not None)::
-
-        y = x @ W.T
-        for each group g: apply_parts(y[:, offsets[g] : offsets[g] + sum of its parts' out], x, a_groups[g],
-                                      its parts' bts, meta)
-        return y
-
-    The cpu backend (:class:`kernels.cpu.backend.CpuFusedBackend`) takes our blocked layout on any step with an
-    adapter (``lora_blocked``: prefill's long runs inside its GEMM), oneDNN's layout and a plain fp32 weight of
-    few tokens on its FUSED steps (``lora_onednn``, ``lora_linear``). Eager backends only. Shape: x [T, in];
-    returns a new [T, weight.out_features] or None.
-    """
-    if meta.backend.traced:
-        return None
-    return cast(EagerBackend, meta.backend).fused_linear(x, weight, groups, meta)
-
-
 def apply_parts(
     y: torch.Tensor, x: torch.Tensor, a_parts: torch.Tensor, bt_parts: Sequence[torch.Tensor], meta: LoRAKernelMeta
 ) -> torch.Tensor:
@@ -160,7 +136,7 @@ def apply_parts(
         return cast(EagerBackend, meta.backend).apply_parts(y, x, a_parts, bt_parts, meta)
     _check_tokens("y", y, meta)
     _check_parts(x, a_parts, meta)
-    if meta.backend.traced:
+    if not meta.executor.in_place:
         raise ValueError("apply_parts updates y in place: eager backends only (traced backends: shrink / expand)")
     if a_parts.shape[1] != len(bt_parts):
         raise ValueError(f"a_parts has {a_parts.shape[1]} parts, bt_parts {len(bt_parts)}")

@@ -105,6 +105,14 @@ class LoRAGroups(NamedTuple):
     """Per group, its first column of the linear's output (ascending, groups not overlapping)."""
 
 
+class LayoutReport(Protocol):
+    """A layout chosen for a model's base weights and how (the cpu room's ``LayoutChoice``)."""
+
+    layout: WeightLayout
+
+    def describe(self) -> str: ...
+
+
 @runtime_checkable
 class DecodeOps(Protocol):
     """A backend's fused decode glue (:func:`kernels.layer_ops.decode_ops`: the cpu room's C++ ops); the torch forms

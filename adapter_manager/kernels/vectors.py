@@ -27,18 +27,24 @@ def apply_vectors(y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> to
             y[:, c_p] += V_p[bias_index]                  # skipped when bias_index is None
             y[:, c_p] += y[:, c_p] ⊙ V_p[scale_index]     # skipped when scale_index is None
 
-    Eager backends write y in place and return it, per group of adjacent parts (`LinearLoRA.vector_groups`): a gather
-    of each token's row, or, where the step's runs of variant tokens are few (one, or 16 tokens a run and more), the
-    run's one row broadcast over it (no ``[T, out]`` gather; tokens of other adapters untouched). Both do the same
-    arithmetic per element, a multiply then an add (two roundings, never a fused multiply-add), so a token's result
-    does not depend on which is taken (the deterministic mode relies on it). Traced backends return a new
-    tensor (static shapes, no in-place update), a gather per part. Shape: y [T, sum(out)]; returns [T, sum(out)].
+    The step's executor runs it (:meth:`kernels.executor.LinearExecutor.vectors`). Eager backends write y in place
+    and return it, per group of adjacent parts (`LinearLoRA.vector_groups`): a gather of each token's row, or, where
+    the step's runs of variant tokens are few (one, or 16 tokens a run and more), the run's one row broadcast over it
+    (no ``[T, out]`` gather; tokens of other adapters untouched). Both do the same arithmetic per element, a multiply
+    then an add (two roundings, never a fused multiply-add), so a token's result does not depend on which is taken
+    (the deterministic mode relies on it). Traced backends return a new tensor (static shapes, no in-place update), a
+    gather per part. Shape: y [T, sum(out)]; returns [T, sum(out)].
     """
+    if meta.bias_index is None and meta.scale_index is None:
+        return y
+    return meta.executor.vectors(y, lora, meta)
+
+
+def eager_vectors(y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
+    """:func:`apply_vectors` on an eager step: y written in place."""
     bias, scale = meta.bias_index, meta.scale_index
     if bias is None and scale is None:
         return y
-    if meta.backend.traced:
-        return _gathered_parts(y, lora, bias, scale)
     runs = meta.vector_runs
     if runs is not None and (len(runs) == 1 or y.shape[0] >= 16 * len(runs)):
         for start, count, slot, kind in runs:
@@ -58,7 +64,9 @@ def apply_vectors(y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> to
     return y
 
 
-def _gathered_parts(y: torch.Tensor, lora: LinearLoRA, bias, scale) -> torch.Tensor:  # noqa: ANN001
+def gathered_vectors(y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
+    """:func:`apply_vectors` on a traced step: a gather per part, a new tensor."""
+    bias, scale = meta.bias_index, meta.scale_index
     pieces = list(y.split(lora.out_features, dim=-1)) if len(lora.out_features) > 1 else [y]
     for index, stacks in enumerate(lora.parts):
         vectors = None if stacks is None else stacks.vector  # [S + 1, out_p]

@@ -29,15 +29,53 @@ the deterministic mode, it runs one matmul per adapter."""
 def embed_lora(
     h: torch.Tensor, tokens: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta, per_token: bool = False
 ) -> torch.Tensor:
-    """Add the embedding LoRA of each token's adapter. Shape: h [T, H], tokens [T] int64; returns [T, H] (eager: h,
+    """Add the embedding LoRA of each token's adapter (the step's executor runs it:
+    :meth:`kernels.executor.LinearExecutor.embed`). Shape: h [T, H], tokens [T] int64; returns [T, H] (eager: h,
     written in place). ``per_token``: one row at a time (the deterministic mode: a row's result never depends on
     how many rows share its matmul)."""
-    if meta.backend.traced:
-        token_compact, gather_rows, lane_owner = meta.args()
-        picked = stacks.a[gather_rows[None, :], tokens.long()[:, None]]  # [T, A·R]: each lane's A entry for the token
-        own = token_compact[:, None] == lane_owner[None, :]
-        picked = torch.where(own, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
-        return h + (picked @ stacks.bt.index_select(0, gather_rows)).to(h.dtype)
+    return meta.executor.embed(h, tokens, stacks, meta, per_token)
+
+
+def head_lora(
+    logits: torch.Tensor,
+    x: torch.Tensor,
+    stacks: Stacks,
+    meta: LoRAKernelMeta,
+    logits_index: torch.Tensor | None,
+    per_token: bool = False,
+) -> torch.Tensor:
+    """Add the head LoRA of each logits row's adapter (the step's executor runs it). Shape: logits [N, V], x [N, H]
+    (the head's input), logits_index [N] int64 (None: N = T, row n is token n); returns [N, V] (eager: logits,
+    written in place). ``per_token``: as :func:`embed_lora`'s."""
+    return meta.executor.head(logits, x, stacks, meta, logits_index, per_token)
+
+
+def traced_embed(h: torch.Tensor, tokens: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta) -> torch.Tensor:
+    """:func:`embed_lora` laned over the compact active table: a new tensor."""
+    token_compact, gather_rows, lane_owner = meta.args()
+    picked = stacks.a[gather_rows[None, :], tokens.long()[:, None]]  # [T, A·R]: each lane's A entry for the token
+    own = token_compact[:, None] == lane_owner[None, :]
+    picked = torch.where(own, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+    return h + (picked @ stacks.bt.index_select(0, gather_rows)).to(h.dtype)
+
+
+def traced_head(
+    logits: torch.Tensor, x: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta, logits_index: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`head_lora` laned over the compact active table: a new tensor."""
+    token_compact, gather_rows, lane_owner = meta.args()
+    if logits_index is not None:
+        token_compact = token_compact.index_select(0, logits_index)
+    u = x @ stacks.a.index_select(0, gather_rows).t()  # [N, A·R]
+    own = token_compact[:, None] == lane_owner[None, :]
+    u = torch.where(own, u, torch.zeros((), dtype=u.dtype, device=u.device))
+    return logits + (u @ stacks.bt.index_select(0, gather_rows)).to(logits.dtype)
+
+
+def eager_embed(
+    h: torch.Tensor, tokens: torch.Tensor, stacks: Stacks, meta: LoRAKernelMeta, per_token: bool
+) -> torch.Tensor:
+    """:func:`embed_lora` on an eager step: h written in place."""
     if meta.no_adapter:
         return h
     held = getattr(stacks, "held", None)
@@ -55,25 +93,15 @@ def embed_lora(
     return h
 
 
-def head_lora(
+def eager_head(
     logits: torch.Tensor,
     x: torch.Tensor,
     stacks: Stacks,
     meta: LoRAKernelMeta,
     logits_index: torch.Tensor | None,
-    per_token: bool = False,
+    per_token: bool,
 ) -> torch.Tensor:
-    """Add the head LoRA of each logits row's adapter. Shape: logits [N, V], x [N, H] (the head's input),
-    logits_index [N] int64 (None: N = T, row n is token n); returns [N, V] (eager: logits, written in place).
-    ``per_token``: as :func:`embed_lora`'s."""
-    if meta.backend.traced:
-        token_compact, gather_rows, lane_owner = meta.args()
-        if logits_index is not None:
-            token_compact = token_compact.index_select(0, logits_index)
-        u = x @ stacks.a.index_select(0, gather_rows).t()  # [N, A·R]
-        own = token_compact[:, None] == lane_owner[None, :]
-        u = torch.where(own, u, torch.zeros((), dtype=u.dtype, device=u.device))
-        return logits + (u @ stacks.bt.index_select(0, gather_rows)).to(logits.dtype)
+    """:func:`head_lora` on an eager step: logits written in place."""
     if meta.no_adapter:
         return logits
     slots = meta.host_slots

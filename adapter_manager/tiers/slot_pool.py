@@ -28,9 +28,9 @@ import torch
 from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import SlotLoadError
 from ..sharding import TensorParallel
-from ..spmd import MODEL_AXIS, mark, place_pieces
 from .prepare import PreparedAdapter
 from .row_layout import RowLayout
+from .row_writers import check_device, row_writer
 
 _GIB = 1 << 30
 
@@ -81,8 +81,7 @@ class SlotPoolConfig:
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
         self.device = torch.device(self.device)
-        if self.device.type not in ("cpu", "cuda", "xla"):
-            raise ValueError(f"device must be cpu, cuda or xla, got {self.device}")
+        check_device(self.device)
         TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)  # validates it
         if self.lora_vocab and self.tensor_parallel_size > 1:
             raise ValueError(f"lora_vocab with tensor_parallel_size {self.tensor_parallel_size} is not built")
@@ -129,9 +128,11 @@ class SlotStacks:
     materialised as a copy of its own, and a slot load would then switch the step between two graphs.
     """
 
-    def __init__(self, rows: torch.Tensor, layout: RowLayout, key: ModuleKey, vectors: torch.Tensor | None) -> None:
+    def __init__(
+        self, rows: torch.Tensor, layout: RowLayout, key: ModuleKey, vectors: torch.Tensor | None, fresh: bool = False
+    ) -> None:
         self._rows, self._layout, self._key, self._vectors = rows, layout, key, vectors
-        self._fresh = rows.device.type == "xla"
+        self._fresh = fresh  # the row writer's `fresh_views` (XLA)
         self._a, self._bt = layout.a_view(rows, key), layout.bt_view(rows, key)
         self._vector = None if vectors is None or key.is_vocab else layout.vector_view(vectors, key)
         self.held: set[int] | None = set() if key.is_vocab else None
@@ -175,32 +176,17 @@ class SlotPool:
         self.dtype = self.config.dtype
         self.device = torch.device(self.config.device)
         self.num_rows = self.num_units * self.granule + 1  # N, the last one the zero row
-        shape = (self.num_rows, self.layout.width)
-        if self.device.type == "xla":  # zeros made on the host and moved whole: device data, no graph to compile
-            self.rows = torch.zeros(shape, dtype=self.dtype).to(self.device)
-        else:
-            self.rows = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [N, width]
-        if self.tensor_parallel.size > 1 and self.device.type == "xla":  # each device holds its section of each row
-            mark(self.rows, self.tensor_parallel.size, (None, MODEL_AXIS))
+        self._writer = row_writer(self.device, self.tensor_parallel)  # how rows reach this device (`row_writers`)
+        self.rows = self._writer.zeros((self.num_rows, self.layout.width), self.dtype, sectioned=True)  # [N, width]
         self.vectors: torch.Tensor | None = None
         """Shape: [S + 1, vector_width]: slot s's vector row (`row_layout`), the last one zero; None: none kept."""
         if self.config.has_vectors:
-            self.vectors = torch.zeros(self.num_units + 1, self.layout.vector_width, dtype=self.dtype).to(self.device)
-        self._stacks = {key: SlotStacks(self.rows, self.layout, key, self.vectors) for key in self.layout.columns}
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._xla_lock = threading.RLock()  # re-entrant: the engine holds it around a whole step
+            self.vectors = self._writer.zeros((self.num_units + 1, self.layout.vector_width), self.dtype)
+        fresh = self._writer.fresh_views
+        self._stacks = {k: SlotStacks(self.rows, self.layout, k, self.vectors, fresh) for k in self.layout.columns}
         self._load_listeners: list[Callable[[int, torch.Tensor], None]] = []
-        if self.device.type == "xla":
-            with self._xla_lock:  # compile each block size's load graph now, into unit 0 (free, zero)
-                # a first copy into the freshly transferred rows traces a graph of its own: do it once more below
-                self._copy_xla(0, torch.zeros(self.granule, self.layout.width, dtype=self.dtype))
-                units = 1
-                while units <= min(self.max_units, self.num_units):
-                    self._copy_xla(0, torch.zeros(units * self.granule, self.layout.width, dtype=self.dtype))
-                    units *= 2
-                if self.vectors is not None:
-                    for _ in range(2):  # the vector row's load graph, once past the fresh transfer's own
-                        self._copy_vector_xla(0, torch.zeros(self.layout.vector_width, dtype=self.dtype))
+        sizes = [1 << k for k in range(min(self.max_units, self.num_units).bit_length())]  # units of each size class
+        self._writer.warm_up(self.rows, self.vectors, self.granule, sizes)
 
     @property
     def num_slots(self) -> int:
@@ -212,11 +198,11 @@ class SlotPool:
         return self.num_rows - 1
 
     @property
-    def device_lock(self) -> threading.Lock:
+    def device_lock(self) -> threading.RLock:
         """XLA: serialises lazy-tensor tracing and syncs on the device. A sync cuts the graph of *every* live tensor,
         so a step traced in one thread must not interleave with a slot load in another: the engine holds this lock
         while it traces and syncs a step; `load` holds it on XLA."""
-        return self._xla_lock
+        return self._writer.lock
 
     @property
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
@@ -283,30 +269,8 @@ class SlotPool:
                 f"{self.num_units}"
             )  # fmt: skip
         start = slot * self.granule
-        if self.device.type == "xla":
-            with self._xla_lock:
-                rows = self.units_for(rank) * self.granule
-                padded = self.layout.block(torch.zeros(rows, self.layout.width, dtype=self.dtype))
-                padded[:rank].copy_(storage)  # the graph depends on the block size class only
-                self._copy_xla(slot, padded)
-                if vector is not None:
-                    self._copy_vector_xla(slot, vector)
-        elif self._stream is not None:
-            # One async host -> device copy from the pinned block, on a side stream that first waits for work
-            # already queued on the compute stream (a kernel still reading the range's previous adapter); the host
-            # waits on an event before the allocator publishes the slot, which keeps the host block alive until read.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self.rows[start : start + rank].view(storage.shape).copy_(storage, non_blocking=True)
-                if vector is not None:
-                    self.vectors[slot].copy_(vector, non_blocking=True)  # type: ignore[index]
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            done.synchronize()
-        else:
-            self.rows[start : start + rank].view(storage.shape).copy_(storage)  # over N sections [r, N, W_s]
-            if vector is not None:
-                self.vectors[slot].copy_(vector)  # type: ignore[index]
+        padded_rows = self.units_for(rank) * self.granule
+        self._writer.write(self.rows, start, storage, padded_rows, self.vectors, slot, vector)
         for key in self.spec.vocab_keys() if self.layout.vocab else ():
             held = self._stacks[key].held
             assert held is not None
@@ -319,27 +283,3 @@ class SlotPool:
         allocator publishes its range: with one process per tensor-parallel shard, the other shards' sections of
         ``block [r, N, W_s]`` (`RowLayout.block`) still have to reach their processes."""
         self._load_listeners.append(listener)
-
-    def _copy_xla(self, slot: int, block: torch.Tensor) -> None:
-        # The start row is a device index tensor, never a Python int: one graph per block size for every slot.
-        index = (torch.arange(block.shape[0]) + slot * self.granule).to(self.device)  # [rows]
-        if block.dim() == 2:
-            placed = block.to(self.device)
-        else:  # [units·G, N, W_s]: each device gets its section, one contiguous piece
-            placed = place_pieces(list(block.transpose(0, 1)), 1).view(block.shape[0], -1)
-        self.rows.index_copy_(0, index, placed)
-        _xla_sync()
-
-    def _copy_vector_xla(self, slot: int, vector: torch.Tensor) -> None:
-        index = torch.tensor([slot]).to(self.device)  # a device index: one graph for every slot
-        self.vectors.index_copy_(0, index, vector[None].to(self.device))  # type: ignore[union-attr]
-        _xla_sync()
-
-
-def _xla_sync() -> None:
-    """Cut the lazy graph and wait for the device to finish it (the slot is complete when this returns)."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    torch_xla.sync()
-    xm.wait_device_ops()

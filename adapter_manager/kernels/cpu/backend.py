@@ -12,7 +12,7 @@ blocked fp32 layout: every step with an adapter carries the runs table on this b
 prefill's long runs with their LoRA inside its GEMM (csrc/lora_blocked.cpp).
 
 Which one-call kernel a linear takes is this backend's choice (:meth:`CpuFusedBackend.fused_linear`, reached
-through :func:`kernels.ops.fused_linear`): the model only says how its weight is held (:class:`LinearWeight`).
+through its executor, :class:`CpuExecutor`): the model only says how its weight is held (:class:`LinearWeight`).
 
 ``shrink`` / ``expand`` on a FUSED step run the torch segments path over the same runs (the metadata sets both), so
 every op keeps its semantics whichever form the step took.
@@ -37,12 +37,41 @@ from adapter_manager.kernels.cpu.linear_ops import (
     vector_epilogue,
 )
 from adapter_manager.kernels.dispatch_table import TorchDispatchTable
-from adapter_manager.kernels.executor import CpuExecutor
+from adapter_manager.kernels.executor import LinearExecutor, LinearStep
 from adapter_manager.kernels.linear_lora import LinearLoRA
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import compose_parts
 from adapter_manager.kernels.protocol import LinearWeight, LoRAGroups, WeightLayout
 from adapter_manager.kernels.torch_eager import TorchEagerBackend
+
+
+class CpuExecutor(LinearExecutor):
+    """The cpu backend's: the base matmul, the step's LoRA and a LoRA variant's vector epilogue in one C++ call where
+    its backend has a form for the weight's layout and the step (``fused_linear``), else the eager composition and
+    the epilogue in one C++ call per group of adjacent parts."""
+
+    backend: CpuFusedBackend
+
+    def linear(self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA | None, step: LinearStep) -> torch.Tensor:
+        meta = step.meta
+        if lora is None or meta is None or meta.no_adapter:
+            return step.kernels.linear(x, weight, step.fast)
+        backend = self.backend
+        vectors = meta.bias_index is not None or meta.scale_index is not None
+        epilogue = backend.epilogue(lora, meta) if vectors else None
+        offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
+        offered = offered and not lora.fully_sharded  # a process's section: its shrinks are summed between the calls
+        if lora.one_call and lora.unit_groups and offered and (epilogue is not None or not vectors):
+            y = backend.fused_linear(x, weight, lora.kernel_groups, meta, epilogue)
+            if y is not None:
+                return y
+        y = self._with_lora(x, weight, lora, meta, step)
+        if not vectors:
+            return y
+        if epilogue is not None and y.stride(1) == 1:  # a CPU tensor: the backend runs on CPU tensors only
+            backend.vectors(y, epilogue)
+            return y
+        return self.vectors(y, lora, meta)
 
 
 class CpuFusedBackend(TorchEagerBackend):

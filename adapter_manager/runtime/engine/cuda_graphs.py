@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from adapter_manager.kernels import DecodeCapture, LoRAKernelMeta
+from adapter_manager.kernels import DecodeCapture, LoRAKernelMeta, platform_for
 
 from ..model.batch import ForwardBatch, SequenceChunk
 
@@ -72,7 +72,7 @@ class _Model(Protocol):
 def can_capture(meta: LoRAKernelMeta) -> bool:
     """Whether ``meta``'s decode steps can be captured: a backend that says what a graph keeps static
     (:class:`kernels.DecodeCapture`: the triton backend) on a cuda device."""
-    return meta.device.type == "cuda" and isinstance(meta.backend, DecodeCapture)
+    return platform_for(meta.device).captures_graphs and isinstance(meta.backend, DecodeCapture)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,8 @@ class DecodeGraphs:
         if self.config is None:
             limit = min(self.model.max_batch, self.meta.max_tokens, backend.capture_max_tokens)
             self.config = DecodeGraphConfig.up_to(limit)
-        if self.config.cuda_graph and (self.model.device.type != "cuda" or self.meta.device.type != "cuda"):
+        captures = platform_for(self.model.device).captures_graphs and platform_for(self.meta.device).captures_graphs
+        if self.config.cuda_graph and not captures:
             raise ValueError(
                 f"CUDA graphs need a cuda model and metadata, got {self.model.device} / {self.meta.device}"
             )

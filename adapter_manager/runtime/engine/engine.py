@@ -37,11 +37,10 @@ from adapter_manager import (
     SlotLease,
     SlotsExhaustedError,
 )
-from adapter_manager.kernels import select_backend
+from adapter_manager.kernels import platform_for, select_backend
 
 from ..model.llama import Llama
 from .config import EngineConfig, StepStats
-from .device import device_free_bytes
 from .kv_blocks import BlockPool
 from .kv_space import KVSpace, block_bytes
 from .kv_stats import KVMetrics, kv_metrics
@@ -77,7 +76,7 @@ class Engine:
         max_batch = self.config.max_batch
         block_size = self.config.kv_block_size
         per_block = block_bytes(model.config, model.dtype, block_size)
-        num_blocks = self.config.kv_blocks(per_block, device_free_bytes(model.device))
+        num_blocks = self.config.kv_blocks(per_block, platform_for(model.device).free_bytes())
         model.setup_caches(max_batch, self.config.max_seq_len, num_blocks, block_size)
         pool = BlockPool(num_blocks, caching=self.config.prefix_caching)
         self._kv = KVSpace(pool, block_size, max_batch, self._digest_of)
@@ -140,7 +139,7 @@ class Engine:
         compiles once per weight shape, here rather than at the first DoRA adapter.
         """
         tables = self._kv.tables([], self.config.max_batch + 1, self._table_width)
-        if self.manager.lora_vectors and self.model.device.type == "xla":
+        if self.manager.lora_vectors and platform_for(self.model.device).static_shapes:
             with self.manager.device_lock:
                 for proj in PROJECTIONS:
                     self.model.base_weight(ModuleKey(0, proj))

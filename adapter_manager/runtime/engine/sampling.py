@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from adapter_manager.kernels import platform_for
+
 MAX_LOGPROBS = 20  # top-k alternatives a request may ask for (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| bound, as OpenAI's
 
@@ -334,7 +336,7 @@ def _draw(work: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> tor
         assert batch.top_p is not None
         idx, top_p = batch.nucleus, batch.top_p
         probs = torch.softmax(work.index_select(0, idx) / batch.temperature[idx], dim=-1)
-        if probs.device.type == "cpu" and probs.shape[-1] > NUCLEUS_CANDIDATES:
+        if platform_for(probs.device).computes_on_host and probs.shape[-1] > NUCLEUS_CANDIDATES:
             # a full sort is ~1 ms per row of 32k here: sort only the most likely candidates where they hold the
             # nucleus (a host check: free on CPU; traced and CUDA steps keep their one sync and static shapes)
             top, order = torch.topk(probs, NUCLEUS_CANDIDATES, dim=-1)  # sorted, most likely first

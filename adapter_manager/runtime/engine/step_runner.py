@@ -24,13 +24,12 @@ from contextlib import AbstractContextManager
 import torch
 
 from adapter_manager import AdapterManager
-from adapter_manager.kernels import KernelBackend, LoRAKernelMeta
+from adapter_manager.kernels import KernelBackend, LoRAKernelMeta, platform_for
 
 from ..model.batch import ForwardBatch
 from ..model.llama import Llama
 from .config import EngineConfig
 from .cuda_graphs import can_capture, use_decode_graphs
-from .device import xla_sync
 from .scheduler import ScheduledChunk
 from .shard_workers import ShardChannel
 from .step_batch import step_batch, step_meta
@@ -97,8 +96,9 @@ class TracedRunner:
         self.token_buckets = config.buckets()
         self.device_lock = device_lock
         self._padding_row = config.max_batch
+        self._platform = platform_for(model.device)
         with device_lock:
-            xla_sync()  # the weights, caches and RoPE table become device data: every step's graph is the same
+            self._platform.sync()  # the weights, caches and RoPE table become device data: each step one graph
 
     decode_mode = "eager"
     """Decode steps run as traced graphs (no CUDA graphs)."""
@@ -125,7 +125,7 @@ class TracedRunner:
             self.meta.prepare(batch.slot_indices, slot_rows, slot_vectors)
             with torch.no_grad():  # XLA refuses inference mode
                 logits = self.model(batch, self.meta)
-            xla_sync()  # one graph: the step's KV cache writes and its logits
+            self._platform.sync()  # one graph: the step's KV cache writes and its logits
             return logits.cpu()
 
     def warm_up(self, tables: torch.Tensor) -> int:
@@ -146,7 +146,7 @@ def make_runner(model: Llama, backend: KernelBackend, manager: AdapterManager, c
     """The runner of ``backend``'s device mode, with the step metadata sized for it (a traced step's tokens are at
     most the largest bucket; an eager step's the scheduler's token budget). Call after ``model.attach_lora``."""
     max_batch, device = config.max_batch, model.device
-    if backend.traced:
+    if platform_for(device).static_shapes:
         meta = step_meta(backend, manager, max_batch, config.buckets()[-1], device)
         return TracedRunner(model, meta, config, manager.device_lock)
     meta = step_meta(backend, manager, max_batch, config.scheduler.token_budget, device)

@@ -9,7 +9,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from adapter_manager import TensorParallel
 from adapter_manager.kernels import DecodeOps, LinearStep
 
 from .batch import ForwardBatch
@@ -18,7 +17,7 @@ from .kv_cache import AttentionPlan, KVCache
 from .norm import RMSNorm
 from .projection import LoRALinear
 from .rope import apply_rope
-from .shard_group import ShardGroup
+from .shard_plan import ShardPlan
 
 
 class BlockStep(NamedTuple):
@@ -48,22 +47,23 @@ class Attention(nn.Module):
 
     Over S tensor-parallel shards (one SPMD program) the fused q/k/v output is shard-major — shard s's q heads, then
     its KV heads' k and v — and the cache holds S·KV_s heads (KV heads replicated where KV < S); S = 1 is the plain
-    q|k|v layout. One process per shard (``group``): the layer holds its shard's heads only, and o's output (LoRA
-    included) is summed over the shards.
+    q|k|v layout. One process per shard (the plan's ``group``): the layer holds its shard's heads only, and o's
+    output (LoRA included) is summed over the shards.
     """
 
-    def __init__(self, config: LlamaConfig, tp: TensorParallel, group: ShardGroup | None = None) -> None:
+    def __init__(self, config: LlamaConfig, plan: ShardPlan) -> None:
         super().__init__()
-        self.group, self.head_dim = group, config.head_dim
-        self.shards = 1 if group is not None else tp.size  # the shards this process's tensors hold
+        tp = plan.tensor_parallel
+        self.group, self.head_dim = plan.group, config.head_dim
+        self.shards = plan.local_shards  # the shards this process's tensors hold
         local_kv = tp.kv_heads(config.to_spec())
         self.num_heads = config.num_heads // tp.size * self.shards
         self.num_kv_heads = local_kv * self.shards  # the cache's heads (replicated where KV < S)
         q_width, kv_width = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
         qkv_bias, o_bias = "q_proj" in config.bias, "o_proj" in config.bias
         widths, hidden = (q_width, kv_width, kv_width), config.hidden_size
-        self.wqkv = LoRALinear(hidden, widths, shards=self.shards, process=group, bias=qkv_bias)
-        self.wo = LoRALinear(q_width, (hidden,), shards=self.shards, row_parallel=True, process=group, bias=o_bias)
+        self.wqkv = LoRALinear(hidden, widths, plan=plan, bias=qkv_bias)
+        self.wo = LoRALinear(q_width, (hidden,), plan=plan, row_parallel=True, bias=o_bias)
         self.kv_cache: KVCache | None = None
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -95,7 +95,7 @@ class Attention(nn.Module):
 
         ``step.rope_table`` set: RoPE, the cache write and attention in one ``step.ops.decode_attention`` call;
         otherwise ``step.rope`` (cos, sin [T, 1, D/2] each) and ``step.plan`` (the step's batched attention
-        plan; None with spans runs one call per sequence).
+        plan; None: a traced step, every token over its whole row).
         """
         assert self.kv_cache is not None, "setup_caches() first"
         batch = step.batch
@@ -126,12 +126,10 @@ class Attention(nn.Module):
         v = qkv[:, :, heads:].reshape(tokens, self.num_kv_heads, dim)
         assert step.slots is not None
         self.kv_cache.update(step.slots, k, v)
-        if batch.spans is None:
+        if step.plan is None:  # a traced step (no spans): every token over its whole row, masked
             out = self.kv_cache.attend_static(q, step.tables, batch.cache_rows, batch.positions)
-        elif step.plan is not None:
-            out = self.kv_cache.attend(q, step.plan, step.tables, k, v)  # [T, heads, D]
         else:
-            out = self.kv_cache.attend_spans(q, batch.spans, step.tables)  # [T, heads, D]
+            out = self.kv_cache.attend(q, step.plan, step.tables, k, v)  # [T, heads, D]
         return self._output(out.reshape(tokens, -1), step)
 
 
@@ -140,15 +138,15 @@ class FeedForward(nn.Module):
     into one base matmul (over S shards shard-major: shard s's gate and up columns side by side; one process per
     shard: its slice, down's output summed)."""
 
-    def __init__(self, config: LlamaConfig, tp: TensorParallel, group: ShardGroup | None = None) -> None:
+    def __init__(self, config: LlamaConfig, plan: ShardPlan) -> None:
         super().__init__()
-        self.group, self.shards = group, 1 if group is not None else tp.size
+        self.group, self.shards = plan.group, plan.local_shards
         self.act = config.hidden_act
-        width = config.intermediate_size // tp.size * self.shards
+        width = config.intermediate_size // plan.size * self.shards
         bias = "gate_proj" in config.bias
-        self.w13 = LoRALinear(config.hidden_size, (width, width), shards=self.shards, process=group, bias=bias)
+        self.w13 = LoRALinear(config.hidden_size, (width, width), plan=plan, bias=bias)
         hidden = config.hidden_size
-        self.w2 = LoRALinear(width, (hidden,), shards=self.shards, row_parallel=True, process=group, bias=bias)
+        self.w2 = LoRALinear(width, (hidden,), plan=plan, row_parallel=True, bias=bias)
 
     def _gated(self, gate_up: torch.Tensor, ops: DecodeOps) -> torch.Tensor:
         return ops.silu_mul(gate_up) if self.act == "silu" else ops.gelu_tanh_mul(gate_up)
@@ -168,13 +166,13 @@ class TransformerBlock(nn.Module):
     """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; with sandwich norms (Gemma 2)
     each branch's output is normed too: ``h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))``."""
 
-    def __init__(self, config: LlamaConfig, tp: TensorParallel, group: ShardGroup | None) -> None:
+    def __init__(self, config: LlamaConfig, plan: ShardPlan) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.attention_norm = RMSNorm(hidden, eps)
-        self.attention = Attention(config, tp, group)
+        self.attention = Attention(config, plan)
         self.ffn_norm = RMSNorm(hidden, eps)
-        self.feed_forward = FeedForward(config, tp, group)
+        self.feed_forward = FeedForward(config, plan)
         self.attention_post_norm = RMSNorm(hidden, eps) if config.sandwich_norms else None
         self.ffn_post_norm = RMSNorm(hidden, eps) if config.sandwich_norms else None
 

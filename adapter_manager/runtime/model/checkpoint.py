@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from adapter_manager import TensorParallel
-from adapter_manager.kernels import packs_by_default
+from adapter_manager.kernels import packs_by_default, platform_for
 from adapter_manager.spmd import mesh
 
 from .config import LlamaConfig, eos_ids
@@ -29,6 +29,7 @@ from .hf_map import hf_target, hf_tensor_shapes, load_hf
 from .llama import Llama
 from .projection import LoRALinear, quantize_linears
 from .shard_group import ShardGroup
+from .shard_plan import shard_plan
 from .tensor_parallel import place_sharded
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,8 @@ def load_model(
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     config = LlamaConfig.from_hf(folder / CONFIG_FILE)
     dtype = resolve_dtype(folder, dtype)
-    if torch.device(device).type == "cpu":
+    platform = platform_for(device)
+    if platform.computes_on_host:
         warn_if_slow_bf16(dtype)
     generation = folder / GENERATION_CONFIG_FILE
     if generation.is_file():
@@ -219,19 +221,13 @@ def load_model(
             raise CheckpointError(f"{generation} is not a JSON object: {err}") from err
         if generation_eos is not None:
             config = replace(config, eos_token_ids=eos_ids(generation_eos))
-    tp = TensorParallel(tensor_parallel_size)
-    spmd = tp.size > 1 and torch.device(device).type == "xla"
-    if spmd:
+    plan = shard_plan(TensorParallel(tensor_parallel_size), device, shard_group)  # the form, chosen once
+    if plan.form == "spmd":
         if quantize not in (None, "none"):
-            raise ValueError(f"quantize={quantize!r} with tensor_parallel_size {tp.size} on XLA is not built")
-        mesh(tp.size)  # SPMD mode on before the first tensor reaches the device
-    elif tp.size > 1 and shard_group is None:
-        raise ValueError(
-            f"tensor_parallel_size {tp.size} on {device} runs one process per shard: give this process's shard_group "
-            "(runtime.engine.shard_workers starts the others)"
-        )
+            raise ValueError(f"quantize={quantize!r} with tensor_parallel_size {plan.size} on XLA is not built")
+        mesh(plan.size)  # SPMD mode on before the first tensor reaches the device
     with torch.device("meta"):
-        model = Llama(config, tp, None if spmd else shard_group)
+        model = Llama(config, plan)
     model = model.to(dtype=dtype)
     expected = hf_tensor_shapes(config)
     with ExitStack() as files, torch.no_grad():
@@ -250,7 +246,7 @@ def load_model(
                         f"{path.name}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
                     )
                 index[name] = handle
-        if torch.device(device).type == "xla":  # one parameter at a time on the host, then placed whole: each
+        if platform.loads_on_host:  # one parameter at a time on the host, then placed whole: each
             # device receives only its shard of it (SPMD), and no parameter is left a view of slice writes (the
             # first step would materialise it, and compile a graph no later step reuses)
             destinations = {id(param): name for name, param in model.named_parameters()}

@@ -124,9 +124,12 @@ class KVCache(nn.Module):
         k, v = self.k[blocks], self.v[blocks]  # [..., nb, BS, KV, D]
         return k.flatten(-4, -3), v.flatten(-4, -3)
 
-    def attend_spans(self, q: torch.Tensor, spans: tuple[SeqSpan, ...], tables: torch.Tensor) -> torch.Tensor:
-        """Eager causal attention, one SDPA call per sequence of the step over its cached prefix (the reference that
-        :meth:`attend` batches).
+    def attend(
+        self, q: torch.Tensor, plan: AttentionPlan, tables: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Eager causal attention of each sequence's step tokens over its cached prefix, every decode token in one
+        batched call. ``k``, ``v`` [T, KV, D]: the step's own keys and values (already written): a prefill chunk with
+        no cached prefix attends over them directly instead of reading them back.
 
         Semantics::
 
@@ -135,28 +138,6 @@ class KVCache(nn.Module):
                 out[offset + i] = softmax(q[offset + i] · K_row.T / √D, keys j ≤ end - n + i) · V_row
 
         Shape: q [T, H, D]; tables [R, MB]; returns [T, H, D]. Query head h reads KV head h // (H / KV) (GQA).
-        """
-        outputs = []
-        for row, offset, count, end in spans:
-            ks, vs = self.gather(tables[row, : -(-end // self.block_size)])
-            qs = q[offset : offset + count].transpose(0, 1)  # [H, n, D]
-            ks, vs = ks[:end].transpose(0, 1), vs[:end].transpose(0, 1)  # [KV, end, D]
-            mask = None
-            if count > 1:
-                query_pos = torch.arange(end - count, end, device=q.device)  # [n]
-                mask = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]  # [n, end]
-            out = attention(qs[None], ks[None], vs[None], mask, softcap=self.softcap)[0]
-            outputs.append(out.transpose(0, 1))  # out: [H, n, D]; 4-D operands: see _attend_chunk
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-
-    def attend(
-        self, q: torch.Tensor, plan: AttentionPlan, tables: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Eager causal attention as :meth:`attend_spans` computes it, with every decode token in one batched call.
-        ``k``, ``v`` [T, KV, D]: the step's own keys and values (already written): a prefill chunk with no cached
-        prefix attends over them directly instead of reading them back.
-
-        Semantics: as :meth:`attend_spans`. Shape: q [T, H, D]; tables [R, MB]; returns [T, H, D].
         """
         if plan.blocks is not None and plan.decode_index is None:
             return self._attend_decode(q, plan)  # a pure decode step

@@ -26,8 +26,8 @@ from adapter_manager.kernels import (
     embed_lora,
     head_lora,
     layer_kernels,
+    platform_for,
 )
-from adapter_manager.spmd import MODEL_AXIS, mark
 
 from .batch import ForwardBatch
 from .blocks import BlockStep, TransformerBlock
@@ -38,6 +38,7 @@ from .norm import RMSNorm
 from .projection import LoRALinear, pack_linears
 from .rope import rope_factors, rope_table
 from .shard_group import PoolSection, ShardGroup
+from .shard_plan import ShardPlan
 
 
 class Llama(nn.Module):
@@ -48,27 +49,19 @@ class Llama(nn.Module):
     :meth:`forward` once per step.
     """
 
-    def __init__(
-        self, config: LlamaConfig, tensor_parallel: TensorParallel | None = None, group: ShardGroup | None = None
-    ) -> None:
+    def __init__(self, config: LlamaConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.config = config
-        self.tensor_parallel = tp = tensor_parallel or TensorParallel()
-        """Megatron's split over N shards: held side by side in the tensors (one SPMD program over N devices), or
-        this process's shard alone where ``shard_group`` is set (one process per shard)."""
-        self.shard_group = group
-        tp.check(config.to_spec())
-        if group is not None and (group.size != tp.size or config.vocab_size % tp.size):
-            raise ValueError(
-                f"a shard group of {group.size} for tensor_parallel_size {tp.size}, vocab_size {config.vocab_size}: "
-                "the sizes must agree and divide the vocabulary"
-            )
-        vocab = config.vocab_size // tp.size if group is not None else config.vocab_size  # the rows held here
+        self.plan = plan = plan or ShardPlan()
+        """Megatron's split over N shards and how they run (:func:`.shard_plan.shard_plan`, chosen once): held side by
+        side in the tensors (one SPMD program over N devices), or this process's shard alone (one process per
+        shard, the plan's ``group``)."""
+        plan.tensor_parallel.check(config.to_spec())
+        vocab = plan.vocab_rows(config.vocab_size)  # the rows held here
         self.tok_embeddings = nn.Embedding(vocab, config.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(config, tp, group) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, plan) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = None if config.tie_word_embeddings else LoRALinear(config.hidden_size, (vocab,))
-        self.batched_attention = True  # eager steps: all decode tokens in one attention call (False: one per sequence)
         self.cpu_ops = True
         """Eager steps run the device's compiled decode glue where it has one (the CPU library's C++ ops; False: the
         torch forms only)."""
@@ -89,6 +82,16 @@ class Llama(nn.Module):
         self.layout_choice = None  # how pack_weights chose the weights' layout (kernels.choose_weight_layout)
         self.vocab_lora: dict[str, Stacks] = {}
         """The vocabulary modules' rows (embed_tokens, lm_head) where the pool has them (:meth:`attach_lora`)."""
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The plan's N-way split (:attr:`plan`)."""
+        return self.plan.tensor_parallel
+
+    @property
+    def shard_group(self) -> ShardGroup | None:
+        """One process per shard: this process's place in the group (:attr:`plan`); None otherwise."""
+        return self.plan.group
 
     @property
     def embed_scale(self) -> float | None:
@@ -136,7 +139,7 @@ class Llama(nn.Module):
         ``max_batch`` owns blocks ``r·MB .. r·MB + MB - 1``, row ``max_batch`` only the spare block). Calling it again
         replaces the caches (their contents are lost).
         """
-        if self.device.type == "meta":
+        if self.device == torch.device("meta"):
             raise ValueError("the model is still on the meta device: load its weights before setup_caches()")
         if max_seq_len <= 0 or max_batch <= 0 or block_size <= 0:
             raise ValueError(
@@ -263,11 +266,9 @@ class Llama(nn.Module):
         if key.is_vocab:  # [V, H]: the table, or the head's weight (the table when tied)
             table = self.tok_embeddings.weight.detach()
             weight = self.output.plain_weight() if key.proj == "lm_head" and self.output is not None else table
-            return weight.cpu() if weight.device.type == "xla" else weight
+            return platform_for(weight.device).to_host(weight)
         linear, part = self.lora_target(key)
-        weight = linear.plain_weight()
-        if weight.device.type == "xla":
-            weight = weight.cpu()
+        weight = platform_for(linear.plain_weight().device).to_host(linear.plain_weight())
         start = sum(linear.out_features[:part])
         return weight[start : start + linear.out_features[part]]
 
@@ -319,9 +320,8 @@ class Llama(nn.Module):
             step = BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
         else:
             rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
-            batched = batch.spans is not None and self.batched_attention
             block_size = self.block_size
-            plan = plan_attention(batch.spans, tables, block_size, self.device) if batched else None
+            plan = None if batch.spans is None else plan_attention(batch.spans, tables, block_size, self.device)
             slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
             step = BlockStep(batch, linear, tables, slots, rope, plan, None, ops)
         local = self._local_step(step, batch.positions)
@@ -341,14 +341,7 @@ class Llama(nn.Module):
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        if self.shard_group is not None:
-            return self.shard_group.all_gather(logits)  # each shard's rows
-        if self.tensor_parallel.size > 1:  # one SPMD program: the logits leave it whole, gathered in the graph
-            size = self.tensor_parallel.size
-            mark(logits, size, (None, MODEL_AXIS))  # the head's output split by vocabulary, as its weight is...
-            logits = logits.clone()
-            mark(logits, size, (None, None))  # ...then gathered: [N, V], never the head's [V, H] weight
-        return logits
+        return self.plan.whole_logits(logits)
 
     def _local_step(self, step: BlockStep, positions: torch.Tensor) -> BlockStep:
         """The step as the local layers see it: their own RoPE table (Gemma 3's sliding layers); ``step`` where the
@@ -360,13 +353,5 @@ class Llama(nn.Module):
         return step._replace(rope=rope, rope_table=None if step.rope_table is None else table)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Shape: tokens [T]; returns [T, H]. One process per shard: each holds ``vocab / N`` rows, looks up the tokens
-        they hold (zero for the others) and the shards' lookups are summed."""
-        group, table = self.shard_group, self.tok_embeddings
-        if group is None:
-            return table(tokens)
-        rows = table.weight.shape[0]
-        local = tokens - group.rank * rows
-        held = (local >= 0) & (local < rows)
-        h = table(torch.where(held, local, torch.zeros_like(local))) * held[:, None].to(table.weight.dtype)
-        return group.all_reduce(h)
+        """Shape: tokens [T]; returns [T, H] (:meth:`.shard_plan.ShardPlan.embed`)."""
+        return self.plan.embed(self.tok_embeddings, tokens)

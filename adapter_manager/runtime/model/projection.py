@@ -16,10 +16,12 @@ from adapter_manager.kernels import (
     WeightLayout,
     choose_weight_layout,
     pack_weight,
+    platform_for,
     quantize_weight,
     unpack_weight,
 )
-from adapter_manager.spmd import Shards
+
+from .shard_plan import ShardPlan
 
 
 class LoRALinear(nn.Module):
@@ -59,12 +61,16 @@ class LoRALinear(nn.Module):
         out_features: tuple[int, ...],
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        shards: int = 1,
+        plan: ShardPlan | None = None,
         row_parallel: bool = False,
-        process: ProcessShard | None = None,
         bias: bool = False,
     ) -> None:
+        """``plan``: the model's shards (:class:`.shard_plan.ShardPlan`; None: unsharded): the layer holds its
+        ``plan.local_shards`` side by side, split by output features (column-parallel) or, ``row_parallel``, by
+        input features; one process per shard holds its own alone."""
         super().__init__()
+        plan = plan or ShardPlan()
+        shards, process = plan.local_shards, plan.group
         if in_features <= 0 or not out_features or min(out_features) <= 0:
             raise ValueError(f"in_features ({in_features}) and every out_features {out_features} must be positive")
         sharded = [in_features] if row_parallel else list(out_features)
@@ -73,7 +79,9 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_features = tuple(out_features)
         self.shards, self.row_parallel = shards, row_parallel
-        self.process = process  # one process per shard: this process's (a fully sharded LoRA sums its shrinks there)
+        self.process: ProcessShard | None = process  # one process per shard: this one (a fully sharded LoRA sums
+        # its shrinks there)
+        self._marks = plan.marks  # one SPMD program: the marks its LoRA makes
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(sum(out_features), device=device, dtype=dtype)) if bias else None
         self._adds_bias = bias and not (row_parallel and process is not None and process.rank != 0)
@@ -238,8 +246,9 @@ class LoRALinear(nn.Module):
         if any(stacks is not None for stacks in self._parts):
             parts = tuple(self._parts)
             flags = (self._fuse_shrink, self._one_call, self.shards, self.row_parallel, self._fully_sharded)
-            spmd = Shards(self.shards) if self.shards > 1 else None
-            self._lora = LinearLoRA.build(self.out_features, parts, *flags, spmd, self.process)
+            spmd = self._marks
+            keeps_views = platform_for(next(p.a.device for p in parts if p is not None)).keeps_views
+            self._lora = LinearLoRA.build(self.out_features, parts, *flags, spmd, self.process, keeps_views)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
@@ -290,7 +299,7 @@ def pack_linears(linears: list[LoRALinear], layout: WeightLayout | None = None):
         shapes = Counter((m.out_total, m.in_features) for m in plain)
         first = plain[0].weight
         choice = choose_weight_layout(first.dtype, [(o, i, n) for (o, i), n in shapes.items()], first.device)
-        layout = choice.layout
+        layout = WeightLayout.PLAIN if choice is None else choice.layout
     packed = False
     for module in linears:
         packed |= module.pack(layout)

@@ -1,7 +1,8 @@
-"""kernels.fused_linear: which one-call form a linear takes is the step's backend's choice (the model only says how
-its weight is held). The cpu backend must run our blocked layout on any step with an adapter, oneDNN's layout and a
-plain fp32 weight of few tokens on its FUSED steps, each equal to the base matmul plus the fp32 loop reference; every
-other (backend, layout, step) answers None, so the caller composes the base matmul and apply_parts."""
+"""The cpu backend's fused_linear: which one-call form a linear takes is the step's backend's choice (the model only
+says how its weight is held). The cpu backend must run our blocked layout on any step with an adapter, oneDNN's
+layout and a plain fp32 weight of few tokens on its FUSED steps, each equal to the base matmul plus the fp32 loop
+reference; every other (backend, layout, step) answers None, so the caller composes the base matmul and
+apply_parts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from adapter_manager.kernels import (
     LoRAForm,
     LoRAGroups,
     WeightLayout,
-    fused_linear,
     select_backend,
 )
 from adapter_manager.kernels.config import BackendKind
@@ -68,7 +68,7 @@ PREFILL = KernelConfig(fused_max_tokens=4)  # more than 4 tokens: the torch form
 def test_the_backend_chooses_the_one_call_form(mix, num_tokens, config, layout, takes):
     backend = select_backend("cpu", config)
     x, w, groups, meta, expected = _case(num_tokens, mix, backend)
-    y = fused_linear(x, _weight(layout, w), groups, meta)
+    y = meta.backend.fused_linear(x, _weight(layout, w), groups, meta)
     if meta.no_adapter or not takes:  # a step without an adapter never reaches the seam: the base matmul alone
         assert y is None, (layout, meta.form)
         return
@@ -83,5 +83,5 @@ def test_a_strided_input_is_left_to_the_composed_path():
     wide = torch.zeros(x.shape[1], x.shape[0]).t()  # [T, in] with strides (1, T)
     wide.copy_(x)
     assert meta.form is LoRAForm.FUSED
-    assert fused_linear(wide, _weight(WeightLayout.BLOCKED, w), groups, meta) is None
-    assert fused_linear(x, _weight(WeightLayout.BLOCKED, w), groups, meta) is not None
+    assert meta.backend.fused_linear(wide, _weight(WeightLayout.BLOCKED, w), groups, meta) is None
+    assert meta.backend.fused_linear(x, _weight(WeightLayout.BLOCKED, w), groups, meta) is not None
