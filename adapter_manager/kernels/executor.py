@@ -2,14 +2,15 @@
 
 Each backend names its executor (``executor_type``); the step's metadata holds the one of its backend
 (:attr:`LoRAKernelMeta.executor`), so a layer calls ``step.executor.linear(x, weight, lora, step)`` and never branches
-on the device or the form. An executor also fills the step's metadata (:meth:`LinearExecutor.prepare`: the eager
-forms, or the traced compact table) and runs the step's other LoRA terms: the vector epilogue (:meth:`vectors`) and
-the vocabulary modules' (:meth:`embed`, :meth:`head`).
+on the device or the form. An executor also names its step state (``meta_type``: the eager forms'
+:class:`kernels.eager_meta.EagerMeta`, the traced compact table's :class:`kernels.traced_meta.TracedMeta`) and runs
+the step's other LoRA terms: the vector epilogue (:meth:`vectors`) and the vocabulary modules' (:meth:`embed`,
+:meth:`head`).
 
 - :class:`LinearExecutor` (torch forms, reference, triton): the base matmul, then the step's form — one
   ``apply_parts`` per group on FUSED steps (the triton backend's BGMV / SGMV), else shrink / expand per part (fused
   shrink for adjacent parts), the LoRA written first and the base matmul added by one ``addmm_`` on a plain weight.
-- ``kernels.cpu.executor.CpuExecutor``: first the cpu backend's one-call form (base matmul and LoRA in one C++ call
+- ``kernels.cpu.backend.CpuExecutor``: first the cpu backend's one-call form (base matmul and LoRA in one C++ call
   for the weight's layout), else as above.
 - :class:`TracedExecutor` (laned XLA, Pallas): the base matmul plus one laned shrink / expand per part, new tensors
   (static shapes, no in-place update); a linear sharded over devices runs :func:`kernels.sharded.sharded_linear`.
@@ -17,16 +18,17 @@ the vocabulary modules' (:meth:`embed`, :meth:`head`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from adapter_manager.kernels.eager_meta import EagerMeta
 from adapter_manager.kernels.linear_lora import LinearLoRA, Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
 from adapter_manager.kernels.protocol import LinearWeight
 from adapter_manager.kernels.sharded import process_fully_sharded, sharded_linear
+from adapter_manager.kernels.traced_meta import TracedMeta
 from adapter_manager.kernels.vectors import eager_vectors, gathered_vectors
 from adapter_manager.kernels.vocab import eager_embed, eager_head, traced_embed, traced_head
 
@@ -55,16 +57,11 @@ class LinearExecutor:
 
     in_place = True
     """Ops write their output tensors in place (traced: each returns a new tensor)."""
+    meta_type = EagerMeta
+    """Its step state: the metadata class :meth:`LoRAKernelMeta.make` builds for a backend with this executor."""
 
     def __init__(self, backend: object | None = None) -> None:
         self.backend = backend
-
-    def prepare(
-        self, meta: LoRAKernelMeta, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slots: Mapping[int, str]
-    ) -> None:
-        """Fill ``meta`` for one step (:meth:`LoRAKernelMeta.prepare`, arguments checked): one host sync for the
-        slots, then the form the backend chooses and its tables."""
-        meta.prepare_eager(slot_indices, slot_rows, slots)
 
     def vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
         """The step's vector epilogue on a linear's output (:func:`kernels.vectors.apply_vectors`): in place."""
@@ -141,12 +138,7 @@ class TracedExecutor(LinearExecutor):
     tensor; the graph depends only on (token bucket, active bucket)."""
 
     in_place = False
-
-    def prepare(
-        self, meta: LoRAKernelMeta, slot_indices: torch.Tensor, slot_rows: Mapping[int, int], slots: Mapping[int, str]
-    ) -> None:
-        """Fill ``meta`` for one step: the compact active table built on the host from host indices, moved whole."""
-        meta.prepare_traced(slot_indices, slot_rows, slots)
+    meta_type = TracedMeta
 
     def vectors(self, y: torch.Tensor, lora: LinearLoRA, meta: LoRAKernelMeta) -> torch.Tensor:
         """A gather per part, a new tensor."""

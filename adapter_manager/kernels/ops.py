@@ -7,7 +7,6 @@ from typing import cast
 
 import torch
 
-from adapter_manager.kernels.config import LoRAForm
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.protocol import EagerBackend
 
@@ -130,7 +129,7 @@ def apply_parts(
     pool); bt_parts P tensors [N, out_p] (views of the pool). Eager backends only; returns y.
     """
     tokens_match = y.shape[0] == x.shape[0] == meta.num_tokens
-    if meta.form is LoRAForm.FUSED and tokens_match and a_parts.dim() == 3 and a_parts.shape[1] == len(bt_parts):
+    if meta.fused and tokens_match and a_parts.dim() == 3 and a_parts.shape[1] == len(bt_parts):
         # the hot path (a step only takes FUSED on a backend with apply_parts): its kernel checks shapes, dtypes,
         # strides and every run's rows and tokens against the operands
         return cast(EagerBackend, meta.backend).apply_parts(y, x, a_parts, bt_parts, meta)

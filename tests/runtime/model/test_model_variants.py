@@ -135,7 +135,7 @@ def test_a_run_broadcast_and_a_gather_give_the_same_bits(written_variants, monke
         broadcast = prefill_logits(model, prompts, slots, meta, slot_rows=rows, slot_vectors=vectors)
         assert meta.vector_runs == ((0, 24, variant_slot, vectors[variant_slot]),)
         with monkeypatch.context() as patch:
-            patch.setattr(LoRAKernelMeta, "vector_runs", property(lambda self: None, lambda self, value: None))
+            patch.setattr(type(meta), "vector_runs", property(lambda self: None, lambda self, value: None))
             gathered = prefill_logits(model, prompts, slots, meta, slot_rows=rows, slot_vectors=vectors)
         assert all(torch.equal(a, b) for a, b in zip(broadcast, gathered, strict=True)), name
         assert max_diff(broadcast[0], oracle_logits(written_variants, name, prompts[0])) <= FP32_TOL, name
