@@ -27,6 +27,9 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 # The modules over the vocabulary a LoRA adapter may also target (with the pool's vocabulary columns on): the input
 # embedding table and the output head. Their ModuleKey has layer -1.
 VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+MAX_RANK = 64
+"""R, the highest LoRA rank a pool accepts unless told: the one default every config and the CLI read."""
+
 _VOCAB_NAMES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from .base_model import MAX_RANK
 from .policy.admission import SketchConfig
 from .policy.prefetch import PrefetchConfig
 from .registry import RegistryConfig
@@ -23,7 +24,7 @@ class AdapterManagerConfig:
     """Everything the manager is built from."""
 
     max_slots: int | Literal["auto"] = 8  # pool rows for this many max-rank adapters; "auto": slot_memory_bytes
-    max_rank: int = 64  # R: highest rank accepted; an adapter takes pool rows in proportion to its own rank
+    max_rank: int = MAX_RANK  # R: highest rank accepted; an adapter takes pool rows in proportion to its own rank
     host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier of prepared adapters
     device: torch.device | str = "cpu"  # serving device of the slot stacks: cpu, cuda[:i] or xla[:i]
     dtype: torch.dtype = torch.float32  # serving dtype of prepared weights and slots

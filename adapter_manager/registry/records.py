@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from ..base_model import ModuleKey
+from ..base_model import MAX_RANK, ModuleKey
 from ..errors import InvalidAdapterRefError
 from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubConfig
@@ -32,7 +32,7 @@ def check_adapter_id(adapter_id: str) -> str:
 class RegistryConfig:
     """How adapters are accepted and prepared."""
 
-    max_rank: int = 64  # R: highest LoRA rank accepted
+    max_rank: int = MAX_RANK  # R: highest LoRA rank accepted
     dtype: torch.dtype = torch.float32  # serving dtype of prepared weights
     host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model

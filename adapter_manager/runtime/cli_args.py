@@ -8,6 +8,8 @@ import os
 import re
 from pathlib import Path
 
+from adapter_manager.base_model import MAX_RANK
+
 from .client import TOKEN_ENV
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?", re.IGNORECASE)
@@ -38,7 +40,9 @@ def add_serving_options(parser: argparse.ArgumentParser, *, replica: bool) -> No
         default=8,
         help=f"size the adapter pool{each} for this many max-rank adapters (default 8)",
     )
-    parser.add_argument("--max-rank", type=int, default=64, help="highest LoRA rank accepted, R (default 64)")
+    parser.add_argument(
+        "--max-rank", type=int, default=MAX_RANK, help=f"highest LoRA rank accepted, R (default {MAX_RANK})"
+    )
     parser.add_argument(
         "--host-cache-bytes", type=parse_bytes, default="2GiB", help=f"host tier bound{each}, e.g. 2GiB (default)"
     )

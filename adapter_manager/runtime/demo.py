@@ -86,11 +86,11 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
             write_synthetic_adapter(
                 root / "hub" / adapter_id, spec, r=r, lora_alpha=2 * r, target_modules=_TARGETS[i % 4], seed=i
             )
-        one = spec.max_adapter_bytes(64, 4)
+        one = spec.max_adapter_bytes(max(_RANKS), 4)
         configs = ServeOptions(
             name,
             max_slots=config.slots,
-            max_rank=64,
+            max_rank=max(_RANKS),
             host_cache_bytes=config.host_cache_adapters * one,
             max_seq_len=128,
             port=0,

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from adapter_manager import AdapterManagerConfig
+from adapter_manager.base_model import MAX_RANK
 
 from .engine.engine import EngineConfig
 from .engine.scheduler import SchedulerConfig
@@ -47,7 +48,7 @@ class ServeOptions:
 
     model_name: str  # the base model's name in API calls
     max_slots: int = 8  # the adapter pool holds this many max-rank adapters
-    max_rank: int = 64  # R: the highest LoRA rank accepted
+    max_rank: int = MAX_RANK  # R: the highest LoRA rank accepted
     host_cache_bytes: int = 2 * _GIB  # host tier bound
     device: str = "cpu"  # cpu, cuda[:i] or xla[:i]
     max_batch: int = 16  # sequences in flight

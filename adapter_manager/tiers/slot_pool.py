@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from ..base_model import BaseModelSpec, ModuleKey
+from ..base_model import MAX_RANK, BaseModelSpec, ModuleKey
 from ..errors import SlotLoadError
 from ..sharding import TensorParallel
 from .prepare import PreparedAdapter
@@ -54,7 +54,7 @@ class SlotPoolConfig:
     """Size, granule, dtype and device of the row pool."""
 
     max_slots: int | Literal["auto"] = 8  # rows for this many adapters at max_rank; "auto": memory_budget_bytes
-    max_rank: int = 64  # R: the highest rank one adapter may have
+    max_rank: int = MAX_RANK  # R: the highest rank one adapter may have
     dtype: torch.dtype = torch.float32  # serving dtype; prepared adapters must match it
     device: torch.device | str = "cpu"  # cpu, cuda[:i] or xla[:i]
     memory_budget_bytes: int | None = None  # with max_slots="auto": device bytes the rows may take

@@ -289,6 +289,16 @@ class Llama(nn.Module):
         where it is compiled (CPU, :attr:`cpu_ops`) RoPE, the cache write and attention in one call (same semantics,
         fp32 accumulation), on every step in the :attr:`deterministic` mode; the torch forms elsewhere.
         """
+        tables = self._check_step(batch, lora_meta)
+        step = self._block_step(batch, lora_meta, tables)  # the step's kind, decided once
+        h = self._embed(batch.tokens, step)  # [T, H]
+        local = self._local_step(step, batch.positions)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, local if index in self.config.local_layers else step)
+        return self._logits(h, step)
+
+    def _check_step(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None) -> torch.Tensor:
+        """The step's block tables, once the batch fits the caches and the metadata was prepared for it."""
         if self.rope_table is None:
             raise ValueError("setup_caches(max_batch, max_seq_len) first")
         if batch.spans is not None and max(span.end_pos for span in batch.spans) > self.max_seq_len:
@@ -300,33 +310,39 @@ class Llama(nn.Module):
             raise ValueError(
                 f"lora_meta was prepared for {lora_meta.num_tokens} tokens, the batch has {batch.num_tokens}"
             )
+        if self.deterministic and batch.spans is None:
+            raise ValueError("the deterministic mode runs eager batches (with spans), not traced ones")
         tables = batch.block_tables if batch.block_tables is not None else self.dense_tables
         if tables is None:
             raise ValueError("the caches are paged (fewer blocks than the dense tables need): pass block_tables")
-        assert self.kernels is not None
-        h = self._embed(batch.tokens)  # [T, H]
-        vocab = self.vocab_lora if lora_meta is not None else {}
-        if "embed_tokens" in vocab:
-            h = embed_lora(h, batch.tokens, vocab["embed_tokens"], lora_meta, self.deterministic)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        ops = self.kernels.decode_ops(h, self.cpu_ops and batch.spans is not None)
-        if self.deterministic and batch.spans is None:
-            raise ValueError("the deterministic mode runs eager batches (with spans), not traced ones")
+        return tables
+
+    def _block_step(self, batch: ForwardBatch, lora_meta: LoRAKernelMeta | None, tables: torch.Tensor) -> BlockStep:
+        """What every block of the step shares, in one of three kinds: RoPE, the cache write and attention in one
+        compiled call per layer (a decode-only step on the compiled glue, or the deterministic mode); the eager
+        batched attention over a plan of the step's spans; a traced step (no spans), every token over its whole
+        row."""
+        assert self.kernels is not None and self.rope_table is not None
+        ops = self.kernels.decode_ops(self.tok_embeddings.weight, self.cpu_ops and batch.spans is not None)
         linear = LinearStep.make(lora_meta, self.kernels, ops.compiled)
         compiled_attention = ops.compiled and self.config.attn_logit_softcapping is None  # its op has no soft-cap
         if self.deterministic or (compiled_attention and all(span.count == 1 for span in batch.spans)):
-            # decode only (or the deterministic mode, compiled or not): RoPE, the cache write and attention per token
-            step = BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
-        else:
-            rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
-            block_size = self.block_size
-            plan = None if batch.spans is None else plan_attention(batch.spans, tables, block_size, self.device)
-            slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
-            step = BlockStep(batch, linear, tables, slots, rope, plan, None, ops)
-        local = self._local_step(step, batch.positions)
-        for index, layer in enumerate(self.layers):
-            h = layer(h, local if index in self.config.local_layers else step)
+            return BlockStep(batch, linear, tables, None, None, None, self.rope_table, ops)
+        rope = rope_factors(self.rope_table[batch.positions], self.dtype)  # cos, sin [T, 1, D/2]
+        block_size = self.block_size
+        plan = None if batch.spans is None else plan_attention(batch.spans, tables, block_size, self.device)
+        slots = slot_index(tables, batch.cache_rows, batch.positions, block_size)
+        return BlockStep(batch, linear, tables, slots, rope, plan, None, ops)
+
+    def _vocab(self, step: BlockStep, proj: str) -> Stacks | None:
+        """The pool's rows of a vocabulary module where attached and the step has LoRA metadata."""
+        return None if step.linear.meta is None else self.vocab_lora.get(proj)
+
+    def _logits(self, h: torch.Tensor, step: BlockStep) -> torch.Tensor:
+        """The requested tokens' logits, whole: the final norm, the head (the embeddings where tied) with its LoRA,
+        the soft-cap. Shape: h [T, H]; returns [N, vocab]."""
+        assert self.kernels is not None
+        batch, ops = step.batch, step.ops
         if batch.logits_index is not None:
             h = h[batch.logits_index]  # [N, H]
         h = ops.add_rms_norm(h, None, self.norm.weight, self.norm.eps)
@@ -336,8 +352,9 @@ class Llama(nn.Module):
             logits = self.kernels.linear(h, embeddings, fast=ops.compiled, reorder=False)  # [N, vocab]
         else:
             logits = self.output.output(h, LinearStep.make(None, self.kernels, ops.compiled))  # [N, vocab]
-        if "lm_head" in vocab:
-            logits = head_lora(logits, h, vocab["lm_head"], lora_meta, batch.logits_index, self.deterministic)
+        head = self._vocab(step, "lm_head")
+        if head is not None:
+            logits = head_lora(logits, h, head, step.linear.meta, batch.logits_index, self.deterministic)
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -352,6 +369,11 @@ class Llama(nn.Module):
         rope = None if step.rope is None else rope_factors(table[positions], self.dtype)
         return step._replace(rope=rope, rope_table=None if step.rope_table is None else table)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Shape: tokens [T]; returns [T, H] (:meth:`.shard_plan.ShardPlan.embed`)."""
-        return self.plan.embed(self.tok_embeddings, tokens)
+    def _embed(self, tokens: torch.Tensor, step: BlockStep) -> torch.Tensor:
+        """The lookup (:meth:`.shard_plan.ShardPlan.embed`), the embedding's LoRA, the family's scale. Shape: tokens
+        [T]; returns [T, H]."""
+        h = self.plan.embed(self.tok_embeddings, tokens)
+        stacks = self._vocab(step, "embed_tokens")
+        if stacks is not None:
+            h = embed_lora(h, tokens, stacks, step.linear.meta, self.deterministic)
+        return h if self.embed_scale is None else h * self.embed_scale
