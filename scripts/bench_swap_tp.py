@@ -1,12 +1,12 @@
-"""Host -> slot swap time with one process per tensor-parallel shard (CPU, gloo), beside the same swaps unsharded.
+"""Host -> slot swap time with one process per tensor-parallel shard (CPU), beside the same swaps unsharded.
 
     .venv/bin/python -m scripts.bench_swap_tp [--shape tiny|bench] [--tp 2] [--swaps 60] [--fully-sharded-loras]
 
 Six rank-8 adapters (every projection) cycle through 2 slots of an engine that runs no step, so every acquire is a
-host -> slot load: at TP 1 one copy of the adapter's block into the pool; at TP N rank 0's copy plus each other
-shard's section sent over loopback (a header, then the section's bytes received straight into that shard's pool
-rows) and acknowledged before the slot is published. Medians over ``--swaps`` (the first 6 dropped). Floors printed
-beside: one ``copy_`` of the whole block (TP 1's bytes) and of one section (what each other shard receives).
+host -> slot load: at TP 1 one copy of the adapter's block into the pool; at TP N rank 0's copy into its pool plus
+each other shard's section copied by rank 0 straight into that shard's rows (shared memory), before the slot is
+published. Medians over ``--swaps`` (the first 6 dropped). Floors printed beside: one ``copy_`` of the whole block
+(TP 1's bytes; at TP N the sections together are about as many bytes) and of one section (each other shard's part).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; {args.shape} shapes, rank {RANK}, {ADAPTERS} adapters through 2 slots, no step running")
     print(f"TP 1: host -> slot p50 {one['swap_ms']:.3f} ms | floor: one copy_ of the block "
           f"({one['block_bytes'] / 2**20:.2f} MiB) {one['copy_ms']['block']:.3f} ms")  # fmt: skip
-    print(f"TP {args.tp}: host -> slot p50 {many['swap_ms']:.3f} ms = {many['swap_ms'] / one['swap_ms']:.1f}x TP 1 | "
-          f"a section {many['section_bytes'] / 2**20:.2f} MiB, one copy_ of it {many['copy_ms']['section']:.3f} ms "
-          f"(each other shard receives one over loopback)")  # fmt: skip
+    print(f"TP {args.tp}: host -> slot p50 {many['swap_ms']:.3f} ms = {many['swap_ms'] / one['swap_ms']:.2f}x TP 1, "
+          f"{many['swap_ms'] / one['copy_ms']['block']:.2f}x one copy_ of the block | a section "
+          f"{many['section_bytes'] / 2**20:.2f} MiB, one copy_ of it {many['copy_ms']['section']:.3f} ms (rank 0 "
+          f"copies each other shard's into that shard's shared rows)")  # fmt: skip
     write_json(args.out, {"shape": args.shape, "tp": args.tp, "fully_sharded_loras": args.fully_sharded_loras,
                           "results": {str(k): v for k, v in results.items()}})  # fmt: skip
 

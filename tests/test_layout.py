@@ -292,3 +292,79 @@ def test_lazy_package_names_match_their_imports_for_type_checkers(package: str) 
     imported = {node.module: tuple(a.name for a in node.names) for node in guarded.body}
     assert imported == module._EXPORTS
     assert all(getattr(module, name) is not None for name in module.__all__)
+
+
+# Where the device is decided (kernels/platform.py and the selection it calls, the device rooms, the pool's row
+# writers, the SPMD mesh): the only modules that may ask which kind of device a tensor is on, or whether a backend is
+# traced. Everything else asks its platform (`kernels.platform_for`) or its executor.
+PLATFORM_MODULES = (
+    f"{KERNELS}.platform",
+    f"{KERNELS}.backend",
+    f"{KERNELS}.cpu",
+    f"{KERNELS}.triton",
+    f"{KERNELS}.pallas",
+    f"{KERNELS}.xla_laned",
+    "adapter_manager.tiers.row_writers",
+    "adapter_manager.spmd",
+)
+_DEVICE_KINDS = {"cpu", "cuda", "xla", "meta", "mps", "tpu"}
+_KIND_ATTRIBUTES = {"traced", "is_cuda", "is_xla", "is_cpu", "is_meta"}
+
+
+def _device_questions(tree: ast.Module) -> list[tuple[int, str]]:
+    """Each place ``tree`` asks a device's kind: ``<x>.type`` of a device, a comparison with a device kind's name,
+    ``.traced`` / ``.is_cuda``-style attributes, an import of torch_xla."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _KIND_ATTRIBUTES:
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "type":
+            base = node.value
+            if (isinstance(base, ast.Attribute) and base.attr == "device") or (
+                isinstance(base, ast.Call) and ast.unparse(base.func).endswith("device")
+            ):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Compare):
+            names = [c for c in (node.left, *node.comparators) if isinstance(c, ast.Constant)]
+            if any(c.value in _DEVICE_KINDS for c in names):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(m.split(".")[0] == "torch_xla" for m in modules):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_device_is_decided_in_the_platform_modules_only() -> None:
+    """No module outside :data:`PLATFORM_MODULES` branches on a device's kind or on a backend being traced: the
+    platform (and the executor, the row writer) holding each kind's answer is chosen once."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for name, path in sorted(_modules().items())
+        if not any(_in(name, room) for room in PLATFORM_MODULES)
+        for line, text in _device_questions(ast.parse(path.read_text(), filename=str(path)))
+    ]
+    assert not wrong, "device kinds asked outside the platform modules (ask kernels.platform_for):\n" + "\n".join(wrong)
+
+
+def test_the_device_rule_sees_each_kind_of_question() -> None:
+    source = (
+        "import torch_xla\n"
+        "a = x.device.type\nb = torch.device(d).type\nc = kind == 'xla'\nd = meta.backend.traced\ne = t.is_cuda\n"
+        "f = x.dtype\ng = torch.device('cpu')\n"
+    )
+    assert [line for line, _ in _device_questions(ast.parse(source))] == [1, 2, 3, 4, 5, 6]
+
+
+FACADE_CAP = 52
+"""`AdapterManager`'s public members today (43 methods and properties, 9 attributes, 5 of them components): a new one
+replaces one, or the facade is split (issue 62)."""
+
+
+def test_the_facade_stays_small() -> None:
+    tree = ast.parse((ROOT / "adapter_manager" / "manager.py").read_text())
+    facade = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AdapterManager")
+    members = {n.name for n in facade.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    init = next(n for n in facade.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    members |= {attribute for attribute, _ in _self_assignments(init) if not attribute.startswith("_")}
+    assert len(members) <= FACADE_CAP, f"AdapterManager has {len(members)} public members (cap {FACADE_CAP})"

@@ -27,6 +27,7 @@ from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
 from ..tiers.row_layout import RowLayout
 from ..tiers.vectors import BaseWeight
 from .disk_files import DiskFiles
+from .needed import NeededRevisions
 from .records import AdapterRecord, RegisterResult, RegistryConfig, check_adapter_id
 from .state_store import Registration, StateStore, UnrestoredAdapter
 from .validation import check_local_root, read_config
@@ -64,9 +65,10 @@ class AdapterRegistry:
         self._id_locks: dict[str, threading.Lock] = {}
         self.store = StateStore(self.config.state_dir) if self.config.state_dir is not None else None
         self.disk: DiskTier | None = None
+        self._needed = NeededRevisions()  # what the disk tier evicts last
         if self.config.disk_cache_bytes is not None:
             cache, bound = self._resolver.cache_dir, self.config.disk_cache_bytes
-            self.disk = DiskTier(cache, bound, self.metrics, self._needed, self.store)
+            self.disk = DiskTier(cache, bound, self.metrics, self._needed.view, self.store)
         self._disk_files = DiskFiles(self._resolver, self.disk, self.metrics)
 
     def register(self, ref: str, adapter_id: str | None = None, refresh: bool = False) -> RegisterResult:
@@ -100,16 +102,13 @@ class AdapterRegistry:
                 if previous is not None and previous.digest == files.digest:
                     record = replace(previous, ref=parsed, files=files, disk_bytes=files.nbytes())
                     self._persist(record)
-                    with self._lock:
-                        self._records[adapter_id] = record
+                    self._publish(adapter_id, record)
                     self._disk_files.used(record, files.downloaded_bytes > 0)
                     return RegisterResult(record, "unchanged", None, download_s, 0.0, files.downloaded_bytes)
                 record, prepared, prepare_s = self._load(adapter_id, parsed, files)
                 record = replace(record, generation=next(self._generations))
                 self._persist(record, keep_pin=previous is not None)
-                with self._lock:
-                    self._records[adapter_id] = record
-                    self._unrestored.pop(adapter_id, None)
+                self._publish(adapter_id, record)
             if prepared.complete:  # DoRA / trainable tokens before a model is attached: prepared at first use
                 self.host.put((adapter_id, record.digest), prepared)
             if previous is not None:
@@ -132,9 +131,7 @@ class AdapterRegistry:
                 raise AdapterNotFoundError(adapter_id, "not registered")
             if self.store is not None:
                 self.store.delete(adapter_id)
-            with self._lock:
-                record = self._records.pop(adapter_id, None)
-                self._unrestored.pop(adapter_id, None)
+            record = self._publish(adapter_id, None)
         if record is not None:
             self.host.discard((adapter_id, record.digest))
         return record
@@ -305,9 +302,7 @@ class AdapterRegistry:
                 next(self._generations),
                 config.variant,
             )
-            with self._lock:
-                self._records[row.adapter_id] = record
-                self._unrestored.pop(row.adapter_id, None)
+            self._publish(row.adapter_id, record)
         # the disk bound is enforced once all are restored
         self._disk_files.used(record, files.downloaded_bytes > 0, enforce=False)
         return record
@@ -339,9 +334,17 @@ class AdapterRegistry:
         with lock:
             yield
 
-    def _needed(self) -> set[tuple[str, str]]:
+    def _publish(self, adapter_id: str, record: AdapterRecord | None) -> AdapterRecord | None:
+        """Make `record` the adapter's (None: forget it); returns the one it replaced. Its hub revision is counted
+        needed before it is published, the old one's no more after."""
+        self._needed.count(record, 1, self.disk)
         with self._lock:
-            return {(r.ref.repo_id, r.sha) for r in self._records.values() if r.ref.repo_id is not None}
+            old = self._records.pop(adapter_id, None)
+            if record is not None:
+                self._records[adapter_id] = record
+            self._unrestored.pop(adapter_id, None)
+        self._needed.count(old, -1, self.disk)
+        return old
 
     def close(self) -> None:
         if self.store is not None:

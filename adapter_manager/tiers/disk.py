@@ -15,7 +15,11 @@ and left nothing). With no room — the rest pinned or reserved — a download t
 (`DiskTierFullError`; a prefetch then costs nothing), one that may waits for pins and reservations to go.
 
 Sizes are kept incrementally: each owned repo's folder is read when the tier starts or first owns it, again when a
-download lands in it (`landed`) and after an eviction from it; the rest of the cache is never walked.
+download lands in it (`landed`) and after an eviction from it; the rest of the cache is never walked. So is the
+eviction order (`disk_order.EvictionOrder`): each revision is filed when its repo is read, as needed by a registration
+or not (`needed()`, asked then: it must answer in O(1), as the registry's live view does), moved when it is used
+(`touch`) or when a registration starts or stops pointing at it (`needed_changed`); a pick costs O(log N) at any
+number of owned repos.
 """
 
 from __future__ import annotations
@@ -23,19 +27,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from huggingface_hub import CachedRepoInfo, CachedRevisionInfo, HFCacheInfo
+from huggingface_hub import CachedRepoInfo, HFCacheInfo
 from huggingface_hub.errors import CorruptedCacheException
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import _cache_manager  # _scan_cached_repo: scan_cache_dir's reading of one repo
 
 from ..errors import DiskTierFullError
 from ..metrics import SwapMetrics, Tier
+from .disk_order import EvictionOrder
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +66,9 @@ class OwnershipStore(Protocol):
 class DiskTier:
     """Bounds the bytes of owned adapter repositories in one HF cache directory; thread-safe.
 
-    `needed` tells which (repo_id, sha) revisions registrations point at: revisions nobody needs go first. `store`
-    keeps ownership durable; without one it lives as long as the tier.
+    `needed` tells which (repo_id, sha) revisions registrations point at (cheap to ask: a live view, whose changes
+    are reported with `needed_changed`): revisions nobody needs go first. `store` keeps ownership durable; without
+    one it lives as long as the tier.
     """
 
     def __init__(
@@ -70,7 +76,7 @@ class DiskTier:
         cache_dir: Path,
         capacity_bytes: int,
         metrics: SwapMetrics,
-        needed: Callable[[], set[tuple[str, str]]] = set,
+        needed: Callable[[], Container[tuple[str, str]]] = set,
         store: OwnershipStore | None = None,
     ) -> None:
         if capacity_bytes <= 0:
@@ -87,7 +93,8 @@ class DiskTier:
         self._repos: dict[str, CachedRepoInfo] = {}  # owned repo -> its folder as last read; absent: not cached
         self._on_disk = 0  # the sum of _repos' sizes on disk, kept as they are read
         self._pins: dict[str, int] = {}
-        self._last_used: dict[tuple[str, str], float] = {}
+        self._last_used: dict[tuple[str, str], float] = {}  # revision -> when touched last (survives its eviction)
+        self._order = EvictionOrder()  # every revision of _repos, in eviction order
         self.evicted_bytes = 0
         with self._lock:
             for repo_id in sorted(store.owned_repos(self.cache_dir)) if store is not None else ():
@@ -152,7 +159,13 @@ class DiskTier:
     def touch(self, repo_id: str, sha: str) -> None:
         """Mark a revision used now (LRU order)."""
         with self._lock:
-            self._last_used[(repo_id, sha)] = time.time()
+            self._last_used[(repo_id, sha)] = now = time.time()
+            self._order.touch((repo_id, sha), now)
+
+    def needed_changed(self, repo_id: str, sha: str) -> None:
+        """A registration started or stopped pointing at this revision: file it by what `needed()` says now."""
+        with self._lock:
+            self._order.set_needed((repo_id, sha), (repo_id, sha) in self._needed())
 
     def usage(self) -> DiskUsage:
         with self._lock:
@@ -180,17 +193,12 @@ class DiskTier:
     def _make_room(self, nbytes: int) -> bool:
         """Evict least recently used revisions of unpinned, unreserved repos (ones no registration needs first)
         until `nbytes` more fit under the bound; whether they do. Lock held."""
-        needed: set[tuple[str, str]] | None = None  # asked once a call: an eviction changes no registration
         while self._used() + nbytes > self.capacity_bytes:
             busy = self._pins.keys() | self._reserved.keys()
-            candidates = [(r, rev) for r in self._repos.values() if r.repo_id not in busy for rev in r.revisions]
-            if not candidates:
+            victim = self._order.oldest(busy, self._needed)
+            if victim is None:
                 break
-            needed = self._needed() if needed is None else needed
-            repo, revision = min(
-                candidates, key=lambda c: ((c[0].repo_id, c[1].commit_hash) in needed, self._used_at(*c))
-            )
-            sha = revision.commit_hash
+            repo, sha = self._repos[victim[0]], victim[1]
             info = HFCacheInfo(
                 size_on_disk=repo.size_on_disk,
                 repos=frozenset({repo}),
@@ -225,10 +233,13 @@ class DiskTier:
         self._owned.discard(repo_id)
 
     def _read(self, repo_id: str) -> bool:
-        """Read one owned repo's folder into `_repos`; False when the repo is not in the cache. Lock held."""
+        """Read one owned repo's folder into `_repos` and its revisions into the eviction order; False when the repo
+        is not in the cache. Lock held."""
         path = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
         old = self._repos.pop(repo_id, None)
         self._on_disk -= old.size_on_disk if old is not None else 0
+        for revision in old.revisions if old is not None else ():
+            self._order.remove((repo_id, revision.commit_hash))
         if not path.is_dir():
             return False
         try:
@@ -236,7 +247,9 @@ class DiskTier:
             self._on_disk += info.size_on_disk
         except CorruptedCacheException as err:  # a download under way, or broken by hand: counted as empty
             log.warning("disk tier: %s not counted: %s", repo_id, err)
+            return True
+        needed = self._needed() if info.revisions else ()
+        for revision in info.revisions:  # filed after every other repo's: ties in time go to the repo read first
+            key = (repo_id, revision.commit_hash)
+            self._order.put(key, self._last_used.get(key, revision.last_modified), key in needed)
         return True
-
-    def _used_at(self, repo: CachedRepoInfo, revision: CachedRevisionInfo) -> float:
-        return self._last_used.get((repo.repo_id, revision.commit_hash), revision.last_modified)

@@ -4,10 +4,9 @@
 N small repos in an HF cache layout (a snapshot symlinked to its blob, as huggingface_hub writes them), all owned by a
 `DiskTier` whose bound is one repo short and all needed by a registration; then 50 downloads, each of which must
 evict one: the median and p90 of `DiskTier.downloading`'s time per N. Floor: the eviction's own work (one repo's
-revision deleted through huggingface_hub's cache API, that repo read again), which does not grow with N; what grows
-is the pick of the least recently used revision over the owned repos (the floor: the same with 10 repos). Prints a
-line per N and writes
-out/probe_evictions.json.
+revision deleted through huggingface_hub's cache API, that repo read again), which does not grow with N, measured
+as the same with 10 repos; the pick of the least recently used revision (`tiers/disk_order.py`) should not grow
+either. Prints a line per N and writes out/probe_evictions.json.
 
   .venv/bin/python -m scripts.probes.evictions [--repos 1000,4000,10000]
 """

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU, one process per shard (gloo on loopback): the engine trace of ``_tp_trace`` runs in a
 process of its own as rank 0, which starts the other shards; each loads only its part of every weight and holds its
-section of the adapter pool, rank 0 sends each step and the rows loaded since the last one.
+section of the adapter pool in shared memory, which rank 0 writes each slot load into; rank 0 sends each step.
 
 TP = 2 (KV heads split) and 4 (KV heads replicated: the tiny Llama has 2) with mixed adapters, swaps (5 adapters
 through 2 slots), prefix hits and preemptions, then echo requests, must equal TP = 1, i.e. PEFT: every greedy
@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,48 @@ def test_shards_exit_when_rank_0_is_killed_outright(written, tmp_path):
         assert not any(_alive(pid) for pid in shards), shards
     finally:
         rank0.kill()
+
+
+_ENGINE = """
+import sys
+from pathlib import Path
+from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager.runtime.engine.engine import Engine, EngineConfig
+from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
+workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), 2))
+model = workers.load_model()
+config = AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0, tensor_parallel_size=2)
+manager = AdapterManager(model.config.to_spec("tiny"), config)
+manager.register(sys.argv[2], adapter_id="a")
+Engine(model, manager, EngineConfig(max_batch=2, max_seq_len=32))
+manager.release(manager.acquire(["a"]))
+print(*[p.pid for p in workers.processes], flush=True)
+sys.stdin.readline()
+manager.close()
+workers.close()
+"""
+
+
+def test_each_shards_pool_section_is_shared_memory_that_leaves_no_file(written):
+    """Rank 0 writes each shard's section of a slot load straight into that shard's rows: the shard maps the same
+    file, which is unlinked as soon as every shard has mapped it, so nothing stays in /dev/shm while the processes
+    run or after they stop."""
+    command = [sys.executable, "-c", _ENGINE, str(written[None][0]), str(written["qv"][0])]
+    rank0 = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        shards = [int(pid) for pid in rank0.stdout.readline().split()]
+        assert shards and all(_alive(pid) for pid in shards)
+        name = f"adapter-manager-tp-{rank0.pid}-"
+        for pid in (rank0.pid, *shards):
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped = [line for line in maps if name in line]
+            assert mapped and all(line.rstrip().endswith("(deleted)") for line in mapped), (pid, mapped)
+        assert not list(Path("/dev/shm").glob(name + "*"))
+        rank0.communicate("stop\n", timeout=60)
+        assert rank0.returncode == 0 and not any(_alive(pid) for pid in shards)
+    finally:
+        rank0.kill()
+    assert not list(Path("/dev/shm").glob(name + "*"))
 
 
 def _alive(pid: int) -> bool:
