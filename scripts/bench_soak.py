@@ -29,6 +29,11 @@ population's bytes, --max-pending.
 
   .venv/bin/python -m scripts.bench_soak --quick                    # 500 adapters, 1 minute
   .venv/bin/python -m scripts.bench_soak [--minutes 10] [--adapters 10000] [--keep-population]
+  .venv/bin/python -m scripts.bench_soak --profile-heap ...     # + the soak server's heap: what grows after warm-up
+
+With --profile-heap the soak's server traces its allocations (tracemalloc, --heap-frames frames) and reports its
+malloc arenas and tensors at the soak's start, every --heap-every seconds and once the load stopped
+(scripts/harness/soak_heap.py); the snapshots stay in <--out without .json>-heap/, the diff goes into the JSON.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from scripts.harness.soak_checks import (
 )
 from scripts.harness.soak_churn import Churn
 from scripts.harness.soak_client import Malformed, open_loop
+from scripts.harness.soak_heap import HeapProbe, heap_env, print_heap
 from scripts.harness.soak_population import Population
 from scripts.harness.soak_registrations import Registrations, Version
 from scripts.harness.soak_report import print_table, soak_summary
@@ -161,6 +167,11 @@ def soak(args, server: Server, population: Population, model: Registrations, ord
         series.append((time.perf_counter() - began, *proc_status(server.proc.pid), host))
 
     guard = rss_guard(server, args.rss_limit)
+    heap = HeapProbe(server.url, args.heap_every) if args.profile_heap else None
+    sides = [churn.run, malformed.run]
+    if heap is not None:
+        heap.begin()
+        sides.append(heap.run)
 
     async def sampler(session, stop: asyncio.Event) -> None:
         host = 0.0
@@ -174,15 +185,25 @@ def soak(args, server: Server, population: Population, model: Registrations, ord
             except TimeoutError:
                 pass
 
-    span = open_loop(server.url, answers, args.hang_s, [churn.run, malformed.run, sampler])
+    span = open_loop(server.url, answers, args.hang_s, [*sides, sampler])
     kv = drained(server.url)
     record(prometheus(server.url).get(HOST_TIER, 0.0))
+    if heap is not None:
+        heap.take("end", trim=True)
     listing = asyncio.run(admin_json(server.url, "GET", "/v1/adapters")).data
     full = next((row[0] for row in series if row[3] >= 0.95 * args.host_mib * _MIB), 0.0)
     warm_s = min(max(min(120.0, args.minutes * 20), full), args.minutes * 30)  # the host tier full, at most half-way
     figures, checks = soak_summary(answers, churn, malformed, series, span, kv, listing, model, BASE, warm_s)
     result["soak"] = {**figures, "offered_req_s": n / answers[-1].at, "rate_req_s": rate}
+    if heap is not None:
+        result["heap"] = heap.report(warm_s)
+        print_heap(result["heap"])
     return [*answers, *churn.probes], checks
+
+
+def heap_folder(args) -> Path:
+    """Where --profile-heap's snapshots go: beside --out, kept."""
+    return args.out.with_name(f"{args.out.stem}-heap").resolve()
 
 
 def run(args, cache: Path, work: Path, population: Population, result: dict) -> list[Check]:
@@ -208,7 +229,8 @@ def run(args, cache: Path, work: Path, population: Population, result: dict) -> 
             server.stop()
         hub.clear_requests()
 
-        server, result["restart_s"] = start("soak", checkpoint, soak_options, work / "soak-2.log", env)
+        soak_env = heap_env(env, heap_folder(args), args.heap_frames) if args.profile_heap else env
+        server, result["restart_s"] = start("soak", checkpoint, soak_options, work / "soak-2.log", soak_env)
         try:
             listing = asyncio.run(admin_json(server.url, "GET", "/v1/adapters")).data
             warm(server.url)
@@ -270,6 +292,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("out/bench_soak"), help="population and model (reused)")
     parser.add_argument("--keep-population", action="store_true", help="keep the population and model for next time")
     parser.add_argument("--out", type=Path, default=Path("out/bench_soak.json"))
+    parser.add_argument("--profile-heap", action="store_true", help="the soak server's heap: what grows (see above)")
+    parser.add_argument("--heap-every", type=float, default=60.0, help="seconds between heap shots")
+    parser.add_argument("--heap-frames", type=int, default=1, help="frames kept per traced allocation")
     args = parser.parse_args()
     defaults = {"minutes": (10.0, 1.0), "adapters": (10_000, 500), "burst": (128, 48), "max_pending": (128, 48)}
     for name, (full, quick) in {**defaults, "sample": (300, 120)}.items():

@@ -7,7 +7,8 @@
 Routes: see `openai_routes` (completions, chat, models) and `admin_routes` (adapters, vLLM load/unload), plus
 ``GET /metrics`` (Prometheus text), ``GET /v1/metrics/swaps`` (the manager's JSON snapshot with hit rates, and the
 engine's KV blocks and prefix cache under ``kv``) and
-``GET /health``. Bodies larger than ``max_body_bytes`` get 413 before any route reads them.
+``GET /health``; ``POST /debug/heap`` only with ``ADAPTER_MANAGER_HEAP_PROFILE`` set (`heap_profile`). Bodies
+larger than ``max_body_bytes`` get 413 before any route reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from adapter_manager.prometheus import AdapterManagerCollector
 from ..engine.engine import Engine
 from ..model.tokenizer import Tokenizer
 from .admin_routes import admin_router
+from .heap_profile import HeapProfiler, heap_router
+from .heap_trim import HeapTrimmer
 from .http_errors import error_body, install_handlers
 from .kv_collector import KVCacheCollector
 from .openai_routes import openai_router
@@ -49,7 +52,9 @@ def create_app(engine: Engine, manager: AdapterManager, tokenizer: Tokenizer, co
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        trimmer = HeapTrimmer().start()  # while serving, the C heap's free pages go back to the system
         yield
+        trimmer.stop()
         state.close()
 
     app = FastAPI(title="adapter-manager", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -57,6 +62,9 @@ def create_app(engine: Engine, manager: AdapterManager, tokenizer: Tokenizer, co
     install_handlers(app)
     app.include_router(openai_router(state))
     app.include_router(admin_router(state))
+    if (profiler := HeapProfiler.from_env()) is not None:  # ADAPTER_MANAGER_HEAP_PROFILE: off by default
+        profiler.start()
+        app.include_router(heap_router(profiler, state.check_admin))
 
     registry = CollectorRegistry()
     registry.register(AdapterManagerCollector(manager))
