@@ -42,8 +42,9 @@ class AdapterManager:
         self.spec = spec
         self.config = config or AdapterManagerConfig()
         self.swap_metrics = SwapMetrics()
-        self.registry = AdapterRegistry(spec, self.config.registry_config(), self.swap_metrics)
-        self.pool = SlotPool(spec, self.config.pool_config())
+        layout = self.config.rows.layout(spec)  # derived once: the registry prepares blocks in it, the pool holds it
+        self.registry = AdapterRegistry(spec, self.config.registry_config(), self.swap_metrics, layout)
+        self.pool = SlotPool(spec, self.config.pool_config(), layout)
         self.popularity = FrequencySketch(self.config.sketch) if self.config.admission == "tinylfu" else None
         frequency = self.popularity.estimate if self.popularity is not None else None
         self.allocator = SlotAllocator(
@@ -292,10 +293,11 @@ class AdapterManager:
         """Stop calling a listener given to :meth:`on_prefetched` (a no-op for one not listening)."""
         self.prefetcher.off_done(listener)
 
-    def on_slot_load(self, listener: Callable[[int, torch.Tensor], None]) -> None:
-        """Call ``listener(start_row, block)`` after every host -> slot copy completes, before the slot is published
-        (``block [r, width]``; over N tensor-parallel sections ``[r, N, W_s]``, every section, `RowLayout.block`)."""
-        self.pool.on_load(listener)
+    @property
+    def shared_rows(self) -> str | None:
+        """Where a tensor-parallel shard's process maps the slot pool's rows ``[N, width]`` (CPU over N > 1 shards:
+        each reads its own section, and a slot load is one copy for all); None: the rows are this process's."""
+        return self.pool.shared_rows
 
     def take_prefetch_errors(self) -> dict[str, BaseException]:
         """Every pending prefetch failure by adapter, once (the next request for each retries)."""

@@ -1,4 +1,6 @@
-"""Megatron tensor parallelism's plan: which features of each projection one of N shards holds.
+"""Megatron tensor parallelism's plan: which features of each projection one of N shards holds (the model's and the
+adapter pool's sections alike; how the shards run, one SPMD program or one process each, is
+``runtime.model.shard_plan``'s).
 
 Column-parallel projections (q/k/v, gate/up) split their output features: a shard holds its q heads, its KV heads
 (replicated where KV < N, as vLLM does), its slice of the MLP width; their LoRA keeps A whole and splits B by the same
@@ -14,7 +16,7 @@ linear, since each shard's ``x_s A_sᵀ`` is then a partial sum.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,10 +28,25 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # A split by input features, B whole
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """N-way tensor parallelism (Megatron's split of every projection)."""
+    """N-way tensor parallelism (Megatron's split of every projection). Each field's ``metadata`` is its serve flag
+    (`runtime.cli_args`)."""
 
-    size: int = 1  # N devices (shards); 1: unsharded
-    fully_sharded_loras: bool = False  # the LoRA's A of q/k/v, gate/up and Bt of o, down split too (1/N of each row)
+    size: int = field(
+        default=1,
+        metadata={
+            "flag": "--tensor-parallel-size",
+            "help": "shard the model and the adapter pool{each} over N devices (Megatron; XLA: one SPMD program) "
+            "(%(default)s)",
+        },
+    )  # N devices (shards); 1: unsharded
+    fully_sharded_loras: bool = field(
+        default=False,
+        metadata={
+            "flag": "--fully-sharded-loras",
+            "help": "with --tensor-parallel-size N: split every adapter's A and B N ways too (1/N of the pool per "
+            "device, one all-reduce of the shrink output per linear; default: no LoRA collective; docs/engine.md)",
+        },
+    )  # the LoRA's A of q/k/v, gate/up and Bt of o, down split too (1/N of each row)
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:

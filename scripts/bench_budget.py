@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from huggingface_hub.utils import disable_progress_bars
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
+from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub, RowOptions
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.config import LlamaConfig
@@ -70,7 +70,7 @@ def main() -> None:
         with LocalHub(root / "hub") as hub:
             config = AdapterManagerConfig(
                 max_slots=2,
-                max_rank=64,
+                rows=RowOptions(max_rank=64),
                 host_cache_bytes=max(host_bound, prepared[-1]),
                 disk_cache_bytes=max(disk_bound, file_bytes[-1]),
                 prefetch_popular=args.popular,

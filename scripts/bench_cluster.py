@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub
+from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, RowOptions
 from adapter_manager.runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.model.config import LlamaConfig
@@ -92,7 +92,9 @@ def _run_mode(name: str, args, root: Path, hub: LocalHub, ids: list[str], trace:
     config = ClusterConfig(
         root / "model",
         AdapterManagerConfig(
-            max_slots=args.slots, max_rank=8, hub=HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache")
+            max_slots=args.slots,
+            rows=RowOptions(max_rank=8),
+            hub=HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache"),
         ),
         EngineConfig(max_batch=16, max_seq_len=128),
         ServerConfig(model_name="base", port=0),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.runtime.model.config import LlamaConfig
@@ -37,7 +37,7 @@ VARIANTS = ("cold", "host", "cold_sync")
 def run(model, spec, folders: dict[str, Path], variant: str, args: argparse.Namespace) -> dict:
     config = AdapterManagerConfig(
         max_slots=WARM + COLD,
-        max_rank=COLD_RANK,
+        rows=RowOptions(max_rank=COLD_RANK),
         host_cache_bytes=(WARM + COLD) * spec.max_adapter_bytes(COLD_RANK, 4),
         prefetch_workers=0 if variant == "cold_sync" else 2,
         prefetch_popular=0,

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from huggingface_hub.utils import disable_progress_bars
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub
+from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub, RowOptions
 from adapter_manager.kernels import BackendKind, KernelConfig
 from adapter_manager.runtime.engine.engine import Engine
 from adapter_manager.runtime.model.checkpoint import load_model
@@ -101,7 +101,7 @@ class Bench:
         config = AdapterManagerConfig(
             max_slots="auto",
             slot_memory_bytes=int(self.args.pool_gib * (1 << 30)),
-            max_rank=64,
+            rows=RowOptions(max_rank=64),
             host_cache_bytes=int(self.args.host_gib * (1 << 30)),
             device=self.args.device_obj,
             prefetch_workers=2 if prefetch else 0,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
 from adapter_manager.runtime.model.checkpoint import load_model
@@ -45,7 +45,9 @@ def main() -> None:
         model = load_model(write_checkpoint(root / "model", config), pack_weights=True)
         ids = [f"m{i}" for i in range(SEQS)]
         folders = write_adapters(root, spec, ids, RANKS)
-        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=8, max_rank=64, prefetch_workers=0))
+        manager = AdapterManager(
+            spec, AdapterManagerConfig(max_slots=8, rows=RowOptions(max_rank=64), prefetch_workers=0)
+        )
         try:
             for adapter_id, folder in zip(ids, folders, strict=True):
                 manager.register(str(folder), adapter_id=adapter_id)

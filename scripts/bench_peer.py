@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
@@ -56,7 +56,8 @@ def ours(
     config = LlamaConfig.bench()
     model = load_model(checkpoint)
     manager = AdapterManager(
-        config.to_spec("bench"), AdapterManagerConfig(max_slots=ADAPTERS, max_rank=RANK, prefetch_workers=0)
+        config.to_spec("bench"),
+        AdapterManagerConfig(max_slots=ADAPTERS, rows=RowOptions(max_rank=RANK), prefetch_workers=0),
     )
     ids = [f"a{i}" for i in range(ADAPTERS)]
     for adapter_id, folder in zip(ids, folders, strict=True):

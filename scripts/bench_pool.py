@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import BaseModelSpec, SwapMetrics
+from adapter_manager import BaseModelSpec, RowOptions, SwapMetrics
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import PreparedAdapter
 from adapter_manager.tiers.row_layout import RowLayout
@@ -47,7 +47,10 @@ def main() -> None:
     spec, dtype, max_rank = BaseModelSpec.bench(), torch.float32, 64
     budget = int(args.budget_gib * (1 << 30))
     config = SlotPoolConfig(
-        max_slots="auto", max_rank=max_rank, dtype=dtype, memory_budget_bytes=budget, lora_vectors=args.lora_vectors
+        max_slots="auto",
+        rows=RowOptions(max_rank=max_rank, lora_vectors=args.lora_vectors),
+        dtype=dtype,
+        memory_budget_bytes=budget,
     )
     pool = SlotPool(spec, config)
     width = RowLayout.of(spec).width

@@ -30,7 +30,14 @@ import torch
 from huggingface_hub import HfApi
 from huggingface_hub.utils import get_session
 
-from adapter_manager import AdapterRegistry, BaseModelSpec, HubConfig, RegistryConfig, write_synthetic_adapter
+from adapter_manager import (
+    AdapterRegistry,
+    BaseModelSpec,
+    HubConfig,
+    RegistryConfig,
+    RowOptions,
+    write_synthetic_adapter,
+)
 from adapter_manager.sources.local_hub import LocalHub
 from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
 from scripts.harness import write_json
@@ -102,7 +109,7 @@ def cold_registers(spec, folder: Path, hub: LocalHub, caches: Path, dtype: torch
         (caches / f"write-{dtype}-{i}").write_bytes(data)
         runs["raw_write"].append(time.perf_counter() - start)
         del data  # freed before the next read, as (a) always measured it
-        config = RegistryConfig(max_rank=args.rank, dtype=dtype, host_cache_bytes=1 << 30)
+        config = RegistryConfig(rows=RowOptions(max_rank=args.rank), dtype=dtype, host_cache_bytes=1 << 30)
         registry = AdapterRegistry(spec, config)
         start = time.perf_counter()
         registry.register(str(folder), adapter_id="local")
@@ -123,7 +130,7 @@ def many_registers(spec, repo_ids: list[str], hub: LocalHub, clock: RequestClock
     """(d) `repo_ids` registered by hub ID one after another into one registry and one HF cache `cache`."""
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=cache, progress_bars=False)
     registry = AdapterRegistry(
-        spec, RegistryConfig(max_rank=args.rank, dtype=dtype, host_cache_bytes=1 << 30, hub=hub_config)
+        spec, RegistryConfig(rows=RowOptions(max_rank=args.rank), dtype=dtype, host_cache_bytes=1 << 30, hub=hub_config)
     )
     runs: dict[str, list] = defaultdict(list)
     sequences, request_s = [], defaultdict(list)

@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 
 import adapter_manager
-from adapter_manager import AdapterManager, AdapterManagerConfig, BaseModelSpec, HubConfig, LocalHub, StateStore
+from adapter_manager import (
+    AdapterManager,
+    AdapterManagerConfig,
+    BaseModelSpec,
+    HubConfig,
+    LocalHub,
+    RowOptions,
+    StateStore,
+)
 
 TARGET_S = 5.0
 _GIB = 1 << 30
@@ -36,7 +44,7 @@ def manager_config(work: Path, rank: int, hub: HubConfig) -> AdapterManagerConfi
     """The manager of both runs: a 64 GiB disk bound (the disk tier on, nothing evicted), no prefetch workers."""
     return AdapterManagerConfig(
         max_slots=8,
-        max_rank=rank,
+        rows=RowOptions(max_rank=rank),
         host_cache_bytes=_GIB,
         prefetch_workers=0,
         hub=hub,

@@ -22,7 +22,14 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterRegistry, BaseModelSpec, RegistryConfig, SwapMetrics, write_synthetic_adapter
+from adapter_manager import (
+    AdapterRegistry,
+    BaseModelSpec,
+    RegistryConfig,
+    RowOptions,
+    SwapMetrics,
+    write_synthetic_adapter,
+)
 from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import ModuleWeights, PreparedAdapter
@@ -44,11 +51,11 @@ def _sync(device: torch.device) -> None:
 
 def bench_rank(spec: BaseModelSpec, rank: int, slots: int, repeats: int, device: torch.device, root: Path) -> dict:
     folder = write_synthetic_adapter(root / f"r{rank}", spec, r=rank, lora_alpha=2 * rank)
-    config = RegistryConfig(max_rank=rank, host_cache_bytes=1 << 31, pin_memory=device.type == "cuda")
+    config = RegistryConfig(rows=RowOptions(max_rank=rank), host_cache_bytes=1 << 31, pin_memory=device.type == "cuda")
     registry = AdapterRegistry(spec, config)
     registry.register(str(folder))
     prepared = registry.prepared(folder.name)
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, max_rank=rank, device=device))
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, rows=RowOptions(max_rank=rank), device=device))
     source = torch.empty(prepared.storage.numel(), dtype=prepared.dtype, pin_memory=device.type == "cuda")
     source.copy_(prepared.storage.view(-1))
     target = torch.empty((slots, source.numel()), dtype=source.dtype, device=device)  # rotates like the slots
@@ -103,7 +110,7 @@ def trace(args: argparse.Namespace, prefetch: bool) -> dict:
     generator = torch.Generator().manual_seed(0)
     queue = [ids[i] for i in torch.multinomial(weights, args.steps * args.batch, True, generator=generator)]
     metrics = SwapMetrics()
-    pool = SimulatedPool(spec, SlotPoolConfig(max_slots=8, max_rank=rank))
+    pool = SimulatedPool(spec, SlotPoolConfig(max_slots=8, rows=RowOptions(max_rank=rank)))
     allocator = SlotAllocator(pool, fetch, lambda adapter_id: rank, metrics)
     prefetcher = Prefetcher(lambda a, *_: fetch(a) is not None, allocator, PrefetchConfig(workers=2, depth=16))
     try:

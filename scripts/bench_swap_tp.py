@@ -3,10 +3,10 @@
     .venv/bin/python -m scripts.bench_swap_tp [--shape tiny|bench] [--tp 2] [--swaps 60] [--fully-sharded-loras]
 
 Six rank-8 adapters (every projection) cycle through 2 slots of an engine that runs no step, so every acquire is a
-host -> slot load: at TP 1 one copy of the adapter's block into the pool; at TP N rank 0's copy into its pool plus
-each other shard's section copied by rank 0 straight into that shard's rows (shared memory), before the slot is
-published. Medians over ``--swaps`` (the first 6 dropped). Floors printed beside: one ``copy_`` of the whole block
-(TP 1's bytes; at TP N the sections together are about as many bytes) and of one section (each other shard's part).
+host -> slot load: at TP 1 one copy of the adapter's block into the pool; at TP N rank 0's one copy of the sectioned
+block into the pool's rows, which live in shared memory that every shard maps (each reads its own section), before
+the slot is published. Medians over ``--swaps`` (the first 6 dropped). Floors printed beside: one ``copy_`` of the
+whole block (TP 1's bytes; at TP N the sections together are about as many bytes) and of one section.
 """
 
 from __future__ import annotations
@@ -61,28 +61,28 @@ def main() -> None:
           f"({one['block_bytes'] / 2**20:.2f} MiB) {one['copy_ms']['block']:.3f} ms")  # fmt: skip
     print(f"TP {args.tp}: host -> slot p50 {many['swap_ms']:.3f} ms = {many['swap_ms'] / one['swap_ms']:.2f}x TP 1, "
           f"{many['swap_ms'] / one['copy_ms']['block']:.2f}x one copy_ of the block | a section "
-          f"{many['section_bytes'] / 2**20:.2f} MiB, one copy_ of it {many['copy_ms']['section']:.3f} ms (rank 0 "
-          f"copies each other shard's into that shard's shared rows)")  # fmt: skip
+          f"{many['section_bytes'] / 2**20:.2f} MiB, one copy_ of it {many['copy_ms']['section']:.3f} ms (every shard "
+          f"maps the pool's shared rows: no copy per shard)")  # fmt: skip
     write_json(args.out, {"shape": args.shape, "tp": args.tp, "fully_sharded_loras": args.fully_sharded_loras,
                           "results": {str(k): v for k, v in results.items()}})  # fmt: skip
 
 
 def _measure(work: Path, spec, tp: int, args: argparse.Namespace) -> dict:  # noqa: ANN001
-    from adapter_manager import AdapterManager, AdapterManagerConfig
+    from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, TensorParallel
     from adapter_manager.runtime.engine.engine import Engine, EngineConfig
     from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
     from adapter_manager.runtime.model.checkpoint import load_model
 
     workers = start_shard_workers(ShardLaunch(work / "base", tp)) if tp > 1 else None
     model = workers.load_model() if workers else load_model(work / "base", torch.float32, torch.device("cpu"))
+    tensor_parallel = TensorParallel(tp, fully_sharded_loras=args.fully_sharded_loras and tp > 1)
     manager = AdapterManager(spec, AdapterManagerConfig(
-        max_slots=2, max_rank=RANK, prefetch_workers=0, tensor_parallel_size=tp,
-        fully_sharded_loras=args.fully_sharded_loras and tp > 1,
+        max_slots=2, rows=RowOptions(max_rank=RANK, tensor_parallel=tensor_parallel), prefetch_workers=0,
     ))  # fmt: skip
     try:
         for i in range(ADAPTERS):
             manager.register(str(work / f"a{i}"), adapter_id=f"a{i}")
-        Engine(model, manager, EngineConfig(max_batch=2, max_seq_len=32))  # rank 0's channel listens to slot loads
+        Engine(model, manager, EngineConfig(max_batch=2, max_seq_len=32))  # the shards map the pool's rows
         turn = iter(range(10**9))
         swap = _median_ms(lambda: manager.release(manager.acquire([f"a{next(turn) % ADAPTERS}"])), args.swaps)
         block = manager.registry.prepared("a0").storage

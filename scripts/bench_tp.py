@@ -92,7 +92,13 @@ def _run(args: argparse.Namespace, work: Path) -> None:
 
     import torch
 
-    from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+    from adapter_manager import (
+        AdapterManager,
+        AdapterManagerConfig,
+        RowOptions,
+        TensorParallel,
+        write_synthetic_adapter,
+    )
     from adapter_manager.runtime.engine.engine import Engine, EngineConfig
     from adapter_manager.runtime.engine.sampling import SamplingParams
     from adapter_manager.runtime.engine.scheduler import SchedulerConfig
@@ -124,7 +130,8 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         dtype = torch.float32
     write_random_checkpoint(config, work / "base", dtype=dtype)
     if on_xla:
-        model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel_size=args.tp)
+        plan = TensorParallel(args.tp, args.fully_sharded_loras)
+        model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel=plan)
     else:
         workers = start_shard_workers(ShardLaunch(work / "base", args.tp, dtype))
         model = workers.load_model()
@@ -133,8 +140,8 @@ def _run(args: argparse.Namespace, work: Path) -> None:
     manager = AdapterManager(
         spec,
         AdapterManagerConfig(
-            max_slots=args.tokens, max_rank=16, device=device, dtype=dtype, prefetch_workers=0,
-            tensor_parallel_size=args.tp, host_cache_bytes=1 << 36, fully_sharded_loras=args.fully_sharded_loras,
+            max_slots=args.tokens, device=device, dtype=dtype, prefetch_workers=0, host_cache_bytes=1 << 36,
+            rows=RowOptions(max_rank=16, tensor_parallel=TensorParallel(args.tp, args.fully_sharded_loras)),
         ),
     )  # fmt: skip
     for i in range(args.tokens):

@@ -21,7 +21,7 @@ from adapter_manager.kernels.layer_ops import (
     quantize_weight,
     unpack_weight,
 )
-from adapter_manager.kernels.linear_lora import LinearLoRA, ProcessShard, Stacks
+from adapter_manager.kernels.linear_lora import LinearLoRA, LinearShards, ProcessShard, ShardForm, ShardHooks, Stacks
 from adapter_manager.kernels.meta import LoRAKernelMeta
 from adapter_manager.kernels.ops import apply_parts, expand, shrink, shrink_parts
 from adapter_manager.kernels.platform import Platform, platform_for
@@ -48,6 +48,7 @@ __all__ = [
     "LayerKernels",
     "LinearExecutor",
     "LinearLoRA",
+    "LinearShards",
     "LinearStep",
     "LinearWeight",
     "LoRAForm",
@@ -57,6 +58,8 @@ __all__ = [
     "Platform",
     "ProcessShard",
     "Segment",
+    "ShardForm",
+    "ShardHooks",
     "SlotGrouping",
     "Stacks",
     "TracedExecutor",

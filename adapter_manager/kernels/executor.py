@@ -103,12 +103,12 @@ class LinearExecutor:
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
     ) -> torch.Tensor:
-        if lora.shards > 1:
+        if lora.shards.local > 1:
             raise ValueError(
-                f"a linear sharded {lora.shards} ways runs on a traced backend (one SPMD program); "
-                f"{type(self).__name__} runs one device's shard"
+                f"a linear holding {lora.shards.local} shards side by side runs on a traced backend (one SPMD "
+                f"program); {type(self).__name__} runs one device's shard"
             )
-        if lora.fully_sharded:  # one process per shard: this process's section, its shrinks summed over the group
+        if lora.shards.fully_sharded:  # one process per shard: this process's section, its shrinks summed over them
             return process_fully_sharded(x, weight, lora, meta, step.kernels.linear)
         if meta.fused:  # the backend applies each group's LoRA in one call, onto the base output
             y = step.kernels.linear(x, weight)
@@ -165,7 +165,7 @@ class TracedExecutor(LinearExecutor):
     def _with_lora(
         self, x: torch.Tensor, weight: LinearWeight, lora: LinearLoRA, meta: LoRAKernelMeta, step: LinearStep
     ) -> torch.Tensor:
-        if lora.shards > 1:
+        if lora.shards.local > 1:
             return sharded_linear(x, weight, lora, meta, step.kernels.linear, self.backend)
         y = step.kernels.linear(x, weight)
         if len(lora.out_features) == 1:

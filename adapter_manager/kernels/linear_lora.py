@@ -3,8 +3,8 @@ the groups one ``apply_parts`` (or one-call) form takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
@@ -27,6 +27,9 @@ class Stacks(Protocol):
 class ShardHooks(Protocol):
     """The SPMD program's marks a sharded linear needs (``adapter_manager.spmd.Shards``)."""
 
+    size: int
+    """N, the devices the program's tensors are split over."""
+
     def pin(self, tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
         """``tensor`` marked split along ``dim`` over the devices (None: whole on every device); returns it."""
         ...
@@ -42,7 +45,7 @@ class ShardHooks(Protocol):
 
 
 class ProcessShard(Protocol):
-    """This process's place in a group of processes, one per shard (``runtime.model.shard_group.ShardGroup``)."""
+    """This process's place in a group of processes, one per shard (``runtime.model.shard_plan.ShardGroup``)."""
 
     rank: int
     size: int
@@ -50,6 +53,60 @@ class ProcessShard(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the shards, in place; returns it."""
         ...
+
+
+ShardForm = Literal["none", "spmd", "processes"]
+
+
+@dataclass(frozen=True)
+class LinearShards:
+    """How one linear's tensors are split over N tensor-parallel shards, made once by the model's shard plan
+    (``runtime.model.shard_plan.ShardPlan.linear``); ``LinearShards()``: unsharded.
+
+    Example, o_proj over 2 devices in one SPMD program: ``LinearShards(row_parallel=True, spmd=marks)`` (``marks.size``
+    2): ``local`` 2, its input and ``A`` split by input features, ``Bt`` whole. The same layer with one process per
+    shard: ``LinearShards(row_parallel=True, process=group)``: ``local`` 1, the process holds its own features alone.
+    """
+
+    row_parallel: bool = False
+    """The linear's input is split (o, down): ``A`` by input features and ``Bt`` whole, the shards' partial outputs
+    summed (one all-reduce); False: column-parallel (q/k/v, gate/up), ``A`` whole and ``Bt`` by output features."""
+    fully_sharded: bool = False
+    """``A`` (column-parallel) and ``Bt`` (row-parallel) split too, one ``1/N`` of each row per shard; the shards'
+    shrink outputs are summed (one all-reduce per linear, each token's ``[r]`` a part). Needs N > 1."""
+    spmd: ShardHooks | None = None
+    """One SPMD program over ``spmd.size`` devices: its marks (pin an intermediate's sharding, run a backend's kernels
+    per shard); the linear's tensors hold the N shards side by side."""
+    process: ProcessShard | None = None
+    """One process per shard: this process's place (its rank, the group's all-reduce); the linear's tensors hold its
+    shard alone."""
+
+    def __post_init__(self) -> None:
+        if self.spmd is not None and self.process is not None:
+            raise ValueError("a linear's shards run in one SPMD program or one process each, not both")
+        if self.fully_sharded and self.size == 1:
+            raise ValueError("fully_sharded splits A and Bt over N > 1 shards; this linear is unsharded")
+
+    @property
+    def form(self) -> ShardForm:
+        """How the shards run: none (unsharded), one SPMD program, one process per shard."""
+        if self.spmd is not None:
+            return "spmd"
+        return "none" if self.process is None else "processes"
+
+    @property
+    def size(self) -> int:
+        """N, the shards."""
+        if self.spmd is not None:
+            return self.spmd.size
+        return 1 if self.process is None else self.process.size
+
+    @property
+    def local(self) -> int:
+        """S, the shards this process's tensors hold side by side: N in one SPMD program (the linear's output is then
+        shard-major, ``[T, S, sum(out) / S]``, and every part's rows ``A [N, S, in_s]``, ``Bt [N, S, out_s]``), else
+        1."""
+        return self.size if self.spmd is not None else 1
 
 
 class FusedParts(NamedTuple):
@@ -131,23 +188,10 @@ class LinearLoRA:
     """Shrink a fused run's parts in one call (False: one shrink per part; benchmarks compare the two)."""
     one_call: bool = True
     """Offer the backend the base matmul and the LoRA as one call (False: the base matmul, then the step's form)."""
-    shards: int = 1
-    """S, the tensor-parallel shards the linear's tensors hold side by side (one SPMD program over S devices): its
-    output is shard-major (``[T, S, sum(out) / S]``, each shard's parts together) and every part's rows are
-    ``A [N, S, in_s]``, ``Bt [N, S, out_s]``. 1: unsharded."""
-    row_parallel: bool = False
-    """With S > 1: the linear's input is sharded (o, down), A by input features and Bt whole, and the shards' partial
-    outputs are summed (one all-reduce); False: column-parallel (q/k/v, gate/up), A whole and Bt by output features."""
-    fully_sharded: bool = False
-    """With S > 1: A (column-parallel) and Bt (row-parallel) are split too, ``A [N, S, in/S]``, ``Bt [N, S, out/S]``;
-    the shards' shrink outputs are summed (one all-reduce per linear, each token's ``[r]`` a part). With
-    ``process``: this process's section of them, ``A [N, in/G]`` or ``Bt [N, out/G]`` over G processes."""
-    process: ProcessShard | None = None
-    """One process per shard, fully sharded (S = 1 here, the process's own section): where the shrink outputs are
-    summed (``kernels.sharded.process_fully_sharded``)."""
-    spmd: ShardHooks | None = None
-    """With S > 1: the SPMD program's marks (``adapter_manager.spmd.Shards``): pin an intermediate's sharding, run a
-    backend's kernels per shard; None: the partitioner places everything (the laned form only)."""
+    shards: LinearShards = field(default_factory=LinearShards)
+    """How the linear is split over the tensor-parallel shards (:class:`LinearShards`; the default: unsharded). With
+    ``shards.fully_sharded`` and one process per shard the parts' rows are this process's section of them,
+    ``A [N, in/G]`` or ``Bt [N, out/G]`` over G processes (``kernels.sharded.process_fully_sharded``)."""
     vector_groups: tuple[tuple[slice, torch.Tensor], ...] = ()
     """Eager devices: the parts' vector rows joined where adjacent in the pool (q|k|v, gate|up are), each as (the
     group's columns of the output, a ``[S + 1, columns]`` view): one gather or add per group, not per part."""
@@ -162,11 +206,7 @@ class LinearLoRA:
         parts: tuple[Stacks | None, ...],
         fuse_shrink: bool,
         one_call: bool,
-        shards: int = 1,
-        row_parallel: bool = False,
-        fully_sharded: bool = False,
-        spmd: ShardHooks | None = None,
-        process: ProcessShard | None = None,
+        shards: LinearShards | None = None,
         keeps_views: bool = True,
     ) -> LinearLoRA:
         """``keeps_views``: views of the pool kept across steps stay views (eager devices: the platform's
@@ -181,11 +221,11 @@ class LinearLoRA:
         )
         unit = all(g.a_parts.stride(2) == 1 and all(b.stride(1) == 1 for b in g.bt_parts) for g in groups)
         vectors = _vector_groups(out_features, parts) if keeps_views else ()
-        flags = (fuse_shrink, one_call, shards, row_parallel, fully_sharded)
         args = None
         if vectors and all(v.stride(1) == 1 for _, v in vectors):
             args = (tuple(v for _, v in vectors), tuple(c.start for c, _ in vectors))
-        return cls(out_features, parts, fused, groups, kernel_groups, unit, *flags, process, spmd, vectors, args)
+        split = shards or LinearShards()
+        return cls(out_features, parts, fused, groups, kernel_groups, unit, fuse_shrink, one_call, split, vectors, args)
 
 
 def _groups(

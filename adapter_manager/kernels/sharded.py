@@ -10,7 +10,7 @@ Semantics (S shards, every part's rows ``A [N, S, in_s]``, ``Bt [N, S, out_s]``,
         y = sum over s of (x_s @ W_s.T + lanes(x_s @ A[:, s].T) @ Bt[:, s])   # partials joined, then ONE sum
 
 The sum over s is the layer's one all-reduce: the LoRA joins the base before it, so it adds no collective. Fully
-sharded (:attr:`LinearLoRA.fully_sharded`): each shard's A covers its slice of the input, so the shrink outputs
+sharded (:attr:`LinearShards.fully_sharded`): each shard's A covers its slice of the input, so the shrink outputs
 ``h = sum over s of x_s @ A[:, s].T`` (each token's own [r] per part, every part at once) are one all-reduce per
 linear; then
 column-parallel shards expand their output columns as above, and row-parallel ones their hidden slice of the output
@@ -41,20 +41,21 @@ def sharded_linear(
     base: Callable[[torch.Tensor, LinearWeight], torch.Tensor],
     backend: object,
 ) -> torch.Tensor:
-    """The module docstring's semantics; ``base`` is the device's matmul (``x @ W.T``), ``backend`` the step's.
-    Shape: x [T, in]; returns a new [T, sum(out)]."""
-    tokens, shards = x.shape[0], lora.shards
-    per_shard = getattr(backend, "per_shard", False) and lora.spmd is not None
-    form = _PerShard(lora.spmd, backend, meta) if per_shard else _Laned(meta)  # type: ignore[arg-type]
+    """The module docstring's semantics over ``lora.shards`` (one SPMD program: its marks); ``base`` is the device's
+    matmul (``x @ W.T``), ``backend`` the step's. Shape: x [T, in]; returns a new [T, sum(out)]."""
+    split, tokens = lora.shards, x.shape[0]
+    marks, shards = split.spmd, split.local
+    assert marks is not None, "sharded_linear runs the linears of one SPMD program"
+    form = _PerShard(marks, backend, meta) if getattr(backend, "per_shard", False) else _Laned(meta)
     with_lora = [index for index, stacks in enumerate(lora.parts) if stacks is not None]
-    if lora.row_parallel:
+    if split.row_parallel:
         x3 = x.view(tokens, shards, -1)  # [T, S, in_s]
         w3 = weight.tensor.view(weight.tensor.shape[0], shards, -1)  # [out, S, in_s]
         y3 = torch.einsum("tsi,osi->tso", x3, w3)  # the shards' partial outputs
         if not with_lora:
             return y3.sum(dim=1)
         stacks = lora.parts[0]
-        if not lora.fully_sharded:
+        if not split.fully_sharded:
             return form.lanes(y3, x3, stacks).sum(dim=1)  # x3 split: each shard its input features
         (h,) = form.summed_shrinks(x3, [stacks])
         z = form.expand(h, stacks, y3.new_zeros(tokens, shards, y3.shape[2] // shards))  # [T, S, hidden / S]
@@ -65,10 +66,10 @@ def sharded_linear(
         return y4.sum(dim=1).reshape(tokens, -1)
     y3 = base(x, weight).view(tokens, shards, -1)  # [T, S, sum(out_s)]
     pieces = list(y3.split([out // shards for out in lora.out_features], dim=2))
-    if lora.fully_sharded:
+    if split.fully_sharded:
         # Pinned whole on every device, each reading its slice: left to the partitioner, the slices the shrink reads
         # split the norm and the residual by hidden, and x was all-gathered before every column-parallel linear.
-        x = x if lora.spmd is None else lora.spmd.pin(x, None)
+        x = marks.pin(x, None)
         hs = form.summed_shrinks(x.view(tokens, shards, -1), [lora.parts[index] for index in with_lora])
         for index, h in zip(with_lora, hs, strict=True):
             pieces[index] = form.expand(h, lora.parts[index], pieces[index])
@@ -85,7 +86,7 @@ def process_fully_sharded(
     meta: LoRAKernelMeta,
     base: Callable[[torch.Tensor, LinearWeight], torch.Tensor],
 ) -> torch.Tensor:
-    """One process's shard of a fully sharded linear (one process per shard, ``lora.process`` of G): the module
+    """One process's shard of a fully sharded linear (one process per shard, ``lora.shards.process`` of G): the module
     docstring's semantics on this process's section, the shrink outputs summed over the processes (one all-reduce per
     linear, every part's together); a row-parallel output's LoRA goes into this process's hidden slice of its
     partial output, which the layer's all-reduce then joins.
@@ -93,17 +94,18 @@ def process_fully_sharded(
     Shape: x [T, in] (column-parallel: the whole input, this process's A covers its slice ``in / G``; row-parallel:
     this process's input features); returns a new [T, sum(out)].
     """
-    group = lora.process
-    assert group is not None
+    split = lora.shards
+    group = split.process
+    assert group is not None and split.fully_sharded, "process_fully_sharded runs a fully sharded linear's process"
     y = base(x, weight)
     with_lora = [index for index, stacks in enumerate(lora.parts) if stacks is not None]
-    if not lora.row_parallel:
+    if not split.row_parallel:
         width = x.shape[1] // group.size
         x = x[:, group.rank * width : (group.rank + 1) * width].contiguous()
     hs = [shrink(x, lora.parts[index].a, meta) for index in with_lora]  # type: ignore[union-attr]
     joined = group.all_reduce(torch.cat(hs, dim=1) if len(hs) > 1 else hs[0])
     hs = list(joined.split([h.shape[1] for h in hs], dim=1))
-    if lora.row_parallel:
+    if split.row_parallel:
         width = y.shape[1] // group.size
         own = y[:, group.rank * width : (group.rank + 1) * width]  # zero in the other processes' partial outputs
         expand(own, hs[0], lora.parts[0].bt, meta, accumulate=True)  # type: ignore[union-attr]

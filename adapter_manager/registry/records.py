@@ -10,11 +10,11 @@ from typing import Literal
 
 import torch
 
-from ..base_model import MAX_RANK, ModuleKey
+from ..base_model import ModuleKey
 from ..errors import InvalidAdapterRefError
-from ..sharding import TensorParallel
 from ..sources.hub import AdapterFiles, AdapterRef, HubConfig
 from ..sources.peft_format import ModuleLora, Variant
+from ..tiers.row_layout import RowOptions
 
 _ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/-]{0,199}")
 _GIB = 1 << 30
@@ -32,7 +32,6 @@ def check_adapter_id(adapter_id: str) -> str:
 class RegistryConfig:
     """How adapters are accepted and prepared."""
 
-    max_rank: int = MAX_RANK  # R: highest LoRA rank accepted
     dtype: torch.dtype = torch.float32  # serving dtype of prepared weights
     host_cache_bytes: int = 2 * _GIB  # byte bound of the host tier
     base_model_mismatch: Literal["warn", "refuse"] = "warn"  # adapter trained on another base model
@@ -41,28 +40,20 @@ class RegistryConfig:
     hub: HubConfig = field(default_factory=HubConfig)  # how hub refs are downloaded
     state_dir: Path | None = None  # if set, registrations are kept durably here and restored by `restore()`
     disk_cache_bytes: int | None = None  # if set, bound on the bytes of this registry's repos in the HF cache
-    tensor_parallel_size: int = 1  # N: prepared blocks hold N sections, one per device's shard (RowLayout.of)
-    lora_vectors: bool = True  # accept variants with a per-output vector (DoRA, lora_bias): the pool has vector rows
-    lora_vocab: bool = False  # accept embedding / lm_head LoRA and trainable tokens: the rows' vocabulary columns
-    fully_sharded_loras: bool = False  # N > 1: the sections split every A and Bt (`sharding.TensorParallel`)
+    rows: RowOptions = field(default_factory=RowOptions)  # R accepted; the sections prepared blocks hold, one per
+    # shard; variants with a vector (DoRA, lora_bias) and vocabulary modules accepted only with their columns
 
     def __post_init__(self) -> None:
         if self.disk_cache_bytes is not None and self.disk_cache_bytes <= 0:
             raise ValueError(f"disk_cache_bytes must be positive, got {self.disk_cache_bytes}")
-        if not isinstance(self.max_rank, int) or self.max_rank <= 0:
-            raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
         if self.base_model_mismatch not in ("warn", "refuse"):
             raise ValueError(f"base_model_mismatch must be 'warn' or 'refuse', got {self.base_model_mismatch!r}")
         if self.host_cache_bytes <= 0:
             raise ValueError(f"host_cache_bytes must be positive, got {self.host_cache_bytes}")
-        TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)  # validates it
-
-    @property
-    def tensor_parallel(self) -> TensorParallel:
-        """The plan prepared blocks' sections follow."""
-        return TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)
+        if not isinstance(self.rows, RowOptions):
+            raise TypeError(f"rows must be a RowOptions (max_rank, tensor_parallel, ...), got {self.rows!r}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..sources.peft_format import Variant
 from ..tiers.disk import DiskTier
 from ..tiers.host import HostTier
 from ..tiers.prepare import PreparedAdapter, check_weights, prepare_adapter
-from ..tiers.row_layout import RowLayout
+from ..tiers.row_layout import RowLayout, checked_layout
 from ..tiers.vectors import BaseWeight
 from .disk_files import DiskFiles
 from .needed import NeededRevisions
@@ -40,21 +40,27 @@ _GIB = 1 << 30
 class AdapterRegistry:
     """Registers adapters by hub ID or local directory, validates them against the base model, prepares them."""
 
-    def __init__(self, spec: BaseModelSpec, config: RegistryConfig | None = None, metrics: SwapMetrics | None = None):
+    def __init__(
+        self,
+        spec: BaseModelSpec,
+        config: RegistryConfig | None = None,
+        metrics: SwapMetrics | None = None,
+        layout: RowLayout | None = None,
+    ):
         self.spec = spec
         self.config = config or RegistryConfig()
         self.metrics = metrics or SwapMetrics()
-        self.layout = RowLayout.of(spec, self.config.tensor_parallel, self.config.lora_vocab)
-        """The row layout prepared blocks are built in: one section per tensor-parallel shard."""
+        self.layout = checked_layout(spec, self.config.rows, layout)
+        """The row layout prepared blocks are built in (the manager's one, its pool's too): one section per shard."""
         self.base_weight: BaseWeight | None = None
         """The served base model's weight of a module (`tiers.vectors.BaseWeight`): what a DoRA adapter's scale and
         trainable tokens' rows are prepared from; None until a model is attached
         (`AdapterManager.attach_base_weights`)."""
-        largest = self.config.max_rank * self.layout.row_bytes(self.config.dtype)
+        largest = self.config.rows.max_rank * self.layout.row_bytes(self.config.dtype)
         if self.config.host_cache_bytes < largest:
             raise ValueError(
                 f"host_cache_bytes ({self.config.host_cache_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
-                f"max_rank {self.config.max_rank} targeting every module ({largest / _GIB:.3f} GiB)"
+                f"max_rank {self.config.rows.max_rank} targeting every module ({largest / _GIB:.3f} GiB)"
             )
         self.host = HostTier(self.config.host_cache_bytes, self.metrics)
         self._resolver = HubResolver(self.config.hub)

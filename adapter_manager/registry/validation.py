@@ -28,21 +28,21 @@ def read_config(
         adapter_config = LoraAdapterConfig.from_dict(json.loads(source), adapter_id)
     else:
         adapter_config = LoraAdapterConfig.from_file(source.config_path, adapter_id)
-    variant = adapter_config.variant
-    if variant.vector is not None and not config.lora_vectors:
+    variant, rows = adapter_config.variant, config.rows
+    if variant.vector is not None and not rows.lora_vectors:
         raise UnsupportedAdapterError(
             adapter_id, f"a {variant.value} adapter needs the pool's vector rows, which this server has off "
             "(lora_vectors=False, --no-lora-vectors)"
         )  # fmt: skip
-    if variant.vector is not None and config.tensor_parallel_size > 1:
+    if variant.vector is not None and rows.tensor_parallel.size > 1:
         raise UnsupportedAdapterError(
-            adapter_id, f"a {variant.value} adapter with tensor_parallel_size {config.tensor_parallel_size} is not "
+            adapter_id, f"a {variant.value} adapter with tensor_parallel_size {rows.tensor_parallel.size} is not "
             "built (its vector joins after the row-parallel all-reduce)"
         )  # fmt: skip
     warnings = check_base_model(adapter_id, adapter_config.base_model_name_or_path, spec, config, quiet)
-    modules = adapter_config.resolve(spec, adapter_id, config.max_rank)
+    modules = adapter_config.resolve(spec, adapter_id, rows.max_rank)
     vocab = [key.proj for key in modules if key.is_vocab]
-    if vocab and not config.lora_vocab:
+    if vocab and not rows.lora_vocab:
         what = " and ".join(f"{name} {'trainable tokens' if modules[ModuleKey.vocab(name)].tokens else 'LoRA'}"
                             for name in vocab)  # fmt: skip
         raise UnsupportedAdapterError(

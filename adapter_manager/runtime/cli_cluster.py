@@ -6,9 +6,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from .cli_args import add_serving_options
 from .cli_exit import OK, USAGE_ERROR, fail
 from .cli_serve import model_folder
+from .options import ServeOptions, add_serving_options
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -60,7 +60,6 @@ def _run_cluster(args: argparse.Namespace, folder: Path, name: str) -> int:
     import threading
 
     from .cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster
-    from .options import ServeOptions
 
     try:
         configs = ServeOptions.from_args(args, name, replica=True).configs(folder)

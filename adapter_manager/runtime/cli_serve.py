@@ -9,8 +9,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .cli_args import add_serving_options, parse_bytes
 from .cli_exit import OK, USAGE_ERROR, fail
+from .options import ServeOptions, add_serving_options, model_source
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -21,45 +21,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/models, the adapter admin API (/v1/adapters), vLLM's /v1/load_lora_adapter, "
         "/metrics and /health. Stop with Ctrl-C or SIGTERM (exit 0).",
     )
-    add_serving_options(serve, replica=False)
-    serve.add_argument(
-        "--pool-bytes", type=parse_bytes, default=None, help="size the adapter pool in bytes instead, e.g. 1GiB"
-    )
-    serve.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="serving dtype (auto: the checkpoint's torch_dtype, float32 where it names none)",
-    )
-    serve.add_argument(
-        "--quantize",
-        choices=("none", "int8"),
-        default="none",
-        help="int8: hold the base model's projection weights (and an untied lm_head) weight-only int8, one scale "
-        "per output row; adapters stay in the serving dtype",
-    )
-    serve.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503 (default 256)")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need a token)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    add_serving_options(serve, replica=False)  # with the serve-only ones: --pool-bytes, --dtype, --port, ...
     serve.add_argument(
         "--adapter",
         action="append",
         default=[],
         metavar="REF[=ID]",
         help="register at start-up (repeatable): hub id or local directory, optionally =the id to serve it as",
-    )
-    serve.add_argument(
-        "--state-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="keep registrations durably in DIR (sqlite3) and restore them at start from the HF cache, offline",
-    )
-    serve.add_argument(
-        "--disk-cache-bytes",
-        type=parse_bytes,
-        default=None,
-        help="bound the adapter files in the HF cache, e.g. 10GiB (least recently used revisions evicted)",
     )
     serve.add_argument("--workdir", type=Path, default=None, help="with --random: where to write it (default: temp)")
     serve.set_defaults(run=run)
@@ -80,7 +48,6 @@ def model_folder(args: argparse.Namespace, random_root: Path, resolve: Callable[
     ``--random`` model gets a tokenizer of its own beside its weights (not the byte-level fallback)."""
     from .model.config import LlamaConfig
     from .model.tokenizer import write_byte_level_tokenizer
-    from .options import model_source
 
     folder, name = model_source(args, random_root, resolve)
     if args.random:
@@ -90,7 +57,6 @@ def model_folder(args: argparse.Namespace, random_root: Path, resolve: Callable[
 
 def _load_and_serve(args: argparse.Namespace) -> int:
     from .model.checkpoint import CheckpointError, CheckpointSource
-    from .options import ServeOptions
     from .server.app import serve
     from .server.launch import build_serving
 

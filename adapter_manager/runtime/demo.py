@@ -20,7 +20,7 @@ import numpy as np
 from huggingface_hub.utils import disable_progress_bars
 from tqdm import tqdm
 
-from adapter_manager import PROJECTIONS, HubConfig, write_synthetic_adapter
+from adapter_manager import PROJECTIONS, HubConfig, RowOptions, TensorParallel, write_synthetic_adapter
 from adapter_manager.sources.local_hub import LocalHub
 
 from .client import ServerClient, ServerError
@@ -90,12 +90,11 @@ def run_demo(config: DemoConfig | None = None, workdir: Path | None = None) -> i
         configs = ServeOptions(
             name,
             max_slots=config.slots,
-            max_rank=max(_RANKS),
+            rows=RowOptions(max_rank=max(_RANKS), tensor_parallel=TensorParallel(config.tensor_parallel_size)),
             host_cache_bytes=config.host_cache_adapters * one,
             max_seq_len=128,
             port=0,
             max_pending=max(256, 2 * config.clients),
-            tensor_parallel_size=config.tensor_parallel_size,
         ).configs(root / "model")
         with LocalHub(root / "hub") as hub:
             configs.manager.hub = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", progress_bars=False)

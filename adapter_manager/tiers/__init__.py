@@ -7,8 +7,9 @@ from .disk import DiskTier, DiskUsage
 from .host import HostTier
 from .lease import SlotLease, SlotState
 from .prepare import ModuleWeights, PreparedAdapter, prepare_adapter
-from .row_layout import ModuleColumns, RowLayout
+from .row_layout import ModuleColumns, RowLayout, RowOptions
 from .row_space import Block, RowSpace
+from .row_writers import map_shared
 from .slot_pool import SlotPool, SlotPoolConfig, SlotStacks, bytes_needed, units_for
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ModuleWeights",
     "PreparedAdapter",
     "RowLayout",
+    "RowOptions",
     "RowSpace",
     "SlotAllocator",
     "SlotLease",
@@ -28,6 +30,7 @@ __all__ = [
     "SlotStacks",
     "SlotState",
     "bytes_needed",
+    "map_shared",
     "prepare_adapter",
     "units_for",
 ]

@@ -40,11 +40,11 @@ ends with the two vocabulary modules, after the last layer::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..base_model import PROJECTIONS, BaseModelSpec, ModuleKey
+from ..base_model import MAX_RANK, PROJECTIONS, BaseModelSpec, ModuleKey
 from ..sharding import TensorParallel
 
 
@@ -156,3 +156,63 @@ class RowLayout:
     def section_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one device's section of a row."""
         return self.section_width * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """What shapes an adapter's rows, chosen once and handed whole to the manager, the registry and the pool: the
+    highest rank, the tensor-parallel plan the rows' sections follow, and the optional vector and vocabulary columns.
+    :meth:`layout` is the one `RowLayout` they share. Each field's ``metadata`` is its serve flag (the CLI is made
+    from it: `runtime.cli_args`)."""
+
+    max_rank: int = field(
+        default=MAX_RANK, metadata={"flag": "--max-rank", "help": "highest LoRA rank accepted, R (default %(default)s)"}
+    )  # R: an adapter takes pool rows in proportion to its own rank, at most R
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)  # N sections per row, one per shard
+    lora_vectors: bool = field(
+        default=True,
+        metadata={
+            "flag": "--no-lora-vectors",
+            "dest": "lora_vectors",
+            "help": "no vector row per adapter slot (1/(2 x granule) of the pool's memory); DoRA and lora_bias "
+            "adapters are then refused (default: served, docs/pool.md)",
+        },
+    )  # a vector row per slot: DoRA's scale and LoRA's bias served (not built with N > 1: no vector rows then)
+    lora_vocab: bool = field(
+        default=False,
+        metadata={
+            "flag": "--lora-vocab",
+            "help": "give every adapter row vocabulary columns (2 x (vocab + hidden) elements more per row): adapters "
+            "with embed_tokens / lm_head LoRA or trainable tokens are then served (default: refused, docs/pool.md)",
+        },
+    )  # the rows' vocabulary columns: embedding / lm_head LoRA and trainable tokens served (N = 1 only)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_rank, int) or isinstance(self.max_rank, bool) or self.max_rank <= 0:
+            raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
+        if not isinstance(self.tensor_parallel, TensorParallel):
+            raise TypeError(f"tensor_parallel must be a TensorParallel, got {self.tensor_parallel!r}")
+        if self.lora_vocab and self.tensor_parallel.size > 1:
+            raise ValueError(f"lora_vocab with tensor_parallel_size {self.tensor_parallel.size} is not built")
+
+    @property
+    def has_vectors(self) -> bool:
+        """Whether the pool keeps vector rows: ``lora_vectors`` without tensor parallelism."""
+        return self.lora_vectors and self.tensor_parallel.size == 1
+
+    def layout(self, spec: BaseModelSpec) -> RowLayout:
+        """The rows' layout over ``spec``: ValueError if ``spec`` does not split ``tensor_parallel.size`` ways."""
+        return RowLayout.of(spec, self.tensor_parallel, self.lora_vocab)
+
+
+def checked_layout(spec: BaseModelSpec, rows: RowOptions, layout: RowLayout | None = None) -> RowLayout:
+    """``layout`` (the one a manager derived from ``rows`` and hands its registry and pool), or for a component built
+    on its own ``rows.layout(spec)``; ValueError if ``layout`` is not ``rows``' layout."""
+    if layout is None:
+        return rows.layout(spec)
+    if layout.tensor_parallel != rows.tensor_parallel or layout.vocab != rows.lora_vocab:
+        raise ValueError(
+            f"a row layout over {layout.tensor_parallel} (vocab {layout.vocab}) for rows over {rows.tensor_parallel} "
+            f"(vocab {rows.lora_vocab})"
+        )
+    return layout

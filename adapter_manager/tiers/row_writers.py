@@ -2,6 +2,9 @@
 itself never asks which device it is on.
 
 - :class:`RowWriter` (CPU): zeros allocated in place; a load is one ``copy_`` into the range.
+- :class:`SharedRowWriter` (CPU over N > 1 tensor-parallel shards, one process each): the same, but the rows live
+  in shared memory (a memfd) that every shard's process maps (:attr:`RowWriter.shared_path`), each reading its own
+  section of every row: a load is rank 0's one copy, seen by every shard, with no copy per shard.
 - :class:`CudaRowWriter`: the host block is pinned (:attr:`RowWriter.pins_host`); a load is one async copy on a side
   stream that first waits for the compute stream's queued work (a kernel still reading the range's previous adapter),
   and the host waits on an event before the allocator publishes the slot.
@@ -14,7 +17,10 @@ itself never asks which device it is on.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
+import weakref
 
 import torch
 
@@ -37,6 +43,9 @@ class RowWriter:
         self.lock = threading.RLock()
         """The device lock (re-entrant: the engine holds it around a whole traced step): what :meth:`write`
         serialises on where the device needs it."""
+        self.shared_path: str | None = None
+        """Where another process of this machine maps the sectioned rows (:class:`SharedRowWriter`); None: the
+        rows are this process's own."""
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, sectioned: bool = False) -> torch.Tensor:
         """A zero tensor on the device; ``sectioned``: each device holds its section of dim 1 (over shards)."""
@@ -62,6 +71,35 @@ class RowWriter:
         if vector is not None:
             assert vectors is not None
             vectors[slot].copy_(vector)
+
+
+class SharedRowWriter(RowWriter):
+    """CPU rows every tensor-parallel shard's process maps: a memfd (anonymous shared memory, gone with its last
+    mapping or descriptor, never a file left behind) whose bytes are reserved when the pool is made, so a full
+    /dev/shm fails here and not at a later write. Other processes open it by :attr:`shared_path`
+    (``/proc/<pid>/fd/<fd>``, which this writer keeps open while it lives) and map it shared."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, sectioned: bool = False) -> torch.Tensor:
+        if not sectioned:
+            return super().zeros(shape, dtype)
+        assert self.shared_path is None, "one shared tensor per writer"
+        nbytes = dtype.itemsize * shape[0] * shape[1]
+        fd = os.memfd_create("adapter-manager-rows", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as err:
+            os.close(fd)
+            raise RuntimeError(f"no room for the {nbytes} B row pool in shared memory: {err}") from err
+        weakref.finalize(self, os.close, fd)
+        self.shared_path = f"/proc/{os.getpid()}/fd/{fd}"
+        return map_shared(self.shared_path, shape, dtype)
+
+
+def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The shared rows at ``path`` (:attr:`RowWriter.shared_path`) mapped into this process: writes from any
+    process mapping them are seen by all."""
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 class CudaRowWriter(RowWriter):
@@ -166,9 +204,12 @@ def check_device(device: torch.device | str) -> None:
 
 
 def row_writer(device: torch.device | str, tensor_parallel: TensorParallel) -> RowWriter:
-    """The row writer of ``device``'s kind (cpu, cuda, xla; anything else refused by name)."""
+    """The row writer of ``device``'s kind (cpu, cuda, xla; anything else refused by name); on CPU over N > 1
+    shards (one process each) the rows are shared memory."""
     check_device(device)
     device = torch.device(device)
+    if device.type == "cpu" and tensor_parallel.size > 1:
+        return SharedRowWriter(device, tensor_parallel)
     return _WRITERS[device.type](device, tensor_parallel)
 
 

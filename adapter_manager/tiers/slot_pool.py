@@ -19,17 +19,17 @@ identity for tokens whose adapter has none).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from ..base_model import MAX_RANK, BaseModelSpec, ModuleKey
+from ..base_model import BaseModelSpec, ModuleKey
 from ..errors import SlotLoadError
 from ..sharding import TensorParallel
 from .prepare import PreparedAdapter
-from .row_layout import RowLayout
+from .row_layout import RowLayout, RowOptions, checked_layout
 from .row_writers import check_device, row_writer
 
 _GIB = 1 << 30
@@ -51,18 +51,14 @@ def bytes_needed(
 
 @dataclass
 class SlotPoolConfig:
-    """Size, granule, dtype and device of the row pool."""
+    """Size, granule, dtype and device of the row pool, and what shapes its rows."""
 
     max_slots: int | Literal["auto"] = 8  # rows for this many adapters at max_rank; "auto": memory_budget_bytes
-    max_rank: int = MAX_RANK  # R: the highest rank one adapter may have
     dtype: torch.dtype = torch.float32  # serving dtype; prepared adapters must match it
     device: torch.device | str = "cpu"  # cpu, cuda[:i] or xla[:i]
     memory_budget_bytes: int | None = None  # with max_slots="auto": device bytes the rows may take
     granule: int | None = None  # rows per unit (slot index step); None: min(8, max_rank)
-    tensor_parallel_size: int = 1  # N: each row in N sections, one per device (XLA: the pool split over the mesh)
-    lora_vectors: bool = True  # a vector row per slot for DoRA's scale and LoRA's bias (not with N > 1: not built)
-    lora_vocab: bool = False  # the rows' vocabulary columns: embedding / lm_head LoRA, trainable tokens (N = 1 only)
-    fully_sharded_loras: bool = False  # N > 1: sections split every A and Bt (1/N of a row each; `sharding`)
+    rows: RowOptions = field(default_factory=RowOptions)  # R, the sections (one per device), vector / vocab columns
 
     def __post_init__(self) -> None:
         if self.max_slots == "auto":
@@ -72,50 +68,39 @@ class SlotPoolConfig:
                 )
         elif not isinstance(self.max_slots, int) or isinstance(self.max_slots, bool) or self.max_slots <= 0:
             raise ValueError(f"max_slots must be a positive int or 'auto', got {self.max_slots!r}")
-        if not isinstance(self.max_rank, int) or self.max_rank <= 0:
-            raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
+        if not isinstance(self.rows, RowOptions):
+            raise TypeError(f"rows must be a RowOptions (max_rank, tensor_parallel, ...), got {self.rows!r}")
+        max_rank = self.rows.max_rank
         if self.granule is None:
-            self.granule = min(8, self.max_rank)
-        if not isinstance(self.granule, int) or not 0 < self.granule <= self.max_rank:
-            raise ValueError(f"granule must be an int in 1..max_rank ({self.max_rank}), got {self.granule!r}")
+            self.granule = min(8, max_rank)
+        if not isinstance(self.granule, int) or not 0 < self.granule <= max_rank:
+            raise ValueError(f"granule must be an int in 1..max_rank ({max_rank}), got {self.granule!r}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
         self.device = torch.device(self.device)
         check_device(self.device)
-        TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)  # validates it
-        if self.lora_vocab and self.tensor_parallel_size > 1:
-            raise ValueError(f"lora_vocab with tensor_parallel_size {self.tensor_parallel_size} is not built")
-
-    @property
-    def tensor_parallel(self) -> TensorParallel:
-        """The plan the rows' sections follow."""
-        return TensorParallel(self.tensor_parallel_size, self.fully_sharded_loras)
-
-    @property
-    def has_vectors(self) -> bool:
-        """Whether the pool keeps vector rows: ``lora_vectors`` without tensor parallelism."""
-        return self.lora_vectors and self.tensor_parallel_size == 1
 
     @property
     def max_units(self) -> int:
         """Units of an adapter at max_rank: the largest block the allocator hands out."""
         assert self.granule is not None
-        return units_for(self.max_rank, self.granule)
+        return units_for(self.rows.max_rank, self.granule)
 
-    def resolve_units(self, spec: BaseModelSpec) -> int:
-        """Units in the pool: ``max_slots`` max-rank blocks, or as many whole max-rank blocks as fit in the budget."""
+    def resolve_units(self, layout: RowLayout) -> int:
+        """Units in the pool: ``max_slots`` max-rank blocks, or as many whole max-rank blocks of ``layout``'s rows
+        (the layout of :attr:`rows`) as fit in the budget."""
         assert self.granule is not None
         if self.max_slots != "auto":
             return self.max_slots * self.max_units
         assert self.memory_budget_bytes is not None
-        vector = RowLayout.of(spec).vector_width * self.dtype.itemsize if self.has_vectors else 0  # one per unit
-        row = RowLayout.of(spec, self.tensor_parallel, self.lora_vocab).row_bytes(self.dtype)
+        vector = layout.vector_width * self.dtype.itemsize if self.rows.has_vectors else 0  # one per unit
+        row = layout.row_bytes(self.dtype)
         block = self.max_units * self.granule * row + self.max_units * vector
         zero_row = row + vector
         if self.memory_budget_bytes < block + zero_row:
             raise ValueError(
                 f"memory_budget_bytes ({self.memory_budget_bytes / _GIB:.3f} GiB) is smaller than one adapter at "
-                f"max_rank {self.max_rank} in {self.dtype} ({block / _GIB:.3f} GiB)"
+                f"max_rank {self.rows.max_rank} in {self.dtype} ({block / _GIB:.3f} GiB)"
             )
         return (self.memory_budget_bytes - zero_row) // block * self.max_units
 
@@ -164,15 +149,18 @@ class SlotPool:
     writer); on XLA loads are serialised, as lazy-tensor tracing of one tensor from two threads is not.
     """
 
-    def __init__(self, spec: BaseModelSpec, config: SlotPoolConfig | None = None) -> None:
+    def __init__(
+        self, spec: BaseModelSpec, config: SlotPoolConfig | None = None, layout: RowLayout | None = None
+    ) -> None:
         self.spec = spec
         self.config = config or SlotPoolConfig()
-        self.tensor_parallel = self.config.tensor_parallel
-        self.layout = RowLayout.of(spec, self.tensor_parallel, self.config.lora_vocab)
+        self.tensor_parallel = self.config.rows.tensor_parallel
+        self.layout = checked_layout(spec, self.config.rows, layout)
+        """The rows' layout: the manager's one (its registry prepares blocks in the same object)."""
         self.granule: int = self.config.granule  # type: ignore[assignment]
-        self.num_units = self.config.resolve_units(spec)
+        self.num_units = self.config.resolve_units(self.layout)
         self.max_units = self.config.max_units
-        self.max_rank = self.config.max_rank
+        self.max_rank = self.config.rows.max_rank
         self.dtype = self.config.dtype
         self.device = torch.device(self.config.device)
         self.num_rows = self.num_units * self.granule + 1  # N, the last one the zero row
@@ -180,11 +168,10 @@ class SlotPool:
         self.rows = self._writer.zeros((self.num_rows, self.layout.width), self.dtype, sectioned=True)  # [N, width]
         self.vectors: torch.Tensor | None = None
         """Shape: [S + 1, vector_width]: slot s's vector row (`row_layout`), the last one zero; None: none kept."""
-        if self.config.has_vectors:
+        if self.config.rows.has_vectors:
             self.vectors = self._writer.zeros((self.num_units + 1, self.layout.vector_width), self.dtype)
         fresh = self._writer.fresh_views
         self._stacks = {k: SlotStacks(self.rows, self.layout, k, self.vectors, fresh) for k in self.layout.columns}
-        self._load_listeners: list[Callable[[int, torch.Tensor], None]] = []
         sizes = [1 << k for k in range(min(self.max_units, self.num_units).bit_length())]  # units of each size class
         self._writer.warm_up(self.rows, self.vectors, self.granule, sizes)
 
@@ -203,6 +190,12 @@ class SlotPool:
         so a step traced in one thread must not interleave with a slot load in another: the engine holds this lock
         while it traces and syncs a step; `load` holds it on XLA."""
         return self._writer.lock
+
+    @property
+    def shared_rows(self) -> str | None:
+        """Where another process maps :attr:`rows` (CPU over N > 1 tensor-parallel shards, one process each: each
+        reads its own section of every row, so a load is one copy for all); None: the rows are this process's."""
+        return self._writer.shared_path
 
     @property
     def stacks(self) -> Mapping[ModuleKey, SlotStacks]:
@@ -275,11 +268,3 @@ class SlotPool:
             held = self._stacks[key].held
             assert held is not None
             held.add(slot) if key in prepared.modules else held.discard(slot)
-        for listener in list(self._load_listeners):
-            listener(start, storage)
-
-    def on_load(self, listener: Callable[[int, torch.Tensor], None]) -> None:
-        """Call ``listener(start_row, block)`` (on the loading thread) after every load has completed, before the
-        allocator publishes its range: with one process per tensor-parallel shard, the other shards' sections of
-        ``block [r, N, W_s]`` (`RowLayout.block`) still have to reach their processes."""
-        self._load_listeners.append(listener)

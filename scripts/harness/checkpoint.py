@@ -64,7 +64,7 @@ VOCAB_KINDS = {
     "vocab": {"target_modules": (*PROJECTIONS, "embed_tokens", "lm_head")},
     "tokens": {"trainable_tokens": tuple(range(100, 100 + TRAINED_TOKENS))},
 }
-"""Adapter kinds served with the pool's vocabulary columns (`AdapterManagerConfig.lora_vocab`)."""
+"""Adapter kinds served with the pool's vocabulary columns (`RowOptions.lora_vocab`)."""
 
 
 def write_adapters(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.kernels import KernelConfig
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
@@ -140,7 +140,11 @@ def engine_workload(
         config = model.config
         vocab = any(kind in VOCAB_KINDS for kind in variants.values())
         manager_config = AdapterManagerConfig(
-            max_slots=len(ids), max_rank=RANK, dtype=dtype, device=device, prefetch_workers=0, lora_vocab=vocab
+            max_slots=len(ids),
+            rows=RowOptions(max_rank=RANK, lora_vocab=vocab),
+            dtype=dtype,
+            device=device,
+            prefetch_workers=0,
         )
         manager = AdapterManager(spec, manager_config)
         try:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from adapter_manager import ModuleKey
+from adapter_manager import ModuleKey, RowOptions
 from adapter_manager.base_model import BaseModelSpec
 from adapter_manager.kernels import LinearStep, LoRAKernelMeta, layer_kernels, select_backend
 from adapter_manager.runtime.model.projection import LoRALinear
@@ -66,7 +66,7 @@ def block_figure(quick: bool) -> list[dict]:
     FLOPs ratio = r·(P·in + Σout) / (in·Σout), bytes ratio = k × that. The block row sums the four layers.
     """
     spec, rank = BaseModelSpec.bench(), 16
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=8, max_rank=rank))
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=8, rows=RowOptions(max_rank=rank)))
     gen = torch.Generator().manual_seed(0)
     pool.rows.copy_(torch.randn(pool.rows.shape, generator=gen) * 0.01)  # stale rows hold garbage too
     pool.rows[-1] = 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
@@ -56,7 +56,9 @@ def engine(device: torch.device, dtype: torch.dtype, requests: int) -> dict:
         for i, name in enumerate(ids):
             write_synthetic_adapter(root / name, spec, r=8, lora_alpha=16, seed=i + 1)
         model = load_model(root / "base", dtype=dtype, device=device)
-        manager_config = AdapterManagerConfig(max_slots=3, max_rank=8, dtype=dtype, device=device, prefetch_workers=0)
+        manager_config = AdapterManagerConfig(
+            max_slots=3, rows=RowOptions(max_rank=8), dtype=dtype, device=device, prefetch_workers=0
+        )
         with AdapterManager(spec, manager_config) as manager:
             for name in ids:
                 manager.register(str(root / name), adapter_id=name)

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from adapter_manager import AdapterNotFoundError, BaseModelSpec, ModuleKey
+from adapter_manager import AdapterNotFoundError, BaseModelSpec, ModuleKey, RowOptions
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import ModuleWeights, PreparedAdapter
 from adapter_manager.tiers.row_layout import RowLayout
@@ -79,5 +79,5 @@ class Catalog:
 
 def allocator_for(spec, catalog, slots: int = 2, granule: int = 4) -> SlotAllocator:
     """max_rank 4; granule 4: every rank takes one unit; granule 1: ranks 1, 2, 3-4 take 1, 2, 4 units."""
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, max_rank=4, granule=granule))
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=slots, rows=RowOptions(max_rank=4), granule=granule))
     return SlotAllocator(pool, catalog, catalog.rank_of)

@@ -18,6 +18,7 @@ from adapter_manager import (
     NonFiniteWeightsError,
     PickleRefusedError,
     RankTooLargeError,
+    RowOptions,
     TensorKeyError,
     TensorShapeError,
     UnsupportedAdapterError,
@@ -27,7 +28,7 @@ from adapter_manager.sources.peft_format import CONFIG_NAME, WEIGHTS_NAME
 KEY = "base_model.model.model.layers.{layer}.{parent}.{proj}.lora_{ab}.weight"
 EMBED = "base_model.model.model.embed_tokens."
 TOKENS = "token_adapter.trainable_tokens_delta"
-VOCAB = {"lora_vocab": True}  # RegistryConfig with the vocabulary columns
+VOCAB = {"rows": RowOptions(max_rank=8, lora_vocab=True)}  # RegistryConfig with the vocabulary columns
 
 
 def key(layer: int, proj: str, ab: str) -> str:
@@ -168,8 +169,13 @@ CASES = [
     Case("target_lm_head", edit_config(target_modules=["lm_head"]), UnsupportedAdapterError),
     Case("target_matches_nothing", edit_config(target_modules=["c_attn"]), UnsupportedAdapterError),
     Case("target_non_linear", edit_config(target_modules=["self_attn"]), UnsupportedAdapterError),
-    Case("rank_above_max", edit_config(r=4), RankTooLargeError, {"max_rank": 2}),
-    Case("rank_pattern_above_max", edit_config(rank_pattern={"v_proj": 16}), RankTooLargeError, {"max_rank": 8}),
+    Case("rank_above_max", edit_config(r=4), RankTooLargeError, {"rows": RowOptions(max_rank=2)}),
+    Case(
+        "rank_pattern_above_max",
+        edit_config(rank_pattern={"v_proj": 16}),
+        RankTooLargeError,
+        {"rows": RowOptions(max_rank=8)},
+    ),
     Case("unknown_tensor_key", add_tensor("base_model.model.foo.weight", torch.zeros(2)), TensorKeyError),
     Case("tensor_for_untargeted_module", add_tensor(key(0, "k_proj", "A"), torch.zeros(4, 32)), TensorKeyError),
     Case("tensor_for_missing_layer", add_tensor(key(7, "q_proj", "A"), torch.zeros(4, 32)), TensorKeyError),
@@ -232,7 +238,7 @@ CASES = [
         "tokens_above_max_rank",
         edit_config(r=2, trainable_token_indices=list(range(9))),
         RankTooLargeError,
-        {**VOCAB, "max_rank": 8},
+        VOCAB,  # max_rank 8
     ),
     Case(
         "tokens_and_lora_on_embed_tokens",

@@ -7,7 +7,16 @@ import threading
 import pytest
 import torch
 
-from adapter_manager import AdapterError, AdapterNotFoundError, Move, write_synthetic_adapter
+from adapter_manager import (
+    AdapterError,
+    AdapterNotFoundError,
+    Move,
+    RowOptions,
+    SlotPool,
+    SlotPoolConfig,
+    TensorParallel,
+    write_synthetic_adapter,
+)
 from adapter_manager.manager import AdapterManager, AdapterManagerConfig
 from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
 from tests.adapter_manager._fakes import Catalog, allocator_for
@@ -25,7 +34,7 @@ def folders(tmp_path, tiny_spec):
 
 def manager_for(spec, **overrides) -> AdapterManager:
     overrides.setdefault("max_slots", 2)
-    overrides.setdefault("max_rank", 8)
+    overrides.setdefault("rows", RowOptions(max_rank=8))
     overrides.setdefault("prefetch_workers", 1)
     return AdapterManager(spec, AdapterManagerConfig(**overrides))
 
@@ -36,7 +45,7 @@ def test_config_validation_shows_the_offending_value():
     with pytest.raises(ValueError, match="prefetch workers must be an int >= 0, got -1"):
         AdapterManagerConfig(prefetch_workers=-1)
     with pytest.raises(ValueError, match="max_rank must be a positive int, got 0"):
-        AdapterManagerConfig(max_rank=0)
+        AdapterManagerConfig(rows=RowOptions(max_rank=0))
 
 
 def test_acquire_serves_prepared_weights_and_reports_residency(folders, tiny_spec):
@@ -112,6 +121,27 @@ def test_a_prefetch_without_slot_room_to_use_stops_at_the_host_tier(folders, tin
         manager.prefetch(["a"])  # room again: the copy follows
         manager.prefetcher.wait()
         assert manager.allocator.slot_of("a") is not None
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        RowOptions(max_rank=8),
+        RowOptions(max_rank=8, tensor_parallel=TensorParallel(2, fully_sharded_loras=True)),
+        RowOptions(max_rank=8, lora_vectors=False, lora_vocab=True),
+    ],
+    ids=["plain", "tp2-fully-sharded", "vocab"],
+)
+def test_the_registry_and_the_pool_share_the_one_row_layout_the_manager_derives(tiny_spec, rows):
+    """The rows' options travel whole, and the manager derives their `RowLayout` once: its registry prepares blocks
+    in the very object its pool holds; a component handed the layout of other options refuses it."""
+    with manager_for(tiny_spec, rows=rows, prefetch_workers=0) as manager:
+        assert manager.registry.layout is manager.pool.layout
+        assert manager.pool.layout == rows.layout(tiny_spec)
+        assert manager.registry.config.rows is manager.pool.config.rows is rows
+    other = RowOptions(max_rank=8, lora_vocab=not rows.lora_vocab).layout(tiny_spec)
+    with pytest.raises(ValueError, match="a row layout over"):
+        SlotPool(tiny_spec, SlotPoolConfig(max_slots=1, rows=rows), other)
 
 
 def test_prefetch_errors_are_surfaced_at_acquire(folders, tiny_spec):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, write_synthetic_adapter
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -16,7 +16,9 @@ from adapter_manager.prometheus import AdapterManagerCollector  # noqa: E402
 
 @pytest.fixture
 def manager(tmp_path, tiny_spec):
-    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=1, max_rank=8, prefetch_workers=0))
+    manager = AdapterManager(
+        tiny_spec, AdapterManagerConfig(max_slots=1, rows=RowOptions(max_rank=8), prefetch_workers=0)
+    )
     for i, name in enumerate(("org/a", "org/b", "org/c")):
         manager.register(str(write_synthetic_adapter(tmp_path / f"ad{i}", tiny_spec, r=4, seed=i)), name)
     yield manager
@@ -119,7 +121,9 @@ def test_per_adapter_requests_are_the_top_k_and_the_rest_summed(manager):
 
 
 def test_an_idle_manager_scrapes_cleanly(tiny_spec):
-    with AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0)) as manager:
+    with AdapterManager(
+        tiny_spec, AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8), prefetch_workers=0)
+    ) as manager:
         families = scrape(manager)
     assert families["adapter_manager_move_seconds"].samples == []
     assert samples(families["adapter_manager_slots_pinned"])["adapter_manager_slots_pinned"] == 0

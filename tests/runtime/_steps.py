@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from adapter_manager import AdapterRegistry, RegistryConfig
+from adapter_manager import AdapterRegistry, RegistryConfig, RowOptions
 from adapter_manager.kernels import LoRAKernelMeta
 from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
 from adapter_manager.runtime.model.checkpoint import load_model
@@ -33,10 +33,12 @@ def slotted_model(
     model = load_model(written[None][0], dtype=dtype, device=device, pack_weights=pack_weights, quantize=quantize)
     model.setup_caches(max_batch=len(ROWS), max_seq_len=32)
     spec = model.config.to_spec(TINY_NAME)
-    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))
+    registry = AdapterRegistry(spec, RegistryConfig(rows=RowOptions(max_rank=MAX_RANK), dtype=dtype))
     for name in ADAPTERS:
         registry.register(str(written[name][0]), adapter_id=name)
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(SLOTTED), max_rank=MAX_RANK, dtype=dtype, device=device))
+    pool = SlotPool(
+        spec, SlotPoolConfig(max_slots=len(SLOTTED), rows=RowOptions(max_rank=MAX_RANK), dtype=dtype, device=device)
+    )
     for slot, name in enumerate(SLOTTED):
         pool.load(slot, registry.prepared(name))
     model.attach_lora(pool.stacks)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
@@ -83,7 +83,8 @@ def make_engine(written) -> Callable[..., tuple[Engine, AdapterManager]]:
         if model is None:
             model = load_model(checkpoint or source[None][0], dtype=torch.float32)
         spec = model.config.to_spec(TINY_NAME)
-        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, max_rank=8, **manager_kwargs))
+        manager_kwargs.setdefault("rows", RowOptions(max_rank=8))
+        manager = AdapterManager(spec, AdapterManagerConfig(max_slots=max_slots, **manager_kwargs))
         for name in adapters:
             manager.register(str(source[name][0]), adapter_id=name)
         scheduler = SchedulerConfig(token_budget=token_budget)

@@ -252,13 +252,13 @@ def test_serve_sizes_the_engine_from_the_command_line(tmp_path):
         assert (engine.scheduler.token_budget, engine.max_batch, engine.max_seq_len) == (64, 3, 96), command
         args = _parser().parse_args([*command, "--no-lora-vectors", "--lora-vocab"])
         manager = ServeOptions.from_args(args, "tiny", replica=replica).configs(tmp_path).manager
-        assert not manager.lora_vectors and manager.lora_vocab
+        assert not manager.rows.lora_vectors and manager.rows.lora_vocab
         xla = ["--device", "xla", "--tensor-parallel-size", "2", "--fully-sharded-loras"]
         options = ServeOptions.from_args(_parser().parse_args([*command, *xla]), "tiny", replica=replica)
-        assert options.configs(tmp_path).manager.pool_config().tensor_parallel == TensorParallel(2, True), command
+        assert options.configs(tmp_path).manager.pool_config().rows.tensor_parallel == TensorParallel(2, True), command
     default = ServeOptions.from_args(_parser().parse_args(["serve", "--random", "tiny"]), "tiny").configs(tmp_path)
-    assert default.engine.scheduler.token_budget == 512 and default.manager.lora_vectors
-    assert not default.manager.lora_vocab and not default.manager.fully_sharded_loras
+    assert default.engine.scheduler.token_budget == 512 and default.manager.rows.lora_vectors
+    assert not default.manager.rows.lora_vocab and not default.manager.rows.tensor_parallel.fully_sharded_loras
 
 
 def test_serve_dtype_auto_is_the_checkpoints(tmp_path):

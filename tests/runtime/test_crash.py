@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter_manager import LocalHub, write_synthetic_adapter
+from adapter_manager import LocalHub, RowOptions, write_synthetic_adapter
 from adapter_manager.runtime.model.config import LlamaConfig
 
 httpx = pytest.importorskip("httpx")
@@ -150,7 +150,9 @@ def test_an_adapter_that_cannot_be_restored_is_listed_counted_and_removable(tmp_
     def serve() -> tuple:
         serving = build_serving(
             tmp_path / "model",
-            AdapterManagerConfig(max_slots=2, max_rank=8, host_cache_bytes=1 << 24, state_dir=tmp_path / "state"),
+            AdapterManagerConfig(
+                max_slots=2, rows=RowOptions(max_rank=8), host_cache_bytes=1 << 24, state_dir=tmp_path / "state"
+            ),
             EngineConfig(max_batch=4, max_seq_len=64),
             ServerConfig(model_name="tiny", port=0, local_roots=(tmp_path / "local",)),
         )

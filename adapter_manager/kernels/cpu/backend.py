@@ -60,7 +60,7 @@ class CpuExecutor(LinearExecutor):
         vectors = meta.bias_index is not None or meta.scale_index is not None
         epilogue = backend.epilogue(lora, meta) if vectors else None
         offered = weight.layout is not WeightLayout.PLAIN or step.fast  # a plain weight only with the decode glue on
-        offered = offered and not lora.fully_sharded  # a process's section: its shrinks are summed between the calls
+        offered = offered and not lora.shards.fully_sharded  # a process's section: its shrinks summed between calls
         if lora.one_call and lora.unit_groups and offered and (epilogue is not None or not vectors):
             y = backend.fused_linear(x, weight, lora.kernel_groups, meta, epilogue)
             if y is not None:

@@ -61,10 +61,10 @@ class Engine:
     calling thread; `start` runs steps in a background thread until `stop`."""
 
     def __init__(self, model: Llama, manager: AdapterManager, config: EngineConfig | None = None) -> None:
-        if model.tensor_parallel.size != manager.tensor_parallel_size:
+        if not model.plan.reads(manager.tensor_parallel):  # one plan: the model's linears read the pool's split
             raise ValueError(
-                f"the model is sharded {model.tensor_parallel.size} ways, the adapter pool "
-                f"{manager.tensor_parallel_size}: give both the same tensor_parallel_size"
+                f"the model is sharded as {model.tensor_parallel}, the adapter pool as {manager.tensor_parallel}: give "
+                "both the same tensor_parallel_size and fully_sharded_loras"
             )
         self.model = model
         self.manager = manager

@@ -1,31 +1,27 @@
-"""One process per tensor-parallel shard on eager devices (CPU: gloo; CUDA: NCCL), the engine in the first: vLLM's
-multiprocess executor.
+"""One process per tensor-parallel shard on CPU (gloo on loopback), the engine in the first: vLLM's multiprocess
+executor.
 
-The first process (rank 0) holds the engine, the scheduler and the adapter manager, whose pool keeps every shard's
-section of every row on the host side of rank 0; it starts the other shards (:func:`start_shard_workers`), each of
-which loads only its part of every weight and holds its own section of the pool. Every step, rank 0 sends each shard
+The first process (rank 0) holds the engine, the scheduler and the adapter manager, whose pool holds every shard's
+section of every row; it starts the other shards (:func:`start_shard_workers`), each of which loads only its part of
+every weight and maps the pool, reading only its own section. Every step, rank 0 sends each shard
 the step (its batch and the step's slots' ranks), then all run the forward together: the row-parallel layers'
 all-reduces and the logits' all-gather keep them in step, and rank 0 samples from the joined logits.
 
-On CPU each shard's section of the pool lives in shared memory (:class:`SharedSection`: a file in /dev/shm that
-rank 0 makes and both map, unlinked once every shard has mapped it), so a slot load is rank 0 copying each section
-of the block straight into that shard's rows, from the loading thread, before the allocator publishes the slot: a
-swap never stalls a step. No signal follows the copy. The rows are written only while the allocator keeps the range
-out of every step (unpublished, and no step's pin on it): rank 0's pins last until its step's logits all-gather has
-returned, by when every shard has computed its logits, so no shard still reads the range's old adapter; and a shard
-reads the new rows only in a step rank 0 sends after publishing them, the copy ordered before that message by the
-allocator's lock and the socket it travels on.
+On CPU the pool's rows live in shared memory (the lifecycle's row writer makes them a memfd when the pool is made
+over N > 1 shards): every shard's process maps the same rows and reads only its own section of each, so a slot load
+is rank 0's one copy, from the loading thread, before the allocator publishes the slot: a swap never stalls a step,
+and no signal follows the copy. The rows are written only while the allocator keeps the range out of every step
+(unpublished, and no step's pin on it): rank 0's pins last until its step's logits all-gather has returned, by when
+every shard has computed its logits, so no shard still reads the range's old adapter; and a shard reads the new rows
+only in a step rank 0 sends after publishing them, the copy ordered before that message by the allocator's lock and
+the socket it travels on.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import os
-import secrets
 import socket
-import tempfile
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from adapter_manager import AdapterManager, RowLayout, TensorParallel
+from adapter_manager import AdapterManager, ModuleKey, RowLayout, SlotStacks, TensorParallel, map_shared
 from adapter_manager.kernels import KernelConfig, LoRAKernelMeta, platform_for, select_backend
 
 from ..model.batch import ForwardBatch
 from ..model.checkpoint import load_model
 from ..model.llama import Llama
-from ..model.shard_group import ShardGroup
+from ..model.shard_plan import ShardGroup
 from .config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -110,84 +106,74 @@ def start_shard_workers(launch: ShardLaunch) -> ShardWorkers:
     return ShardWorkers(launch, processes, ShardGroup(launch.size, 0))
 
 
+@dataclass(frozen=True)
+class ShardSetup:
+    """What rank 0 hands every shard once its engine is made: the KV caches' sizes, the step metadata's, the kernels'
+    config, and where the pool's shared rows are."""
+
+    max_batch: int
+    max_seq_len: int
+    kv_blocks: int
+    block_size: int
+    num_slots: int
+    rank: int  # the pool's max rank
+    max_tokens: int
+    granule: int
+    active_buckets: tuple[int, ...] | None
+    kernels: KernelConfig | None
+    rows: str  # the pool's rows ``[N, width]`` in shared memory (`AdapterManager.shared_rows`)
+    num_rows: int
+    tensor_parallel: TensorParallel
+
+    def meta(self, device: torch.device) -> LoRAKernelMeta:
+        """The step metadata rank 0's runner has."""
+        backend = select_backend(device, self.kernels)
+        return LoRAKernelMeta.make(
+            backend,
+            self.num_slots,
+            self.rank,
+            self.max_tokens,
+            device,
+            granule=self.granule,
+            active_buckets=self.active_buckets,
+        )
+
+
 class ShardChannel:
-    """Rank 0's side of each step: the shards' messages and their pool sections in shared memory; the forward itself
-    is the eager runner's."""
+    """Rank 0's side of each step: the shards' messages; the forward itself is the eager runner's (the pool's rows
+    reach the shards through shared memory: nothing to send on a slot load)."""
 
     def __init__(self, model: Llama, meta: LoRAKernelMeta, manager: AdapterManager, config: EngineConfig) -> None:
         assert model.shard_group is not None
+        if manager.shared_rows is None:
+            raise ValueError(
+                "one process per shard needs the adapter pool's rows in shared memory (a cpu pool over N > 1)"
+            )
         self.size = model.shard_group.size
         caches = model.kv_caches[0]
-        sizes = (model.max_batch, model.max_seq_len, caches.num_blocks - 1, caches.block_size)
-        meta_args = (meta.num_slots, meta.rank, meta.max_tokens, meta.granule, meta.active_buckets, config.kernels)
-        plan = manager.tensor_parallel  # the rows' sections: the base's split, or fully sharded
-        layout = RowLayout.of(model.config.to_spec(), plan)
-        shape = (meta.num_slots * meta.granule + 1, layout.section_width)
-        self._sections: list[SharedSection] = []  # shards 1..N-1's
-        self._ready = threading.Event()  # set once the sections hold the pool as it was when loads began to follow
-        try:
-            for _ in range(1, self.size):
-                self._sections.append(SharedSection.make(shape, model.dtype))
-            manager.on_slot_load(self._on_load)
-            for rank, shared in enumerate(self._sections, start=1):  # the pool now (adapters loaded before the engine)
-                stacks = {key: _Rows(shared.rows, columns) for key, columns in layout.columns.items()}
-                for key, rows in manager.stacks.items():
-                    stacks[key].a.copy_(rows.a[:, rank])
-                    stacks[key].bt.copy_(rows.bt[:, rank])
-            self._ready.set()
-            paths = [None] + [str(shared.path) for shared in self._sections]
-            _scatter([("setup", sizes, meta_args, paths[rank], plan) for rank in range(self.size)])
-            dist.barrier()  # every shard has mapped its section
-        finally:
-            self._ready.set()
-            for shared in self._sections:
-                shared.unlink()
-
-    def _on_load(self, start: int, block: torch.Tensor) -> None:
-        """A slot load completed on rank 0: copy every other shard's section of ``block [r, N, W]`` (shard k's,
-        ``block[:, k]``, one contiguous piece: `RowLayout.block`) into its shared rows from ``start``; returns once
-        all are written."""
-        self._ready.wait()  # a load that raced the setup's snapshot is written after it
-        for rank, shared in enumerate(self._sections, start=1):
-            shared.rows[start : start + block.shape[0]].copy_(block[:, rank])
+        kernels = config.kernels if isinstance(config.kernels, KernelConfig) else None
+        buckets = None if meta.active_buckets is None else tuple(meta.active_buckets)
+        setup = ShardSetup(
+            model.max_batch,
+            model.max_seq_len,
+            caches.num_blocks - 1,
+            caches.block_size,
+            meta.num_slots,
+            meta.rank,
+            meta.max_tokens,
+            meta.granule,
+            buckets,
+            kernels,
+            manager.shared_rows,
+            meta.num_slots * meta.granule + 1,
+            manager.tensor_parallel,
+        )
+        _scatter([("setup", setup)] * self.size)
+        dist.barrier()  # every shard has mapped the rows
 
     def send(self, batch: ForwardBatch, slot_rows: Mapping[int, int]) -> None:
         """Hand every shard the step: its batch and the slots' ranks."""
         _scatter([("step", batch, dict(slot_rows))] * self.size)
-
-
-class SharedSection:
-    """One shard's section of the row pool ``[N, W_s]`` in shared memory: a file rank 0 makes (in /dev/shm where
-    there is one), mapped by rank 0 and by the shard, unlinked once both have mapped it (the memory lives until the
-    last mapping goes: once the setup is over nothing is left in /dev/shm, however the processes end)."""
-
-    def __init__(self, path: Path, rows: torch.Tensor) -> None:
-        self.path, self.rows = path, rows
-
-    @classmethod
-    def make(cls, shape: tuple[int, int], dtype: torch.dtype) -> SharedSection:
-        """A zero-filled section, its bytes reserved now: a full /dev/shm fails here, not at a later write."""
-        folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        path = folder / f"adapter-manager-tp-{os.getpid()}-{secrets.token_hex(8)}"
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as err:
-            os.unlink(path)
-            raise RuntimeError(f"no room for a {nbytes} B pool section in {folder}: {err}") from err
-        finally:
-            os.close(fd)
-        return cls(path, cls.map(path, shape, dtype))
-
-    @staticmethod
-    def map(path: Path | str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """The section at ``path`` mapped into this process: writes go to every process mapping it."""
-        return torch.from_file(str(path), shared=True, size=shape[0] * shape[1], dtype=dtype).view(shape)
-
-    def unlink(self) -> None:
-        """Remove the file (the mappings stay); a no-op once gone."""
-        self.path.unlink(missing_ok=True)
 
 
 def _scatter(messages: list, group: object | None = None) -> object:
@@ -206,8 +192,8 @@ def _join(launch: ShardLaunch, rank: int) -> None:
 
 
 def _worker(launch: ShardLaunch, rank: int) -> None:
-    """Shard ``rank``'s process: load its part, then run every step rank 0 sends until it says stop (its section of
-    the pool, in shared memory, is written by rank 0 directly)."""
+    """Shard ``rank``'s process: load its part, then run every step rank 0 sends until it says stop (the pool's rows,
+    in shared memory, are written by rank 0 directly)."""
     _join(launch, rank)
     group = ShardGroup(launch.size, rank)
     device = torch.device("cpu")
@@ -218,10 +204,11 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
         if message[0] == "stop":
             break
         if message[0] == "setup":
-            (max_batch, max_seq_len, blocks, block_size), meta_args, path, plan = message[1:]
-            model.setup_caches(max_batch, max_seq_len, blocks, block_size)
-            meta = _own_pool(model, meta_args, device, path, plan)
-            dist.barrier()  # mapped: rank 0 may unlink the file
+            setup: ShardSetup = message[1]
+            model.setup_caches(setup.max_batch, setup.max_seq_len, setup.kv_blocks, setup.block_size)
+            model.attach_lora(_shared_stacks(model, setup))
+            meta = setup.meta(device)
+            dist.barrier()  # mapped: rank 0 goes on
             continue
         _, batch, slot_rows = message
         assert meta is not None
@@ -231,23 +218,9 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _own_pool(model: Llama, meta_args: tuple, device: torch.device, path: str, plan: TensorParallel) -> LoRAKernelMeta:
-    """This shard's section of the row pool ``[N, W]``, mapped from rank 0's shared file (which holds the pool as it
-    is now and takes every later load), attached to the model; returns the step metadata rank 0's runner has."""
-    num_slots, rank, max_tokens, granule, active_buckets, kernels = meta_args
-    layout = RowLayout.of(model.config.to_spec(), plan)
-    rows = SharedSection.map(path, (num_slots * granule + 1, layout.section_width), model.dtype)
-    model.attach_lora({key: _Rows(rows, columns) for key, columns in layout.columns.items()})
-    backend = select_backend(device, kernels if isinstance(kernels, KernelConfig) else None)
-    return LoRAKernelMeta.make(
-        backend, num_slots, rank, max_tokens, device, granule=granule, active_buckets=active_buckets
-    )
-
-
-class _Rows:
-    """One module's rows in this shard's section of the pool: ``A [N, in_s]``, ``Bt [N, out_s]`` views."""
-
-    def __init__(self, rows: torch.Tensor, columns) -> None:  # noqa: ANN001 - a RowLayout's ModuleColumns
-        self.a = rows[:, columns.a_start : columns.a_start + columns.in_features]
-        self.bt = rows[:, columns.bt_start : columns.bt_start + columns.out_features]
-        self.vector = None  # no vector rows under tensor parallelism (variants with one are refused)
+def _shared_stacks(model: Llama, setup: ShardSetup) -> dict[ModuleKey, SlotStacks]:
+    """Every module's rows ``[N, S, in_s]`` / ``[N, S, out_s]`` of the pool rank 0 shares (the model reads its own
+    section of each: `Llama.attach_lora`)."""
+    layout = RowLayout.of(model.config.to_spec(), setup.tensor_parallel)
+    rows = map_shared(setup.rows, (setup.num_rows, layout.width), model.dtype)
+    return {key: SlotStacks(rows, layout, key, None) for key in layout.columns}

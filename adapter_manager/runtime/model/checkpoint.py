@@ -28,9 +28,7 @@ from .cpu_features import warn_if_slow_bf16
 from .hf_map import hf_target, hf_tensor_shapes, load_hf
 from .llama import Llama
 from .projection import LoRALinear, quantize_linears
-from .shard_group import ShardGroup
-from .shard_plan import shard_plan
-from .tensor_parallel import place_sharded
+from .shard_plan import ShardGroup, shard_plan
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +175,7 @@ def load_model(
     device: torch.device | str = "cpu",
     pack_weights: bool | None = None,
     quantize: str | None = None,
-    tensor_parallel_size: int = 1,
+    tensor_parallel: TensorParallel | int = 1,
     shard_group: ShardGroup | None = None,
 ) -> Llama:
     """Build the model on the meta device, allocate it once on ``device`` and copy each tensor in from its file.
@@ -190,9 +188,10 @@ def load_model(
     into the layout measured fastest on this machine (our blocked one, oneDNN's, or plain) where it applies (CPU;
     :meth:`Llama.pack_weights`), replacing the plain ones.
 
-    ``tensor_parallel_size`` N > 1: Megatron tensor parallelism. On XLA one SPMD program over N devices
-    (:mod:`.tensor_parallel`): each weight split over the mesh. On CPU one process per shard: ``shard_group`` names
-    this process's shard, which loads only its part of each tensor (:mod:`.shard_group`).
+    ``tensor_parallel``: Megatron tensor parallelism over N shards (:class:`sharding.TensorParallel`: N, and whether
+    the LoRA is fully sharded, as the adapter pool's; an int: N, the LoRA split as its base). N > 1 on XLA: one SPMD
+    program over N devices, each weight split over the mesh; on CPU one process per shard: ``shard_group`` names this
+    process's shard, which loads only its part of each tensor (:mod:`.shard_plan`: the form, chosen here once).
 
     ``quantize="int8"`` (one of :data:`QUANTIZE_CHOICES`; None or "none": not) first replaces every projection
     weight (q/k/v/o/gate/up/down, and an untied lm_head) by weight-only int8 with one scale per output row
@@ -221,7 +220,9 @@ def load_model(
             raise CheckpointError(f"{generation} is not a JSON object: {err}") from err
         if generation_eos is not None:
             config = replace(config, eos_token_ids=eos_ids(generation_eos))
-    plan = shard_plan(TensorParallel(tensor_parallel_size), device, shard_group)  # the form, chosen once
+    if isinstance(tensor_parallel, int):
+        tensor_parallel = TensorParallel(tensor_parallel)
+    plan = shard_plan(tensor_parallel, device, shard_group)  # the form, chosen once
     if plan.form == "spmd":
         if quantize not in (None, "none"):
             raise ValueError(f"quantize={quantize!r} with tensor_parallel_size {plan.size} on XLA is not built")
@@ -257,7 +258,9 @@ def load_model(
                 host = torch.empty(model.get_parameter(destination).shape, dtype=dtype)
                 for name in names:
                     load_hf(model, name, index[name].get_tensor(name), into=host)
-                place_sharded(model, destination, host, torch.device(device))
+                placed = plan.place(destination, host, torch.device(device))
+                module, attribute = destination.rsplit(".", 1)
+                setattr(model.get_submodule(module), attribute, torch.nn.Parameter(placed, requires_grad=False))
         else:
             model = model.to_empty(device=device)
             for name, handle in index.items():

@@ -63,7 +63,7 @@ def hf_target(model: Llama, name: str) -> tuple[torch.Tensor, slice | torch.Tens
                 param = linear.weight if kind == "weight" else linear.bias
                 if param is None:
                     raise KeyError(f"{name}: the config gives {proj} no bias")
-                start, shards = sum(linear.out_features[:part]), linear.shards
+                start, shards = sum(linear.out_features[:part]), linear.shards.local
                 if kind == "bias" and linear.row_parallel:
                     return param, None
                 if shards == 1 or linear.row_parallel:  # a row-parallel weight's shards are its column blocks

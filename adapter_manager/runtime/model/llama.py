@@ -37,8 +37,7 @@ from .kv_cache import KVCache, plan_attention, slot_index
 from .norm import RMSNorm
 from .projection import LoRALinear, pack_linears
 from .rope import rope_factors, rope_table
-from .shard_group import PoolSection, ShardGroup
-from .shard_plan import ShardPlan
+from .shard_plan import ShardGroup, ShardPlan
 
 
 class Llama(nn.Module):
@@ -224,7 +223,6 @@ class Llama(nn.Module):
         Modules missing from ``stacks`` stay base-only. Shape: stacks[key].a [N, in], .bt [N, out]; over S
         tensor-parallel sections [N, S, in_s], [N, S, out_s] (one process per shard takes its own section's).
         """
-        group = self.shard_group
         for key, module_stacks in stacks.items():
             if key.is_vocab:
                 if self.tensor_parallel.size > 1:
@@ -232,8 +230,7 @@ class Llama(nn.Module):
                 self.vocab_lora[key.proj] = module_stacks
                 continue
             linear, part = self.lora_target(key)
-            sectioned = group is not None and module_stacks.a.dim() == 3
-            linear.attach(part, PoolSection(module_stacks, group.rank) if sectioned else module_stacks)
+            linear.attach(part, self.plan.own_rows(module_stacks))
 
     def detach_lora(self) -> None:
         """Back to exactly the base model."""

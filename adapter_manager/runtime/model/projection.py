@@ -9,9 +9,9 @@ from torch import nn
 
 from adapter_manager.kernels import (
     LinearLoRA,
+    LinearShards,
     LinearStep,
     LinearWeight,
-    ProcessShard,
     Stacks,
     WeightLayout,
     choose_weight_layout,
@@ -65,23 +65,21 @@ class LoRALinear(nn.Module):
         row_parallel: bool = False,
         bias: bool = False,
     ) -> None:
-        """``plan``: the model's shards (:class:`.shard_plan.ShardPlan`; None: unsharded): the layer holds its
-        ``plan.local_shards`` side by side, split by output features (column-parallel) or, ``row_parallel``, by
-        input features; one process per shard holds its own alone."""
+        """``plan``: the model's shards (:class:`.shard_plan.ShardPlan`; None: unsharded), whose split of this layer
+        (:meth:`.shard_plan.ShardPlan.linear`) it keeps as :attr:`shards`: the layer holds its ``shards.local`` side by
+        side, split by output features (column-parallel) or, ``row_parallel``, by input features; one process per
+        shard holds its own alone."""
         super().__init__()
-        plan = plan or ShardPlan()
-        shards, process = plan.local_shards, plan.group
+        self.shards: LinearShards = (plan or ShardPlan()).linear(row_parallel)
+        """How the layer and its LoRA are split over the tensor-parallel shards (the plan's, made once)."""
+        shards, process = self.shards.local, self.shards.process
         if in_features <= 0 or not out_features or min(out_features) <= 0:
             raise ValueError(f"in_features ({in_features}) and every out_features {out_features} must be positive")
         sharded = [in_features] if row_parallel else list(out_features)
-        if shards < 1 or any(width % shards for width in sharded):
+        if any(width % shards for width in sharded):
             raise ValueError(f"{sharded} cannot be sharded {shards} ways ({'row' if row_parallel else 'column'})")
         self.in_features = in_features
         self.out_features = tuple(out_features)
-        self.shards, self.row_parallel = shards, row_parallel
-        self.process: ProcessShard | None = process  # one process per shard: this one (a fully sharded LoRA sums
-        # its shrinks there)
-        self._marks = plan.marks  # one SPMD program: the marks its LoRA makes
         self.weight = nn.Parameter(torch.empty(sum(out_features), in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(sum(out_features), device=device, dtype=dtype)) if bias else None
         self._adds_bias = bias and not (row_parallel and process is not None and process.rank != 0)
@@ -90,7 +88,11 @@ class LoRALinear(nn.Module):
         self._packed: LinearWeight | None = None  # the packed weight (kernels.pack_weight) once packed
         self._fuse_shrink = True
         self._one_call = True
-        self._fully_sharded = False  # the attached rows split every A and Bt over the shards
+
+    @property
+    def row_parallel(self) -> bool:
+        """The layer's input is split over the shards (o, down); False: its output (column-parallel)."""
+        return self.shards.row_parallel
 
     @property
     def fuse_shrink(self) -> bool:
@@ -200,40 +202,33 @@ class LoRALinear(nn.Module):
 
     def attach(self, part: int, stacks: Stacks) -> None:
         """Route part ``part``'s LoRA through the pool's rows ``stacks.a`` [N, in] and ``stacks.bt`` [N, out], read at
-        every forward (the pool may hand out fresh views of the same rows). Over S shards the rows are
-        ``[N, S, in_s]``, ``[N, S, out_s]``: the base's split, or the fully sharded one (every part of the linear
-        alike; :class:`sharding.TensorParallel`)."""
+        every forward (the pool may hand out fresh views of the same rows). Split as :attr:`shards` says (the plan's
+        :class:`sharding.TensorParallel`): over S shards of one program ``[N, S, in_s]``, ``[N, S, out_s]``, the base's
+        split or the fully sharded one; one process per shard, fully sharded, its section ``[N, in / G]`` or
+        ``[N, out / G]``."""
         a_rows, bt_rows = stacks.a, stacks.bt
-        split = self.shards > 1 or self.process is not None
-        shapes = [self._rows_shapes(part, full) for full in ((False, True) if split else (False,))]
-        a_fits = [full for full, (a_shape, _) in enumerate(shapes) if tuple(a_rows.shape[1:]) == a_shape]
-        if not a_fits:
-            a_shape = ", ".join(map(str, shapes[0][0]))
-            raise ValueError(f"a_rows must have shape [N, {a_shape}], got {tuple(a_rows.shape)}")
-        fits = [full for full in a_fits if tuple(bt_rows.shape) == (a_rows.shape[0], *shapes[full][1])]
-        if not fits:
-            bt_shape = shapes[a_fits[0]][1]
+        a_shape, bt_shape = self._rows_shapes(part)
+        if tuple(a_rows.shape[1:]) != a_shape:
+            raise ValueError(f"a_rows must have shape [N, {', '.join(map(str, a_shape))}], got {tuple(a_rows.shape)}")
+        if tuple(bt_rows.shape) != (a_rows.shape[0], *bt_shape):
             raise ValueError(
                 f"bt_rows must have shape [{a_rows.shape[0]}, {', '.join(map(str, bt_shape))}], got "
                 f"{tuple(bt_rows.shape)}"
             )
         if a_rows.dtype != self.weight_dtype or bt_rows.dtype != self.weight_dtype:
             raise ValueError(f"rows are {a_rows.dtype}/{bt_rows.dtype}, the layer is {self.weight_dtype}")
-        full = bool(fits[0])
-        others = [stacks for index, stacks in enumerate(self._parts) if index != part and stacks is not None]
-        if others and full != self._fully_sharded:
-            raise ValueError("every part of a linear is sharded alike: fully sharded rows beside the base's split")
-        self._fully_sharded = full
         self._parts[part] = stacks
         self._rebuild()
 
-    def _rows_shapes(self, part: int, full: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _rows_shapes(self, part: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """A part's rows' shapes past N: ``(in,), (out,)`` unsharded; ``(S, in_s), (S, out_s)`` over S shards, where
-        ``full`` (fully sharded) splits a column-parallel A by input and a row-parallel Bt by output too."""
-        out, shards = self.out_features[part], self.shards
+        fully sharded splits a column-parallel A by input and a row-parallel Bt by output too; one process per shard,
+        fully sharded, that A or Bt is this process's section of G."""
+        out, split = self.out_features[part], self.shards
+        shards, full = split.local, split.fully_sharded
         if shards == 1:
-            if full and self.process is not None:  # this process's section: A or Bt split over the processes
-                size = self.process.size
+            if full:  # one process per shard: this process's section, A or Bt split over the processes
+                size = split.size
                 if self.row_parallel:
                     return (self.in_features,), (out // size,)
                 return (self.in_features // size,), (out,)
@@ -245,16 +240,14 @@ class LoRALinear(nn.Module):
     def _rebuild(self) -> None:
         if any(stacks is not None for stacks in self._parts):
             parts = tuple(self._parts)
-            flags = (self._fuse_shrink, self._one_call, self.shards, self.row_parallel, self._fully_sharded)
-            spmd = self._marks
             keeps_views = platform_for(next(p.a.device for p in parts if p is not None)).keeps_views
-            self._lora = LinearLoRA.build(self.out_features, parts, *flags, spmd, self.process, keeps_views)
+            flags = (self._fuse_shrink, self._one_call)
+            self._lora = LinearLoRA.build(self.out_features, parts, *flags, self.shards, keeps_views)
 
     def detach(self) -> None:
         """Drop every part's stacks: the layer is its base matmul again."""
         self._parts = [None] * len(self.out_features)
         self._lora = None
-        self._fully_sharded = False
 
     @property
     def fused_parts(self) -> tuple[tuple[int, ...], ...]:

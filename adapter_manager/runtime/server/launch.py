@@ -59,13 +59,13 @@ def build_serving(
     or path `model_ref` it was served from) as well as the served name `server_config.model_name`. `quantize`
     ("int8") holds the base projections weight-only int8 (:func:`runtime.model.checkpoint.load_model`)."""
     folder = Path(folder)
-    tp, device, shards = manager_config.tensor_parallel_size, manager_config.device, None
-    if runs_processes(tp, device):  # one process per shard, this one rank 0
-        shards = start_shard_workers(ShardLaunch(folder, tp, dtype, str(device), quantize=quantize))
+    tp, device, shards = manager_config.rows.tensor_parallel, manager_config.device, None
+    if runs_processes(tp.size, device):  # one process per shard, this one rank 0
+        shards = start_shard_workers(ShardLaunch(folder, tp.size, dtype, str(device), quantize=quantize))
         model = shards.load_model()
     else:
         plain = False if engine_config.deterministic else None  # the mode reads plain weights: none packed
-        model = load_model(folder, dtype, device, pack_weights=plain, quantize=quantize, tensor_parallel_size=tp)
+        model = load_model(folder, dtype, device, pack_weights=plain, quantize=quantize, tensor_parallel=tp)
     try:
         max_seq_len = min(engine_config.max_seq_len, model.config.max_position_embeddings)
         engine_config = replace(engine_config, max_seq_len=max_seq_len)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapter_manager import FrequencySketch, HostTier, SketchConfig, SwapMetrics
+from adapter_manager import FrequencySketch, HostTier, RowOptions, SketchConfig, SwapMetrics
 from adapter_manager.policy.prefetch import PrefetchConfig, Prefetcher
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
@@ -78,7 +78,7 @@ def test_host_tier_without_frequency_is_plain_lru():
 def cold_scan_allocator(tiny_spec, sketch: FrequencySketch | None) -> tuple[SlotAllocator, Catalog]:
     catalog = Catalog(tiny_spec)
     catalog.add("hot", *(f"cold{i}" for i in range(30)))
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=4, max_rank=4, granule=4))
+    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=4, rows=RowOptions(max_rank=4), granule=4))
     frequency = sketch.estimate if sketch is not None else None
     return SlotAllocator(pool, catalog, catalog.rank_of, frequency=frequency), catalog
 
@@ -108,7 +108,9 @@ def test_popularity_allocator_serves_every_batch_within_bounds(tiny_spec, batche
     catalog = Catalog(tiny_spec)
     for i in range(13):
         catalog.add(f"a{i}", rank=1 + i % 4)
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=4, granule=1))  # 8 units; ranks take 1, 2 or 4
+    pool = SlotPool(
+        tiny_spec, SlotPoolConfig(max_slots=2, rows=RowOptions(max_rank=4), granule=1)
+    )  # 8 units; ranks take 1, 2 or 4
     allocator = SlotAllocator(pool, catalog, catalog.rank_of, frequency=sketch.estimate)
     for batch, preload in zip(batches, preloads + [None] * len(batches), strict=False):
         ids = [f"a{i}" for i in batch]

@@ -22,6 +22,7 @@ from adapter_manager import (
     Move,
     NonFiniteWeightsError,
     Registration,
+    RowOptions,
     StateStore,
     write_synthetic_adapter,
 )
@@ -62,7 +63,7 @@ def online(monkeypatch):
 
 def manager_for(spec, tmp_path, endpoint: str, **overrides) -> AdapterManager:
     hub = HubConfig(endpoint=endpoint, cache_dir=tmp_path / "cache", retries=0, timeout_s=2)
-    config = dict(max_slots=4, max_rank=8, prefetch_workers=0, hub=hub, state_dir=tmp_path / "state")
+    config = dict(max_slots=4, rows=RowOptions(max_rank=8), prefetch_workers=0, hub=hub, state_dir=tmp_path / "state")
     return AdapterManager(spec, AdapterManagerConfig(**{**config, **overrides}))
 
 
@@ -141,7 +142,7 @@ def test_an_adapter_that_cannot_be_restored_is_reported_and_the_others_serve(
     monkeypatch.setattr(time, "sleep", lambda s: None)  # huggingface_hub's back-off against the dead hub
     shutil.rmtree(local)
     shutil.rmtree(tmp_path / "cache" / "models--org--b")  # gone from the cache, and the hub is down
-    with manager_for(tiny_spec, tmp_path, endpoint, max_rank=8) as second:
+    with manager_for(tiny_spec, tmp_path, endpoint, rows=RowOptions(max_rank=8)) as second:
         # org/b restores from its stored config: its files come back at first use, which fails while the hub is down
         assert second.restored == ["org/a", "org/b"]
         unrestored = {u.registration.adapter_id: u for u in second.registry.unrestored()}

@@ -20,6 +20,7 @@ from adapter_manager import (
     HubConfig,
     LocalHub,
     RegistryConfig,
+    RowOptions,
     StateStore,
     write_synthetic_adapter,
 )
@@ -48,7 +49,7 @@ def hub(tmp_path, tiny_spec, monkeypatch):
 
 def _registry(spec, hub, tmp_path, **overrides) -> AdapterRegistry:
     config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "cache", retries=0, timeout_s=5)
-    return AdapterRegistry(spec, RegistryConfig(max_rank=8, hub=config, **overrides))
+    return AdapterRegistry(spec, RegistryConfig(rows=RowOptions(max_rank=8), hub=config, **overrides))
 
 
 def test_the_digest_is_the_content_wherever_it_comes_from(hub, tmp_path, tiny_spec, monkeypatch):
@@ -88,7 +89,7 @@ def test_a_local_rewrite_keeping_size_and_mtime_is_seen_even_after_the_digest_wa
 ):
     monkeypatch.setattr(digests, "_RACY_S", 0.0)  # remember fresh files too: only the stat key can tell a rewrite
     folder = write_synthetic_adapter(tmp_path / "a", tiny_spec, r=4, target_modules=["q_proj", "v_proj"], seed=1)
-    registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
+    registry = AdapterRegistry(tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8)))
     first = registry.register(str(folder), "a").record
     assert registry.register(str(folder), "a", refresh=True).action == "unchanged"
     time.sleep(0.05)  # past the file timestamps' tick (the kernel's coarse clock)
@@ -101,7 +102,9 @@ def test_a_local_rewrite_keeping_size_and_mtime_is_seen_even_after_the_digest_wa
 def test_durable_rows_keep_the_digest_and_a_folder_changed_while_down_is_not_restored(tmp_path, tiny_spec):
     folder = write_synthetic_adapter(tmp_path / "a", tiny_spec, r=4, target_modules=["q_proj", "v_proj"], seed=1)
     other = write_synthetic_adapter(tmp_path / "b", tiny_spec, r=4, target_modules=["q_proj", "v_proj"], seed=2)
-    config = AdapterManagerConfig(max_slots=2, max_rank=8, state_dir=tmp_path / "state", prefetch_workers=0)
+    config = AdapterManagerConfig(
+        max_slots=2, rows=RowOptions(max_rank=8), state_dir=tmp_path / "state", prefetch_workers=0
+    )
     with AdapterManager(tiny_spec, config) as manager:
         digest = manager.register(str(folder), "a").record.digest
         manager.register(str(other), "b")
@@ -124,7 +127,9 @@ def test_a_state_directory_from_before_digests_opens_and_restores(tmp_path, tiny
     old.execute("INSERT INTO registrations VALUES ('a', ?, NULL, 'local-0123', 0, 1.0)", (str(folder),))
     old.commit()
     old.close()
-    config = AdapterManagerConfig(max_slots=2, max_rank=8, state_dir=tmp_path / "state", prefetch_workers=0)
+    config = AdapterManagerConfig(
+        max_slots=2, rows=RowOptions(max_rank=8), state_dir=tmp_path / "state", prefetch_workers=0
+    )
     with AdapterManager(tiny_spec, config) as manager:
         assert manager.restored == ["a"] and manager.record("a").digest
         manager.acquire(["a"])  # prepared from the folder as it is now

@@ -17,6 +17,7 @@ from adapter_manager import (
     InvalidAdapterRefError,
     Move,
     RegistryConfig,
+    RowOptions,
     TensorKeyError,
     write_synthetic_adapter,
 )
@@ -31,7 +32,7 @@ def good(tmp_path, tiny_spec):
 
 
 def registry_for(spec, **overrides) -> AdapterRegistry:
-    overrides.setdefault("max_rank", 8)
+    overrides.setdefault("rows", RowOptions(max_rank=8))
     return AdapterRegistry(spec, RegistryConfig(**overrides))
 
 

@@ -23,6 +23,7 @@ from adapter_manager import (
     Move,
     PickleRefusedError,
     RegistryConfig,
+    RowOptions,
     write_synthetic_adapter,
 )
 from adapter_manager.sources.local_hub import HubFault, LocalHub
@@ -55,7 +56,7 @@ def sleeps(monkeypatch) -> list[float]:
 
 def make_registry(spec, hub: LocalHub, cache: Path, **overrides) -> AdapterRegistry:
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=cache, retries=2, backoff_s=0.01, timeout_s=2)
-    return AdapterRegistry(spec, RegistryConfig(hub=hub_config, **{"max_rank": 8, **overrides}))
+    return AdapterRegistry(spec, RegistryConfig(hub=hub_config, **{"rows": RowOptions(max_rank=8), **overrides}))
 
 
 def cache_leftovers(cache: Path) -> list[str]:
@@ -136,7 +137,7 @@ def test_offline_from_warm_cache_in_a_fresh_process(hub, tmp_path, tiny_spec):
     hub.clear_requests()
     script = f"""
 import json
-from adapter_manager import AdapterRegistry, BaseModelSpec, RegistryConfig, HubUnavailableError
+from adapter_manager import AdapterRegistry, BaseModelSpec, RegistryConfig, HubUnavailableError, RowOptions
 spec = BaseModelSpec.from_hf_config({
         json.dumps(
             dict(
@@ -144,7 +145,7 @@ spec = BaseModelSpec.from_hf_config({
             )
         )
     }, name="test-org/tiny-llama")
-registry = AdapterRegistry(spec, RegistryConfig(max_rank=8))
+registry = AdapterRegistry(spec, RegistryConfig(rows=RowOptions(max_rank=8)))
 record = registry.register("org/good@v1").record
 try:
     registry.register("org/good@main", adapter_id="main")
@@ -284,7 +285,7 @@ def test_a_registration_sends_nothing_to_any_host_but_the_configured_endpoint(hu
             "from adapter_manager import *\n"
             f"spec = {tiny_spec!r}\n"
             f"hub = HubConfig(endpoint={hub.endpoint!r}, cache_dir={str(tmp_path / 'cache')!r})\n"
-            "AdapterRegistry(spec, RegistryConfig(hub=hub, max_rank=8)).register('org/good')\n"
+            "AdapterRegistry(spec, RegistryConfig(hub=hub, rows=RowOptions(max_rank=8))).register('org/good')\n"
         )
         env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
         env |= {"HF_ENDPOINT": elsewhere.endpoint, "HF_HOME": str(tmp_path / "home"), "PYTHONPATH": os.getcwd()}

@@ -9,7 +9,14 @@ import time
 import pytest
 import torch
 
-from adapter_manager import AdapterNotFoundError, AdapterRegistry, Move, RegistryConfig, write_synthetic_adapter
+from adapter_manager import (
+    AdapterNotFoundError,
+    AdapterRegistry,
+    Move,
+    RegistryConfig,
+    RowOptions,
+    write_synthetic_adapter,
+)
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
 from adapter_manager.tiers.allocator import SlotAllocator
 from adapter_manager.tiers.prepare import PreparedAdapter
@@ -287,10 +294,10 @@ def test_concurrent_acquires_load_once_and_leave_nothing_behind(tiny_spec, catal
 
 
 def test_registry_backed_rows_equal_prepared_blocks(tmp_path, tiny_spec):
-    registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
+    registry = AdapterRegistry(tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8)))
     for name, r, targets in (("one", 4, ["q_proj", "v_proj"]), ("two", 2, ["o_proj", "up_proj", "down_proj"])):
         registry.register(str(write_synthetic_adapter(tmp_path / name, tiny_spec, r=r, target_modules=targets)))
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8, granule=2))
+    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, rows=RowOptions(max_rank=8), granule=2))
     allocator = SlotAllocator(pool, registry.prepared, lambda a: registry.get(a).rank, registry.metrics)
     lease = allocator.acquire(["two", "one"])
     assert dict(lease.slots) == {"two": 0, "one": 2} and dict(lease.slot_rows) == {0: 2, 2: 4}

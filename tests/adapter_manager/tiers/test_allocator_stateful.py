@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from adapter_manager import AdapterNotFoundError
+from adapter_manager import AdapterNotFoundError, RowOptions
 from adapter_manager.errors import AdapterNotPinnedError, SlotLoadError, SlotsExhaustedError
 from adapter_manager.tiers.allocator import SlotAllocator, SlotLease
 from adapter_manager.tiers.prepare import PreparedAdapter
@@ -86,7 +86,9 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = SlotPool(SPEC, SlotPoolConfig(max_slots=MAX_SLOTS, max_rank=MAX_RANK, granule=GRANULE))
+        self.pool = SlotPool(
+            SPEC, SlotPoolConfig(max_slots=MAX_SLOTS, rows=RowOptions(max_rank=MAX_RANK), granule=GRANULE)
+        )
         assert (self.pool.num_units, self.pool.max_units) == (NUM_UNITS, MAX_UNITS)
         self.catalog = Catalog()
         self.allocator = SlotAllocator(self.pool, self.catalog, self.catalog.rank_of)
@@ -335,7 +337,7 @@ def test_allocator_matches_its_reference_model_over_10000_operations():
 
 @pytest.mark.parametrize("kind", ["narrow", "rows"])
 def test_broken_blocks_really_fail_to_load(kind):
-    pool = SlotPool(SPEC, SlotPoolConfig(max_slots=MAX_SLOTS, max_rank=MAX_RANK, granule=GRANULE))
+    pool = SlotPool(SPEC, SlotPoolConfig(max_slots=MAX_SLOTS, rows=RowOptions(max_rank=MAX_RANK), granule=GRANULE))
     catalog = Catalog()
     catalog.entries["x"] = Entry(3, broken(make_prepared(SPEC, "x", 3, 5.0), kind), True)
     allocator = SlotAllocator(pool, catalog, catalog.rank_of)

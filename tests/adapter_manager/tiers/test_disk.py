@@ -16,6 +16,7 @@ from adapter_manager import (
     HubConfig,
     LocalHub,
     RegistryConfig,
+    RowOptions,
     StateStore,
     SwapMetrics,
     write_synthetic_adapter,
@@ -152,7 +153,9 @@ def test_after_start_only_the_repo_a_download_landed_in_is_read(tmp_path, tiny_s
     with LocalHub(tmp_path / "hub") as hub:
         snapshot_download("other/model", endpoint=hub.endpoint, cache_dir=tmp_path / "cache")
         hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "cache", retries=0)
-        registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, hub=hub_config, disk_cache_bytes=1 << 30))
+        registry = AdapterRegistry(
+            tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8), hub=hub_config, disk_cache_bytes=1 << 30)
+        )
         registry.restore()
         monkeypatch.setattr(cache_manager, "_scan_cached_repo", counting)
         for name in ("org/a", "org/b", "org/c"):
@@ -171,7 +174,9 @@ def test_a_refresh_that_downloads_the_same_sha_again_is_bounded_too(tmp_path, ti
         hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "cache", retries=0)
         snapshot_download("org/a", endpoint=hub.endpoint, cache_dir=tmp_path / "sizes")
         one = scan_cache_dir(tmp_path / "sizes").size_on_disk
-        registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, hub=hub_config, disk_cache_bytes=one))
+        registry = AdapterRegistry(
+            tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8), hub=hub_config, disk_cache_bytes=one)
+        )
         registry.register("org/a")
         registry.register("org/b")  # org/a, least recently used, leaves the cache
         assert set(_repos(tmp_path / "cache")) == {"org/b"}

@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir
 
-from adapter_manager import AdapterRegistry, HubConfig, LocalHub, RegistryConfig, write_synthetic_adapter
+from adapter_manager import AdapterRegistry, HubConfig, LocalHub, RegistryConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.tiers.disk_order import EvictionOrder
 
 
@@ -91,7 +91,9 @@ def test_an_unregistered_adapters_revision_goes_before_older_registered_ones(tmp
         write_synthetic_adapter(tmp_path / "hub" / name, tiny_spec, r=4, seed=i)
     with LocalHub(tmp_path / "hub") as hub:
         hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "cache", retries=0)
-        registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, hub=hub_config, disk_cache_bytes=1 << 30))
+        registry = AdapterRegistry(
+            tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8), hub=hub_config, disk_cache_bytes=1 << 30)
+        )
         for name in ("org/b", "org/a", "org/c"):
             registry.register(name)
         assert registry._needed.view() == {(r.ref.repo_id, r.sha) for r in registry.list()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig, write_synthetic_adapter
+from adapter_manager import AdapterRegistry, ModuleKey, RegistryConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.sources.peft_format import CONFIG_NAME, LoraAdapterConfig
 from adapter_manager.tiers.row_layout import RowLayout
 from tests.conftest import ALL_LINEAR_RSLORA, PATTERNS_LORA, QV_LORA
@@ -37,7 +37,7 @@ def peft_modules(model) -> dict[ModuleKey, object]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepared_equals_peft_delta(case, dtype, write_peft_adapter, tiny_spec):
     folder, model = write_peft_adapter(**CASES[case])
-    registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, dtype=dtype))
+    registry = AdapterRegistry(tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8), dtype=dtype))
     result = registry.register(str(folder), adapter_id="a")
     prepared = registry.prepared("a")
     expected = peft_modules(model)
@@ -91,7 +91,7 @@ def test_synthetic_adapter_loads_in_peft_and_matches(tmp_path, tiny_spec):
         tmp_path / "syn", tiny_spec, r=4, lora_alpha=12, rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 3}
     )
     model = peft.PeftModel.from_pretrained(make_tiny_llama(), folder)
-    registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=4))
+    registry = AdapterRegistry(tiny_spec, RegistryConfig(rows=RowOptions(max_rank=4)))
     registry.register(str(folder), adapter_id="syn")
     prepared = registry.prepared("syn")
     expected = peft_modules(model)

@@ -14,10 +14,12 @@ from adapter_manager import (
     ModuleKey,
     Move,
     RegistryConfig,
+    RowOptions,
     SlotPool,
     SlotPoolConfig,
     TensorParallel,
     bytes_needed,
+    map_shared,
 )
 from adapter_manager.sharding import COLUMN_PARALLEL, ROW_PARALLEL
 from adapter_manager.tiers.row_layout import ModuleColumns, RowLayout
@@ -54,9 +56,9 @@ def test_the_plan_splits_every_feature_once_and_replicates_kv_heads_only_where_k
 
 def test_a_size_that_does_not_split_the_model_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .*'adapter-manager/bench-llama'.*num_heads 16"):
-        AdapterManager(BENCH, AdapterManagerConfig(tensor_parallel_size=3))
+        AdapterManager(BENCH, AdapterManagerConfig(rows=RowOptions(tensor_parallel=TensorParallel(3))))
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
-        AdapterManagerConfig(tensor_parallel_size=0)
+        AdapterManagerConfig(rows=RowOptions(tensor_parallel=TensorParallel(0)))
 
 
 def documented_columns(spec: BaseModelSpec, shape_of) -> tuple[dict[ModuleKey, ModuleColumns], int]:
@@ -132,8 +134,10 @@ def test_prepared_sections_join_into_the_unsharded_block(size, write_peft_adapte
     the shards' partial LoRA outputs sum to the unsharded one (the join the layer's one all-reduce makes)."""
     folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
     tp = TensorParallel(size)
-    whole = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
-    sharded = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, tensor_parallel_size=size))
+    whole = AdapterRegistry(tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8)))
+    sharded = AdapterRegistry(
+        tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(size)))
+    )
     reference, ours = (r.register(str(folder), adapter_id="a") and r.prepared("a") for r in (whole, sharded))
     layout = RowLayout.of(tiny_spec, tp)
     assert ours.storage.shape == (reference.rows, size, layout.section_width)
@@ -170,9 +174,10 @@ def test_fully_sharded_sections_hold_every_feature_once_and_their_summed_shrinks
     each shard's expand, give PEFT's delta."""
     folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
     tp = TensorParallel(size, fully_sharded_loras=True)
-    whole = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8))
+    whole = AdapterRegistry(tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8)))
     sharded = AdapterRegistry(
-        tiny_spec, RegistryConfig(max_rank=8, tensor_parallel_size=size, fully_sharded_loras=True)
+        tiny_spec,
+        RegistryConfig(rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(size, fully_sharded_loras=True))),
     )
     reference, ours = (r.register(str(folder), adapter_id="a") and r.prepared("a") for r in (whole, sharded))
     layout = RowLayout.of(tiny_spec, tp)
@@ -197,10 +202,14 @@ def test_fully_sharded_sections_hold_every_feature_once_and_their_summed_shrinks
 
 def test_a_sharded_pool_loads_blocks_and_hands_out_sectioned_views(write_peft_adapter, tiny_spec):
     folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
-    registry = AdapterRegistry(tiny_spec, RegistryConfig(max_rank=8, tensor_parallel_size=2))
+    registry = AdapterRegistry(
+        tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(2)))
+    )
     registry.register(str(folder), adapter_id="a")
     prepared = registry.prepared("a")
-    pool = SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8, tensor_parallel_size=2))
+    pool = SlotPool(
+        tiny_spec, SlotPoolConfig(max_slots=2, rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(2)))
+    )
     pool.load(1, prepared)
     start = pool.granule
     for key, weights in prepared.modules.items():
@@ -211,12 +220,35 @@ def test_a_sharded_pool_loads_blocks_and_hands_out_sectioned_views(write_peft_ad
     assert pool.section_nbytes * 2 == pool.nbytes == bytes_needed(tiny_spec, pool.num_rows, torch.float32, 2)
     assert pool.tensor_parallel == TensorParallel(2) and pool.stacks[key].a.shape[:2] == (pool.num_rows, 2)
     with pytest.raises(Exception, match="rows of"):
-        SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, max_rank=8)).load(0, prepared)  # an unsharded pool refuses
+        SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, rows=RowOptions(max_rank=8))).load(
+            0, prepared
+        )  # an unsharded pool refuses
+
+
+def test_a_cpu_pool_over_shards_is_shared_memory_another_mapping_sees_each_load_in(write_peft_adapter, tiny_spec):
+    """One process per shard on CPU: every shard maps the pool's rows (`SlotPool.shared_rows`) and a load is one
+    copy they all see; an unsharded pool's rows are its own."""
+    folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
+    registry = AdapterRegistry(
+        tiny_spec, RegistryConfig(rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(2)))
+    )
+    registry.register(str(folder), adapter_id="a")
+    pool = SlotPool(
+        tiny_spec, SlotPoolConfig(max_slots=2, rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(2)))
+    )
+    assert pool.shared_rows is not None
+    other = map_shared(pool.shared_rows, tuple(pool.rows.shape), pool.dtype)  # another process's view of the rows
+    assert other.data_ptr() != pool.rows.data_ptr() and not other.any()
+    pool.load(1, registry.prepared("a"))
+    assert pool.rows.any() and torch.equal(other, pool.rows)
+    assert SlotPool(tiny_spec, SlotPoolConfig(max_slots=2, rows=RowOptions(max_rank=8))).shared_rows is None
 
 
 def test_the_manager_prepares_loads_and_counts_one_swap_of_the_whole_sharded_block(write_peft_adapter, tiny_spec):
     folder, _ = write_peft_adapter(**ALL_LINEAR_RSLORA)
-    config = AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0, tensor_parallel_size=2)
+    config = AdapterManagerConfig(
+        max_slots=2, rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(2)), prefetch_workers=0
+    )
     with AdapterManager(tiny_spec, config) as manager:
         record = manager.register(str(folder), adapter_id="a").record
         lease = manager.acquire(["a"])

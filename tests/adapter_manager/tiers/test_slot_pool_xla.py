@@ -14,7 +14,7 @@ torch_xla = pytest.importorskip("torch_xla")
 
 import torch_xla.debug.metrics as metrics  # noqa: E402
 
-from adapter_manager import BaseModelSpec  # noqa: E402
+from adapter_manager import BaseModelSpec, RowOptions  # noqa: E402
 from adapter_manager.errors import SlotLoadError  # noqa: E402
 from adapter_manager.tiers.prepare import PreparedAdapter  # noqa: E402
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig, units_for  # noqa: E402
@@ -36,7 +36,9 @@ def random_prepared(spec: BaseModelSpec, adapter_id: str, rank: int, seed: int) 
 
 
 def make_pool(spec: BaseModelSpec) -> SlotPool:
-    config = SlotPoolConfig(max_slots=MAX_SLOTS, max_rank=MAX_RANK, granule=GRANULE, device=torch_xla.device())
+    config = SlotPoolConfig(
+        max_slots=MAX_SLOTS, rows=RowOptions(max_rank=MAX_RANK), granule=GRANULE, device=torch_xla.device()
+    )
     return SlotPool(spec, config)
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter  # noqa: E402
+from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, RowOptions, write_synthetic_adapter  # noqa: E402
 from adapter_manager.runtime import cli  # noqa: E402
 from adapter_manager.runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
 from adapter_manager.runtime.engine.engine import EngineConfig  # noqa: E402
@@ -39,7 +39,7 @@ CONFIG = LlamaConfig.tiny()
 def _configs(root, hub: LocalHub) -> tuple[AdapterManagerConfig, EngineConfig, ServerConfig]:
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=root / "hf-cache", retries=0)
     return (
-        AdapterManagerConfig(max_slots=4, max_rank=8, hub=hub_config),
+        AdapterManagerConfig(max_slots=4, rows=RowOptions(max_rank=8), hub=hub_config),
         EngineConfig(max_batch=8, max_seq_len=96),
         ServerConfig(model_name=NAME, port=0),
     )

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 httpx = pytest.importorskip("httpx")
 
-from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter  # noqa: E402
+from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, RowOptions, write_synthetic_adapter  # noqa: E402
 from adapter_manager.runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
 from adapter_manager.runtime.engine.engine import EngineConfig  # noqa: E402
 from adapter_manager.runtime.model.checkpoint import write_random_checkpoint  # noqa: E402
@@ -48,7 +48,9 @@ def test_registrations_survive_a_cluster_restart(tmp_path):
         cluster = ClusterConfig(
             tmp_path / "model",
             AdapterManagerConfig(
-                max_slots=3, max_rank=8, hub=HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+                max_slots=3,
+                rows=RowOptions(max_rank=8),
+                hub=HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "hf"),
             ),
             EngineConfig(max_batch=4, max_seq_len=64),
             ServerConfig(model_name="base", port=0),

@@ -16,7 +16,14 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from adapter_manager import AdapterManagerConfig, HubConfig, LocalHub, write_synthetic_adapter  # noqa: E402
+from adapter_manager import (  # noqa: E402
+    AdapterManagerConfig,
+    HubConfig,
+    LocalHub,
+    RowOptions,
+    TensorParallel,
+    write_synthetic_adapter,
+)
 from adapter_manager.runtime.cluster import ClusterConfig, RayOptions, start_cluster, stop_cluster  # noqa: E402
 from adapter_manager.runtime.engine.engine import EngineConfig  # noqa: E402
 from adapter_manager.runtime.model.checkpoint import write_random_checkpoint  # noqa: E402
@@ -66,7 +73,8 @@ def test_a_tensor_parallel_replica_answers_as_the_unsharded_server_and_leaves_no
     engine, server = EngineConfig(max_batch=4, max_seq_len=64), ServerConfig(model_name=NAME, port=0)
     with LocalHub(tmp_path / "hub") as hub:
         hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=tmp_path / "hf-cache", retries=0)
-        single = build_serving(tmp_path / "model", AdapterManagerConfig(max_slots=2, max_rank=8, hub=hub_config),
+        single = build_serving(tmp_path / "model",
+                               AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8), hub=hub_config),
                                engine, server)  # fmt: skip
         for adapter in ADAPTERS:
             single.manager.register(adapter)
@@ -74,7 +82,9 @@ def test_a_tensor_parallel_replica_answers_as_the_unsharded_server_and_leaves_no
             expected = _answers(background.url)
         single.close()
         before = _spawned()
-        sharded = AdapterManagerConfig(max_slots=2, max_rank=8, hub=hub_config, tensor_parallel_size=2)
+        sharded = AdapterManagerConfig(
+            max_slots=2, rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(2)), hub=hub_config
+        )
         cluster = ClusterConfig(tmp_path / "model", sharded, engine, server, replicas=1, replica_cpus=0.5)
         url = start_cluster(cluster, RayOptions(num_cpus=2, port=_port(), metrics_export_port=_port()))
         try:

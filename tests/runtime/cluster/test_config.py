@@ -6,12 +6,15 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not installed")
 
-from adapter_manager import AdapterManagerConfig  # noqa: E402
+from adapter_manager import (
+    AdapterManagerConfig,  # noqa: E402
+    RowOptions,
+)
 from adapter_manager.runtime.cluster import ClusterConfig  # noqa: E402
 
 
 def test_models_per_replica_leave_out_spare_and_pinned_slots(tmp_path):
-    manager = AdapterManagerConfig(max_slots=8, max_rank=8)
+    manager = AdapterManagerConfig(max_slots=8, rows=RowOptions(max_rank=8))
     assert ClusterConfig(tmp_path, manager).models_per_replica == 7
     assert ClusterConfig(tmp_path, manager, spare_slots=2, pinned_slots=3).models_per_replica == 3
     for bad in ({"pinned_slots": 7}, {"pinned_slots": -1}, {"spare_slots": 8}, {"spare_slots": 4, "pinned_slots": 4}):

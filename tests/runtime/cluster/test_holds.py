@@ -15,6 +15,7 @@ pytest.importorskip("ray.serve", reason="the cluster extra (ray[serve]) is not i
 from adapter_manager import (  # noqa: E402
     AdapterManager,
     AdapterManagerConfig,
+    RowOptions,
     SlotsExhaustedError,
     write_synthetic_adapter,
 )
@@ -22,7 +23,7 @@ from adapter_manager.runtime.cluster.holds import Holds, Resident  # noqa: E402
 
 
 def test_first_hold_pins_last_drop_unpins_and_a_failed_pin_holds_nothing(tiny_spec, tmp_path):
-    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=1, max_rank=8))
+    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=1, rows=RowOptions(max_rank=8)))
     for i, name in enumerate(("a", "b")):
         write_synthetic_adapter(tmp_path / name, tiny_spec, r=8, lora_alpha=8, seed=i)
         manager.register(str(tmp_path / name), adapter_id=name)
@@ -60,7 +61,7 @@ def test_first_hold_pins_last_drop_unpins_and_a_failed_pin_holds_nothing(tiny_sp
 def test_a_view_never_sees_an_unload_half_done(tiny_spec, tmp_path):
     """Serve unloads a model on an executor thread while the replica reports: every view of the pool's pins, Serve's
     loaded models and the holds must agree (a pin without its hold failed the cluster test once)."""
-    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=4, max_rank=8))
+    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=4, rows=RowOptions(max_rank=8)))
     names = ("a", "b", "c")
     for i, name in enumerate(names):
         write_synthetic_adapter(tmp_path / name, tiny_spec, r=8, lora_alpha=8, seed=i)

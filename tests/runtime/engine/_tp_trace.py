@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, TensorParallel
 from adapter_manager.kernels import BackendKind, KernelConfig, PallasInterpret
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.kv_space import block_bytes
@@ -74,14 +74,18 @@ def run(
         if tp > 1:
             mesh(tp)  # SPMD on before anything touches the XLA device
         device = torch_xla.device()
-        model = load_model(paths["base"], dtype=torch.float32, device=device, tensor_parallel_size=tp)
+        plan = TensorParallel(tp, full)
+        model = load_model(paths["base"], dtype=torch.float32, device=device, tensor_parallel=plan)
     else:
         device = torch.device("cpu")
         workers = start_shard_workers(ShardLaunch(Path(paths["base"]), tp))
         model = workers.load_model()
     spec = model.config.to_spec(TINY_NAME)
     config = AdapterManagerConfig(
-        max_slots=2, max_rank=8, device=device, prefetch_workers=0, tensor_parallel_size=tp, fully_sharded_loras=full
+        max_slots=2,
+        rows=RowOptions(max_rank=8, tensor_parallel=TensorParallel(tp, fully_sharded_loras=full)),
+        device=device,
+        prefetch_workers=0,
     )
     manager = AdapterManager(spec, config)
     for name, folder in paths.items():

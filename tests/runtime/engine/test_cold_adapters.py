@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.file_download import repo_folder_name
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, HubFault, LocalHub, Move
+from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, HubFault, LocalHub, Move, RowOptions
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
@@ -45,7 +45,7 @@ def _serve(written, hub: LocalHub, cache: Path, max_batch: int = 4, **manager_kw
     model = load_model(written[None][0], dtype=torch.float32)
     spec = model.config.to_spec(TINY_NAME)
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=cache, retries=0, timeout_s=30)
-    manager = AdapterManager(spec, AdapterManagerConfig(max_rank=8, hub=hub_config, **manager_kwargs))
+    manager = AdapterManager(spec, AdapterManagerConfig(rows=RowOptions(max_rank=8), hub=hub_config, **manager_kwargs))
     for name in ADAPTERS:
         manager.register(f"org/{name}", name)
     config = EngineConfig(max_batch=max_batch, max_seq_len=64, scheduler=SchedulerConfig(token_budget=16), eos_ids=())
@@ -161,7 +161,9 @@ def test_the_disk_bound_holds_at_every_moment_with_popularity_prefetch(written, 
 def _records(written):
     """Prepared sizes of the oracle's adapters (a throwaway registry of local dirs)."""
     model = load_model(written[None][0], dtype=torch.float32)
-    with AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_rank=8, prefetch_workers=0)) as m:
+    with AdapterManager(
+        model.config.to_spec(TINY_NAME), AdapterManagerConfig(rows=RowOptions(max_rank=8), prefetch_workers=0)
+    ) as m:
         return [m.register(str(written[name][0]), name).record for name in ADAPTERS]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, write_synthetic_adapter
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.kernels import BackendKind, KernelConfig
 from adapter_manager.kernels.cpu import load, unavailable_reason
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
@@ -86,7 +86,7 @@ def served(request, folders):
     kernels = KernelConfig(BackendKind.REFERENCE) if ops == "torch" else None
     manager = AdapterManager(
         CONFIG.to_spec("det"),
-        AdapterManagerConfig(max_slots=2, max_rank=8, dtype=dtype, device=device, prefetch_workers=0),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8), dtype=dtype, device=device, prefetch_workers=0),
     )
     for name in ADAPTERS:
         manager.register(str(folders[name]), adapter_id=name)
@@ -158,7 +158,9 @@ def test_prefix_cache_hits_give_the_same_bits(served, alone):
 
 @pytest.mark.skipif(not load(), reason=f"no CPU kernels: {unavailable_reason()}")
 def test_the_mode_unpacks_packed_weights_and_refuses_what_it_cannot_serve(folders):
-    manager = AdapterManager(CONFIG.to_spec("det"), AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0))
+    manager = AdapterManager(
+        CONFIG.to_spec("det"), AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8), prefetch_workers=0)
+    )
     try:
         config = EngineConfig(max_batch=2, max_seq_len=32, deterministic=True)
         model = load_model(folders[None], dtype=torch.float32, pack_weights=True)

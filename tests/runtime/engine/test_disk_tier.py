@@ -12,7 +12,7 @@ import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import scan_cache_dir, snapshot_download
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub, Move
+from adapter_manager import AdapterManager, AdapterManagerConfig, HubConfig, LocalHub, Move, RowOptions
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
@@ -48,7 +48,7 @@ def test_adapters_over_the_disk_bound_still_answer_correctly(written, expected, 
         spec = model.config.to_spec(TINY_NAME)
         config = AdapterManagerConfig(
             max_slots=2,
-            max_rank=8,
+            rows=RowOptions(max_rank=8),
             host_cache_bytes=spec.max_adapter_bytes(8, 4),  # one adapter: every switch prepares from disk
             prefetch_workers=1,
             hub=HubConfig(endpoint=hub.endpoint, cache_dir=cache, retries=0),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.kernels import BackendKind, KernelConfig
 from adapter_manager.runtime.engine import SamplingParams
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
@@ -25,7 +25,9 @@ def _answers_equal_peft(written, expected, requests, on_engine=lambda engine: No
     """The engine on the triton backend serves ``requests``; each greedy answer equals HF + PEFT generate.
     ``on_engine`` looks at the engine before it serves (building it happens inside the caller's context)."""
     model = load_model(written[None][0], dtype=torch.float32)
-    manager = AdapterManager(model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=8))
+    manager = AdapterManager(
+        model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8))
+    )
     try:
         for name in {name for _, name in requests if name is not None}:
             manager.register(str(written[name][0]), adapter_id=name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, UnsupportedAdapterError, Variant
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, UnsupportedAdapterError, Variant
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model import load_model
 from tests.conftest import TINY_NAME
@@ -52,7 +52,9 @@ def test_variants_through_two_slots_match_peft(written_variants, variant_expecte
 
 
 def test_a_pool_without_vector_rows_refuses_variants_by_name(written_variants, tiny_spec):
-    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, max_rank=8, lora_vectors=False))
+    manager = AdapterManager(
+        tiny_spec, AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8, lora_vectors=False))
+    )
     with pytest.raises(UnsupportedAdapterError, match="'dora'.*lora_vectors=False"):
         manager.register(str(written_variants["dora"][0]), adapter_id="dora")
     manager.register(str(written_variants["plain"][0]), adapter_id="plain")
@@ -64,7 +66,7 @@ def test_dora_without_a_model_fails_its_first_use_by_name(written_variants):
     """Registered on a manager no engine serves: checked whole, then its first load names what it lacks."""
     manager = AdapterManager(
         __import__("adapter_manager").BaseModelSpec.from_hf_config(written_variants[None][0], TINY_NAME),
-        AdapterManagerConfig(max_slots=2, max_rank=8),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8)),
     )
     manager.register(str(written_variants["dora"][0]), adapter_id="dora")
     with pytest.raises(UnsupportedAdapterError, match="'dora'.*attach_base_weights"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import MAX_RANK, hf_greedy
@@ -25,7 +25,7 @@ def test_variants_after_warm_up_compile_nothing_and_match_peft(written_variants)
     expected = {(tuple(p), name): hf_greedy(written_variants[name][1], p, NEW_TOKENS) for p, name in VARIANT_ROWS}
     device = torch_xla.device()
     model = load_model(written_variants[None][0], dtype=torch.float32, device=device)
-    config = AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device, prefetch_workers=0)
+    config = AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=MAX_RANK), device=device, prefetch_workers=0)
     manager = AdapterManager(model.config.to_spec(TINY_NAME), config)
     for name in VARIANTS:
         manager.register(str(written_variants[name][0]), adapter_id=name)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from adapter_manager import AdapterManager, AdapterManagerConfig, UnsupportedAdapterError
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, UnsupportedAdapterError
 from adapter_manager.prometheus import AdapterManagerCollector
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model import load_model
@@ -27,7 +27,7 @@ def test_vocab_adapters_through_two_slots_match_peft(written_vocab, make_engine,
     names = tuple(sorted({name for _, name in rows if name is not None}))
     model = load_model(written_vocab[base][0], dtype=torch.float32)
     engine, manager = make_engine(adapters=names, source={**written_vocab, None: written_vocab[base]}, model=model,
-                                  lora_vocab=True)  # fmt: skip
+                                  rows=RowOptions(max_rank=8, lora_vocab=True))  # fmt: skip
     assert manager.lora_vocab and set(model.vocab_lora) == {"embed_tokens", "lm_head"}
     requests = rows * 2
     handles = [engine.submit(p, a, SamplingParams(max_tokens=NEW_TOKENS)) for p, a in requests]
@@ -57,7 +57,7 @@ def test_vocab_adapters_through_two_slots_match_peft(written_vocab, make_engine,
 
 
 def test_a_pool_without_vocab_columns_refuses_by_name(written_vocab, tiny_spec):
-    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, max_rank=8))
+    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8)))
     for name, what in (("tokens", "embed_tokens trainable tokens"), ("embed_head", "embed_tokens LoRA and lm_head")):
         with pytest.raises(UnsupportedAdapterError, match=f"'{name}'.*{what}.*--lora-vocab"):
             manager.register(str(written_vocab[name][0]), adapter_id=name)
@@ -67,7 +67,7 @@ def test_a_pool_without_vocab_columns_refuses_by_name(written_vocab, tiny_spec):
 
 
 def test_trainable_tokens_without_a_model_fail_their_first_use_by_name(written_vocab, tiny_spec):
-    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, max_rank=8, lora_vocab=True))
+    manager = AdapterManager(tiny_spec, AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8, lora_vocab=True)))
     manager.register(str(written_vocab["tokens"][0]), adapter_id="tokens")
     with pytest.raises(UnsupportedAdapterError, match="'tokens'.*trainable tokens.*attach_base_weights"):
         manager.acquire(["tokens"])
@@ -88,7 +88,9 @@ def test_a_saved_table_that_is_not_the_models_is_refused(written_vocab, make_eng
     tensors = load_file(folder / "adapter_model.safetensors")
     tensors["base_model.model.model.embed_tokens.base_layer.weight"] += 1.0
     save_file(tensors, folder / "adapter_model.safetensors")
-    engine, manager = make_engine(adapters=("plain",), source=written_vocab, lora_vocab=True)
+    engine, manager = make_engine(
+        adapters=("plain",), source=written_vocab, rows=RowOptions(max_rank=8, lora_vocab=True)
+    )
     with pytest.raises(UnsupportedAdapterError, match="'other'.*embed_tokens.base_layer.weight.*not the served"):
         manager.register(str(folder), adapter_id="other")
     assert [r.adapter_id for r in manager.records()] == ["plain"]

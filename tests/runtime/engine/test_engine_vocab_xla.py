@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.model.checkpoint import load_model
 from tests.conftest import TINY_NAME
 from tests.runtime._oracle import MAX_RANK, hf_greedy
@@ -31,7 +31,9 @@ def test_vocab_adapters_after_warm_up_compile_nothing_and_match_peft(written_voc
     }
     device = torch_xla.device()
     model = load_model(written_vocab[base][0], dtype=torch.float32, device=device)
-    config = AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device, prefetch_workers=0, lora_vocab=True)
+    config = AdapterManagerConfig(
+        max_slots=2, rows=RowOptions(max_rank=MAX_RANK, lora_vocab=True), device=device, prefetch_workers=0
+    )
     manager = AdapterManager(model.config.to_spec(TINY_NAME), config)
     for name in names:
         manager.register(str(written_vocab[name][0]), adapter_id=name)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.kernels import LoRAKernelMeta, select_backend
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.kv_space import block_bytes
@@ -98,7 +98,7 @@ def test_trace_after_warm_up_compiles_nothing_and_matches_peft(written, expected
     spec = model.config.to_spec(TINY_NAME)
     # no prefetch threads: which step admits a request must not depend on when a copier thread ran, or whether the
     # trace preempts at all would be a race (it once did not, in a full lane)
-    config = AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device, prefetch_workers=0)
+    config = AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=MAX_RANK), device=device, prefetch_workers=0)
     manager = AdapterManager(spec, config)
     for name in ADAPTERS:
         manager.register(str(written[name][0]), adapter_id=name)
@@ -161,7 +161,8 @@ def test_logprobs_and_prompt_logprobs_on_xla_equal_peft(written):
     device = torch_xla.device()
     model = load_model(written[None][0], dtype=torch.float32, device=device)
     manager = AdapterManager(
-        model.config.to_spec(TINY_NAME), AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device)
+        model.config.to_spec(TINY_NAME),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=MAX_RANK), device=device),
     )
     manager.register(str(written["qv"][0]), adapter_id="qv")
     config = EngineConfig(
@@ -196,7 +197,7 @@ def test_an_int8_base_on_xla_matches_peft_on_the_dequantized_base_and_compiles_n
     model = load_model(written[None][0], dtype=torch.float32, device=device, quantize="int8")
     assert model.weight_layout == "int8"
     spec = model.config.to_spec(TINY_NAME)
-    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=2, max_rank=MAX_RANK, device=device))
+    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=MAX_RANK), device=device))
     for name in ADAPTERS:
         manager.register(str(written[name][0]), adapter_id=name)
     config = EngineConfig(

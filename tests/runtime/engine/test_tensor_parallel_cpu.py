@@ -66,12 +66,13 @@ def test_shards_exit_when_rank_0_is_killed_outright(written, tmp_path):
 _ENGINE = """
 import sys
 from pathlib import Path
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, TensorParallel
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
 workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), 2))
 model = workers.load_model()
-config = AdapterManagerConfig(max_slots=2, max_rank=8, prefetch_workers=0, tensor_parallel_size=2)
+rows = RowOptions(max_rank=8, tensor_parallel=TensorParallel(2))
+config = AdapterManagerConfig(max_slots=2, rows=rows, prefetch_workers=0)
 manager = AdapterManager(model.config.to_spec("tiny"), config)
 manager.register(sys.argv[2], adapter_id="a")
 Engine(model, manager, EngineConfig(max_batch=2, max_seq_len=32))
@@ -83,26 +84,29 @@ workers.close()
 """
 
 
-def test_each_shards_pool_section_is_shared_memory_that_leaves_no_file(written):
-    """Rank 0 writes each shard's section of a slot load straight into that shard's rows: the shard maps the same
-    file, which is unlinked as soon as every shard has mapped it, so nothing stays in /dev/shm while the processes
-    run or after they stop."""
+def test_every_shard_maps_the_one_pool_and_no_file_is_left(written):
+    """The pool's rows are one memfd that rank 0 writes each slot load into and every shard maps (the same inode in
+    every process: one copy, no section copied per shard); being a memfd, it is never a file in /dev/shm, while the
+    processes run or after they stop."""
     command = [sys.executable, "-c", _ENGINE, str(written[None][0]), str(written["qv"][0])]
+    before = set(Path("/dev/shm").iterdir())
     rank0 = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         shards = [int(pid) for pid in rank0.stdout.readline().split()]
         assert shards and all(_alive(pid) for pid in shards)
-        name = f"adapter-manager-tp-{rank0.pid}-"
+        inodes = set()
         for pid in (rank0.pid, *shards):
             with open(f"/proc/{pid}/maps") as maps:
-                mapped = [line for line in maps if name in line]
-            assert mapped and all(line.rstrip().endswith("(deleted)") for line in mapped), (pid, mapped)
-        assert not list(Path("/dev/shm").glob(name + "*"))
+                mapped = [line.split() for line in maps if "/memfd:adapter-manager-rows" in line]
+            assert mapped, pid
+            inodes |= {fields[4] for fields in mapped}
+        assert len(inodes) == 1, inodes
+        assert set(Path("/dev/shm").iterdir()) <= before
         rank0.communicate("stop\n", timeout=60)
         assert rank0.returncode == 0 and not any(_alive(pid) for pid in shards)
     finally:
         rank0.kill()
-    assert not list(Path("/dev/shm").glob(name + "*"))
+    assert set(Path("/dev/shm").iterdir()) <= before
 
 
 def _alive(pid: int) -> bool:

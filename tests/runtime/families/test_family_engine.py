@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig, SamplingParams
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.model.checkpoint import load_model
@@ -22,7 +22,7 @@ def serve(
 ) -> list[tuple[list[int], list[float]]]:
     model = load_model(family.folder, dtype=torch.float32)
     model.cpu_ops = cpu_ops
-    pool = AdapterManagerConfig(max_slots=2, max_rank=8, lora_vocab=lora_vocab)
+    pool = AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8, lora_vocab=lora_vocab))
     manager = AdapterManager(model.config.to_spec("base"), pool)
     try:
         for name, (folder, _) in family.adapters.items():

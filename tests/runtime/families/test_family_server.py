@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from adapter_manager import AdapterManagerConfig
+from adapter_manager import AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.families._oracle import NEW_TOKENS, greedy, requests
@@ -29,7 +29,7 @@ def test_family_served_over_http_equals_transformers_and_peft(family) -> None:
     adapters = {name: folder for name, (folder, _) in family.adapters.items()}
     with serving_on(
         family.folder,
-        AdapterManagerConfig(max_slots=2, max_rank=8),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8)),
         EngineConfig(max_batch=4, max_seq_len=64, eos_ids=()),
         ServerConfig(model_name="base", port=0, max_pending=16),
         adapters,

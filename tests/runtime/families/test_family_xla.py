@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.kernels import BackendKind, KernelConfig, PallasInterpret
 from adapter_manager.runtime.model.checkpoint import load_model
 from tests.runtime.engine._xla_trace import serve_trace
@@ -26,7 +26,7 @@ LANED_FAMILIES = ("qwen2", "gemma2", "gemma3", "phi3")
 def _trace(family, kernels: KernelConfig | None) -> None:
     device = torch_xla.device()
     model = load_model(family.folder, dtype=torch.float32, device=device)
-    config = AdapterManagerConfig(max_slots=2, max_rank=8, device=device, prefetch_workers=0)
+    config = AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8), device=device, prefetch_workers=0)
     manager = AdapterManager(model.config.to_spec("base"), config)
     try:
         for name, (folder, _) in family.adapters.items():

@@ -30,7 +30,7 @@ def main() -> None:
 
     from adapter_manager.runtime.model.checkpoint import load_model
 
-    model = load_model(args.checkpoint, dtype=torch.float32, device=torch_xla.device(), tensor_parallel_size=args.tp)
+    model = load_model(args.checkpoint, dtype=torch.float32, device=torch_xla.device(), tensor_parallel=args.tp)
     sent = metrics.metric_data("OutboundData")
     params = {}
     for name, param in model.named_parameters():

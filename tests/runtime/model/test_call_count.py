@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from adapter_manager import AdapterRegistry, RegistryConfig, write_synthetic_adapter
+from adapter_manager import AdapterRegistry, RegistryConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
 from adapter_manager.runtime.model.batch import ForwardBatch, SequenceChunk
 from adapter_manager.runtime.model.checkpoint import load_model
@@ -25,8 +25,8 @@ def sixteen(written, tmp_path_factory):
     model = load_model(written[None][0])
     model.setup_caches(max_batch=SEQUENCES, max_seq_len=16)
     spec = model.config.to_spec(TINY_NAME)
-    registry = AdapterRegistry(spec, RegistryConfig(max_rank=RANK))
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=SLOTS, max_rank=RANK, granule=RANK))
+    registry = AdapterRegistry(spec, RegistryConfig(rows=RowOptions(max_rank=RANK)))
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=SLOTS, rows=RowOptions(max_rank=RANK), granule=RANK))
     root = tmp_path_factory.mktemp("sixteen")
     for slot in range(SLOTS):
         rank = 4 if slot % 2 else 8

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterRegistry, RegistryConfig, Variant
+from adapter_manager import AdapterRegistry, RegistryConfig, RowOptions, Variant
 from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, WeightLayout, select_backend
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
@@ -37,11 +37,11 @@ def variant_setup(written_variants, dtype: torch.dtype, backend: BackendKind = B
     model = load_model(written_variants[None][0], dtype=dtype)
     model.setup_caches(max_batch=len(VARIANT_ROWS), max_seq_len=32)
     spec = model.config.to_spec(TINY_NAME)
-    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype))
+    registry = AdapterRegistry(spec, RegistryConfig(rows=RowOptions(max_rank=MAX_RANK), dtype=dtype))
     registry.base_weight = model.base_weight
     for name in NAMES:
         registry.register(str(written_variants[name][0]), adapter_id=name)
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(NAMES), max_rank=MAX_RANK, dtype=dtype))
+    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(NAMES), rows=RowOptions(max_rank=MAX_RANK), dtype=dtype))
     for slot, name in enumerate(NAMES):
         pool.load(slot * pool.units_for(MAX_RANK), registry.prepared(name))
     model.attach_lora(pool.stacks)

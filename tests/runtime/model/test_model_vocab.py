@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterRegistry, RegistryConfig
+from adapter_manager import AdapterRegistry, RegistryConfig, RowOptions
 from adapter_manager.kernels import BackendKind, KernelConfig, LoRAKernelMeta, select_backend
 from adapter_manager.runtime.model.checkpoint import load_model
 from adapter_manager.tiers.slot_pool import SlotPool, SlotPoolConfig
@@ -32,9 +32,11 @@ def vocab_setup(written_vocab, tied: bool, dtype: torch.dtype, backend: BackendK
     model.setup_caches(max_batch=len(rows), max_seq_len=32)
     spec = model.config.to_spec(TINY_NAME)
     assert spec.tie_word_embeddings is tied and spec.vocab_size == 64
-    registry = AdapterRegistry(spec, RegistryConfig(max_rank=MAX_RANK, dtype=dtype, lora_vocab=True))
+    registry = AdapterRegistry(spec, RegistryConfig(rows=RowOptions(max_rank=MAX_RANK, lora_vocab=True), dtype=dtype))
     registry.base_weight = model.base_weight
-    pool = SlotPool(spec, SlotPoolConfig(max_slots=len(names), max_rank=MAX_RANK, dtype=dtype, lora_vocab=True))
+    pool = SlotPool(
+        spec, SlotPoolConfig(max_slots=len(names), rows=RowOptions(max_rank=MAX_RANK, lora_vocab=True), dtype=dtype)
+    )
     slot_of, slot_rows = {}, {}
     for index, name in enumerate(names):
         registry.register(str(written_vocab[name][0]), adapter_id=name)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from adapter_manager import AdapterManagerConfig
+from adapter_manager import AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.real_model._prepare import prepared, prepared_variants
@@ -96,7 +96,7 @@ def served(real_model, real_variants):
     model_dir, adapter_dir = real_model
     with serving_on(
         model_dir,
-        AdapterManagerConfig(max_slots=2, max_rank=8, base_model_mismatch="refuse", lora_vocab=True),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8, lora_vocab=True), base_model_mismatch="refuse"),
         EngineConfig(max_batch=4, max_seq_len=512),
         ServerConfig(model_name=NAME, port=0, max_pending=16),
         adapters={ADAPTER: adapter_dir, **real_variants},

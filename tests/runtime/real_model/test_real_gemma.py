@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapter_manager import AdapterManagerConfig
+from adapter_manager import AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.real_model._prepare_gemma import ANSWER, PROMPT, prepared_gemma
@@ -44,7 +44,7 @@ def client(gemma):
     model_dir, adapter_dir = gemma
     with serving_on(
         model_dir,
-        AdapterManagerConfig(max_slots=1, max_rank=8, base_model_mismatch="refuse"),
+        AdapterManagerConfig(max_slots=1, rows=RowOptions(max_rank=8), base_model_mismatch="refuse"),
         EngineConfig(max_batch=4, max_seq_len=512),  # the local layers' window: every context fits it
         ServerConfig(model_name=NAME, port=0, max_pending=16),
         adapters={ADAPTER: adapter_dir},

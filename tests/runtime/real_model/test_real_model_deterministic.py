@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from adapter_manager import AdapterManager, AdapterManagerConfig
+from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions
 from adapter_manager.kernels.cpu import load, unavailable_reason
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
@@ -26,7 +26,9 @@ def test_alone_and_in_company_the_same_bits(real_model, dtype) -> None:
     model_dir, adapter_dir = real_model
     model = load_model(model_dir, dtype=dtype, pack_weights=False)
     spec = model.config.to_spec("smol")
-    manager = AdapterManager(spec, AdapterManagerConfig(max_slots=1, max_rank=8, dtype=dtype, prefetch_workers=0))
+    manager = AdapterManager(
+        spec, AdapterManagerConfig(max_slots=1, rows=RowOptions(max_rank=8), dtype=dtype, prefetch_workers=0)
+    )
     manager.register(str(adapter_dir), adapter_id="secret")
     rng = random.Random(0)
     requests = [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig
+from adapter_manager import AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.model.checkpoint import write_random_checkpoint
 from adapter_manager.runtime.model.config import LlamaConfig
@@ -55,7 +55,7 @@ def server(checkpoint_root):
     """A plain tiny server (no adapter, 2 slots of rank 16); modules that need more define their own."""
     with serving_on(
         checkpoint_root / "model",
-        AdapterManagerConfig(max_slots=2, max_rank=16),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=16)),
         EngineConfig(max_batch=4, max_seq_len=64),
         ServerConfig(model_name=NAME, port=0, max_pending=16),
     ) as started:

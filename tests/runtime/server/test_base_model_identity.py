@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig, BaseModelMismatchError
+from adapter_manager import AdapterManagerConfig, BaseModelMismatchError, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.launch import build_serving, checkpoint_aliases
 from adapter_manager.runtime.server.state import ServerConfig
@@ -40,7 +40,7 @@ def _trained_on(adapter: Path, tmp_path: Path, base: str) -> Path:
 def _serve(model: Path, mismatch: str, model_ref: str | None = None):
     return build_serving(
         model,
-        AdapterManagerConfig(max_slots=2, max_rank=16, base_model_mismatch=mismatch),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=16), base_model_mismatch=mismatch),
         EngineConfig(max_batch=2, max_seq_len=32),
         ServerConfig(model_name="alias", port=0),
         model_ref=model_ref,

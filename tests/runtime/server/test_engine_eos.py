@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig
+from adapter_manager import AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.server.conftest import serving_on
@@ -19,7 +19,7 @@ def eos_client(checkpoint_root):
     openai = pytest.importorskip("openai")
     with serving_on(
         checkpoint_root / "model",
-        AdapterManagerConfig(max_slots=2, max_rank=16),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=16)),
         EngineConfig(max_batch=4, max_seq_len=64, eos_ids=(EOS,)),
         ServerConfig(model_name="tiny", port=0),
     ) as (serving, background):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig, HubConfig, HubFault, LocalHub, write_synthetic_adapter
+from adapter_manager import AdapterManagerConfig, HubConfig, HubFault, LocalHub, RowOptions, write_synthetic_adapter
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
 from tests.runtime.server.conftest import CONFIG, NAME, serving_on
@@ -41,7 +41,9 @@ def serve(
     hub_config = HubConfig(endpoint=hub.endpoint, cache_dir=files / "hf-cache", retries=0) if hub else HubConfig()
     return serving_on(
         files / "model",
-        AdapterManagerConfig(max_slots=max_slots, max_rank=8, host_cache_bytes=host_cache_bytes, hub=hub_config),
+        AdapterManagerConfig(
+            max_slots=max_slots, rows=RowOptions(max_rank=8), host_cache_bytes=host_cache_bytes, hub=hub_config
+        ),
         EngineConfig(max_batch=16, max_seq_len=96),
         ServerConfig(
             model_name=NAME,

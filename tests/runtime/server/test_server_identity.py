@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig, write_synthetic_adapter
+from adapter_manager import AdapterManagerConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.server.state import ServerConfig
 from tests._rewrite import keeping_size_and_mtime
@@ -35,7 +35,7 @@ def local(checkpoint_root):
 def server(checkpoint_root, local):
     with serving_on(
         checkpoint_root / "model",
-        AdapterManagerConfig(max_slots=2, max_rank=8),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8)),
         EngineConfig(max_batch=1, max_seq_len=96, kv_block_size=4),  # one seat: other requests wait behind it
         ServerConfig(model_name=NAME, port=0, admin_token=TOKEN, max_pending=64, local_roots=(local,)),
     ) as (serving, background):

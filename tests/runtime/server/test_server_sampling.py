@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig, write_synthetic_adapter
+from adapter_manager import AdapterManagerConfig, RowOptions, write_synthetic_adapter
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.engine.sampling import SamplingParams
 from adapter_manager.runtime.model.tokenizer import ByteTokenizer
@@ -25,7 +25,7 @@ def server(checkpoint_root):
     write_synthetic_adapter(root / "ad", CONFIG.to_spec(NAME), r=4, lora_alpha=8, seed=1)
     with serving_on(
         root / "model",
-        AdapterManagerConfig(max_slots=2, max_rank=8),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8)),
         EngineConfig(max_batch=8, max_seq_len=96),
         ServerConfig(model_name=NAME, port=0, max_pending=32),
         adapters={"team/ad": root / "ad"},

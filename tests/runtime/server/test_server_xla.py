@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapter_manager import AdapterManagerConfig
+from adapter_manager import AdapterManagerConfig, RowOptions
 from adapter_manager.runtime.engine.engine import EngineConfig
 from adapter_manager.runtime.engine.scheduler import SchedulerConfig
 from adapter_manager.runtime.server.state import ServerConfig
@@ -27,7 +27,7 @@ def test_a_built_server_compiles_nothing_on_its_first_requests(checkpoint_root):
     engine = EngineConfig(max_batch=2, max_seq_len=32, token_buckets=(8, 16), scheduler=SchedulerConfig(16))
     with serving_on(
         checkpoint_root / "model",
-        AdapterManagerConfig(max_slots=2, max_rank=8, device="xla"),
+        AdapterManagerConfig(max_slots=2, rows=RowOptions(max_rank=8), device="xla"),
         engine,
         ServerConfig(model_name=NAME, port=0, max_pending=8),
     ) as (_, background):
