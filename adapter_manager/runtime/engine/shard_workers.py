@@ -53,6 +53,11 @@ class ShardLaunch:
     device: str = "cpu"  # cpu, or cuda (shard k on cuda:k)
     port: int = 0  # rank 0's loopback port; 0: a free one
     quantize: str | None = None
+    fully_sharded_loras: bool = False
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.size, self.fully_sharded_loras)
 
     def __post_init__(self) -> None:
         if not platform_for(self.device).computes_on_host:  # the pool's sections are shared host memory
@@ -75,7 +80,7 @@ class ShardWorkers:
         """Rank 0's shard of the model."""
         launch = self.launch
         return load_model(
-            launch.folder, launch.dtype, torch.device("cpu"), pack_weights, launch.quantize, launch.size, self.group
+            launch.folder, launch.dtype, torch.device("cpu"), pack_weights, launch.quantize, launch.tensor_parallel, self.group
         )
 
     def close(self) -> None:
@@ -197,7 +202,7 @@ def _worker(launch: ShardLaunch, rank: int) -> None:
     _join(launch, rank)
     group = ShardGroup(launch.size, rank)
     device = torch.device("cpu")
-    model = load_model(launch.folder, launch.dtype, device, None, launch.quantize, launch.size, group)
+    model = load_model(launch.folder, launch.dtype, device, None, launch.quantize, launch.tensor_parallel, group)
     meta = None
     while True:
         message = _scatter([])
