@@ -73,9 +73,9 @@ def _measure(work: Path, spec, tp: int, args: argparse.Namespace) -> dict:  # no
     from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
     from adapter_manager.runtime.model.checkpoint import load_model
 
-    workers = start_shard_workers(ShardLaunch(work / "base", tp)) if tp > 1 else None
-    model = workers.load_model() if workers else load_model(work / "base", torch.float32, torch.device("cpu"))
     tensor_parallel = TensorParallel(tp, fully_sharded_loras=args.fully_sharded_loras and tp > 1)
+    workers = start_shard_workers(ShardLaunch(work / "base", tensor_parallel)) if tp > 1 else None
+    model = workers.load_model() if workers else load_model(work / "base", torch.float32, torch.device("cpu"))
     manager = AdapterManager(spec, AdapterManagerConfig(
         max_slots=2, rows=RowOptions(max_rank=RANK, tensor_parallel=tensor_parallel), prefetch_workers=0,
     ))  # fmt: skip

@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace, work: Path) -> None:
         plan = TensorParallel(args.tp, args.fully_sharded_loras)
         model = load_model(work / "base", dtype=dtype, device=device, tensor_parallel=plan)
     else:
-        workers = start_shard_workers(ShardLaunch(work / "base", args.tp, dtype))
+        workers = start_shard_workers(ShardLaunch(work / "base", plan, dtype))
         model = workers.load_model()
     group = model.shard_group
     spec = model.config.to_spec("bench-tp")

@@ -23,7 +23,7 @@ import datetime
 import logging
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,16 +48,15 @@ class ShardLaunch:
     """What every shard's process loads: the same checkpoint, dtype and device kind, and where rank 0 listens."""
 
     folder: Path
-    size: int  # N shards
+    tensor_parallel: TensorParallel  # N shards, and whether the LoRA shrink is sharded too
     dtype: torch.dtype = torch.float32
     device: str = "cpu"  # cpu, or cuda (shard k on cuda:k)
     port: int = 0  # rank 0's loopback port; 0: a free one
     quantize: str | None = None
-    fully_sharded_loras: bool = False
 
     @property
-    def tensor_parallel(self) -> TensorParallel:
-        return TensorParallel(self.size, self.fully_sharded_loras)
+    def size(self) -> int:
+        return self.tensor_parallel.size
 
     def __post_init__(self) -> None:
         if not platform_for(self.device).computes_on_host:  # the pool's sections are shared host memory
@@ -79,9 +78,8 @@ class ShardWorkers:
     def load_model(self, pack_weights: bool | None = None) -> Llama:
         """Rank 0's shard of the model."""
         launch = self.launch
-        return load_model(
-            launch.folder, launch.dtype, torch.device("cpu"), pack_weights, launch.quantize, launch.tensor_parallel, self.group
-        )
+        cpu, plan = torch.device("cpu"), launch.tensor_parallel
+        return load_model(launch.folder, launch.dtype, cpu, pack_weights, launch.quantize, plan, self.group)
 
     def close(self) -> None:
         """Tell every shard to stop, wait for their processes, and leave the process group."""
@@ -102,7 +100,7 @@ def start_shard_workers(launch: ShardLaunch) -> ShardWorkers:
     if launch.port == 0:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            launch = ShardLaunch(**{**launch.__dict__, "port": probe.getsockname()[1]})
+            launch = replace(launch, port=probe.getsockname()[1])
     context = mp.get_context("spawn")
     processes = [context.Process(target=_worker, args=(launch, rank), daemon=True) for rank in range(1, launch.size)]
     for process in processes:

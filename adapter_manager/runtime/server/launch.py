@@ -61,7 +61,7 @@ def build_serving(
     folder = Path(folder)
     tp, device, shards = manager_config.rows.tensor_parallel, manager_config.device, None
     if runs_processes(tp.size, device):  # one process per shard, this one rank 0
-        shards = start_shard_workers(ShardLaunch(folder, tp.size, dtype, str(device), quantize=quantize))
+        shards = start_shard_workers(ShardLaunch(folder, tp, dtype, str(device), quantize=quantize))
         model = shards.load_model()
     else:
         plain = False if engine_config.deterministic else None  # the mode reads plain weights: none packed

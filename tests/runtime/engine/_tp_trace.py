@@ -78,7 +78,7 @@ def run(
         model = load_model(paths["base"], dtype=torch.float32, device=device, tensor_parallel=plan)
     else:
         device = torch.device("cpu")
-        workers = start_shard_workers(ShardLaunch(Path(paths["base"]), tp))
+        workers = start_shard_workers(ShardLaunch(Path(paths["base"]), TensorParallel(tp, full)))
         model = workers.load_model()
     spec = model.config.to_spec(TINY_NAME)
     config = AdapterManagerConfig(

@@ -37,8 +37,9 @@ def test_shard_processes_equal_peft(written, expected, tmp_path, tp, full):
 _RANK0 = """
 import sys, time
 from pathlib import Path
+from adapter_manager import TensorParallel
 from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
-workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), 2))
+workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), TensorParallel(2)))
 workers.load_model()
 print(*[p.pid for p in workers.processes], flush=True)
 time.sleep(600)
@@ -69,7 +70,7 @@ from pathlib import Path
 from adapter_manager import AdapterManager, AdapterManagerConfig, RowOptions, TensorParallel
 from adapter_manager.runtime.engine.engine import Engine, EngineConfig
 from adapter_manager.runtime.engine.shard_workers import ShardLaunch, start_shard_workers
-workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), 2))
+workers = start_shard_workers(ShardLaunch(Path(sys.argv[1]), TensorParallel(2)))
 model = workers.load_model()
 rows = RowOptions(max_rank=8, tensor_parallel=TensorParallel(2))
 config = AdapterManagerConfig(max_slots=2, rows=rows, prefetch_workers=0)
