@@ -190,14 +190,19 @@ def _mesh_dim(name: str) -> int | None:
     return 1 if name.endswith(("wo.weight", "w2.weight")) else None
 
 
+def shard_form(tensor_parallel_size: int, device: torch.device | str) -> ShardForm:
+    """The one place the form is chosen: unsharded at N = 1; one SPMD program where the device's platform runs one
+    (XLA); else one process per shard (what a server launch starts workers for, and a model load needs a group for)."""
+    if tensor_parallel_size == 1:
+        return "none"
+    return "spmd" if platform_for(device).spmd else "processes"
+
+
 def shard_plan(
     tensor_parallel: TensorParallel, device: torch.device | str, group: ShardGroup | None = None
 ) -> ShardPlan:
-    """The one place the form is chosen: unsharded at N = 1; one SPMD program where the device's platform runs one
-    (XLA); else one process per shard, which needs this process's ``group``."""
-    if tensor_parallel.size == 1:
-        return ShardPlan(tensor_parallel)
-    if platform_for(device).spmd:
+    """The plan of :func:`shard_form`'s form; one process per shard needs this process's ``group``."""
+    if shard_form(tensor_parallel.size, device) != "processes":
         return ShardPlan(tensor_parallel)
     if group is None:
         raise ValueError(
@@ -205,8 +210,3 @@ def shard_plan(
             "process's shard_group (runtime.engine.shard_workers starts the others)"
         )
     return ShardPlan(tensor_parallel, group)
-
-
-def runs_processes(tensor_parallel_size: int, device: torch.device | str) -> bool:
-    """Whether N shards on ``device`` run one process per shard (what a server launch starts workers for)."""
-    return tensor_parallel_size > 1 and not platform_for(device).spmd

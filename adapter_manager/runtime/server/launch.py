@@ -18,7 +18,7 @@ from adapter_manager import AdapterManager, AdapterManagerConfig
 from ..engine.engine import Engine, EngineConfig
 from ..engine.shard_workers import ShardLaunch, ShardWorkers, start_shard_workers
 from ..model.checkpoint import load_model
-from ..model.shard_plan import runs_processes
+from ..model.shard_plan import shard_form
 from ..model.tokenizer import load_tokenizer
 from .app import create_app
 from .chat_template import ChatTemplate
@@ -60,7 +60,7 @@ def build_serving(
     ("int8") holds the base projections weight-only int8 (:func:`runtime.model.checkpoint.load_model`)."""
     folder = Path(folder)
     tp, device, shards = manager_config.rows.tensor_parallel, manager_config.device, None
-    if runs_processes(tp.size, device):  # one process per shard, this one rank 0
+    if shard_form(tp.size, device) == "processes":  # one process per shard, this one rank 0
         shards = start_shard_workers(ShardLaunch(folder, tp, dtype, str(device), quantize=quantize))
         model = shards.load_model()
     else:
