@@ -11,12 +11,13 @@ population's bytes, --max-pending.
 1. Registration: every adapter through ``POST /v1/adapters`` (--in-flight at a time), timed; the RSS it cost per
    adapter; /v1/models and /v1/adapters latency with every entry; a restart on the same state directory, timed
    beside the first start (empty state).
-2. Saturation: one burst (--burst requests at once) on the population, then the same draws mapped onto adapters
-   pinned in the pool (all-resident): throughput ratio, target >= 95 %. The soak: Poisson arrivals at --load x the
-   population's burst throughput; prompts 16-128 random tokens, 8-32 output tokens (greedy, ignore_eos), Zipf(1) over
-   the population ranked at random, 10 % base model, 20 % non-streamed, 5 % streams closed after two chunks; beside
-   it the admin churn (scripts/harness/soak_churn.py), a malformed request a second, the server's RSS and threads
-   every 2 s.
+2. Saturation, --rounds times (each on a server just restarted, so cold; each round's Zipf ranking its own): one
+   burst (--burst requests at once) on the population, then the same draws mapped onto adapters pinned in the pool
+   (all-resident): throughput ratio, the median round's against the target >= 95 %. The soak: Poisson arrivals at
+   --load x the population's burst throughput (the rounds' median); prompts 16-128 random tokens, 8-32 output
+   tokens (greedy, ignore_eos), Zipf(1) over the population ranked at random, 10 % base model, 20 % non-streamed,
+   5 % streams closed after two chunks; beside it the admin churn (scripts/harness/soak_churn.py), a malformed
+   request a second, the server's RSS and threads every 2 s.
 3. Checks (PASS / FAIL with counts): every request answered (result, typed 4xx or 503; never a connection error,
    5xx or hang); no stale 'not registered'; a sample of greedy answers (--sample; every churn probe, every answer
    sent after a refresh of its adapter returned or overlapping a change of it, then random ones) equal to their
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -99,7 +101,7 @@ def burst(url: str, draws, model_of, salt: str, hang_s: float) -> dict:
     return {"requests": len(answers), "ok": ok, "span_s": span, "req_per_s": ok / span, "failed": len(answers) - ok}
 
 
-def resident_burst(url: str, draws, order: list[str], population: Population, hang_s: float) -> dict:
+def resident_burst(url: str, draws, order: list[str], population: Population, salt: str, hang_s: float) -> dict:
     """The same draws mapped onto adapters pinned in the pool: the used ones, rank 16 first then by popularity,
     pinned until the pool is full; a pick not pinned goes to a pinned adapter of its rank. Unpinned after."""
     used = sorted({int(p) for p in draws.pick if p >= 0}, key=lambda p: (-population.rank(order[p]), p))
@@ -119,12 +121,31 @@ def resident_burst(url: str, draws, order: list[str], population: Population, ha
         return order[same[p % len(same)]]
 
     try:
-        row = burst(url, draws, model_of, "saturation-resident", hang_s)
+        row = burst(url, draws, model_of, salt, hang_s)
     finally:
         for p in pinned:
             asyncio.run(admin_json(url, "POST", f"/v1/adapters/{order[p]}/unpin"))
     row.update(pinned=len(pinned), used=len(used))
     return row
+
+
+def saturation_round(url: str, ids: list[str], population: Population, args, k: int) -> dict:
+    """Round k of the saturation pair on a server just (re)started: --burst requests at once over the population
+    (cold: every adapter it uses comes up the tiers, those past the disk bound from the hub), then the same draws on
+    pinned adapters. Round k ranks the population with its own seed, so its adapters are mostly not round 0's (which
+    later rounds would otherwise find on disk); round 0 is the soak's own ranking."""
+    order = zipf_order(ids, args.seed + 1000 * k)
+    sat = draw(args.burst, len(ids), TraceShape(), args.seed + 1 + 1000 * k)
+    cold = burst(url, sat, lambda p: BASE if p < 0 else order[p], f"saturation-{k}", args.hang_s)
+    resident = resident_burst(url, sat, order, population, f"saturation-resident-{k}", args.hang_s)
+    ratio = cold["req_per_s"] / resident["req_per_s"]
+    print(
+        f"saturation round {k + 1}/{args.rounds}: {cold['req_per_s']:.2f} req/s (population), "
+        f"{resident['req_per_s']:.2f} (all-resident, {resident['pinned']} of {resident['used']} used pinned): "
+        f"{100 * ratio:.1f} %",
+        flush=True,
+    )
+    return {"population": cold, "resident": resident, "ratio": ratio}
 
 
 def register_phase(server: Server, ids: list[str], in_flight: int, rss_limit: int, result: dict) -> Registrations:
@@ -238,20 +259,21 @@ def run(args, cache: Path, work: Path, population: Population, result: dict) -> 
             result["rss"]["restored"] = proc_status(server.proc.pid)[0]
             result["rss_per_adapter_restored"] = (result["rss"]["restored"] - result["rss"]["empty"]) / len(ids)
             print(f"restart: {result['restored']} restored, serving after {result['restart_s']:.1f} s", flush=True)
+            rounds = []
+            for k in range(args.rounds):
+                if k:  # each round starts cold: a restart empties the pool and the host tier
+                    server.stop()
+                    server, _ = start("soak", checkpoint, soak_options, work / f"soak-2-round{k}.log", soak_env)
+                    warm(server.url)
+                rounds.append(saturation_round(server.url, ids, population, args, k))
+            result["saturation_rounds"] = rounds
+            middle = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]  # the median round
+            result["saturated"], result["resident"] = middle["population"], middle["resident"]
+            result["saturated_ratio"] = middle["ratio"]
+            population_rate = statistics.median(r["population"]["req_per_s"] for r in rounds)
+            rate = result["soak_rate_req_s"] = args.load * population_rate
+            print(f"soak at {rate:.2f} req/s for {args.minutes:g} min", flush=True)
             order = zipf_order(ids, args.seed)
-            sat = draw(args.burst, len(ids), TraceShape(), args.seed + 1)
-            result["saturated"] = burst(
-                server.url, sat, lambda p: BASE if p < 0 else order[p], "saturation", args.hang_s
-            )
-            result["resident"] = resident_burst(server.url, sat, order, population, args.hang_s)
-            result["saturated_ratio"] = result["saturated"]["req_per_s"] / result["resident"]["req_per_s"]
-            rate = result["soak_rate_req_s"] = args.load * result["saturated"]["req_per_s"]
-            print(
-                f"saturated {result['saturated']['req_per_s']:.2f} req/s (population), "
-                f"{result['resident']['req_per_s']:.2f} (all-resident); soak at {rate:.2f} req/s for "
-                f"{args.minutes:g} min",
-                flush=True,
-            )
             answers, checks = soak(args, server, population, model, order, rate, result)
         finally:
             server.stop()
@@ -276,6 +298,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=None, help="N rank-8 adapters, plus 64 rank-16 (10000; 500)")
     parser.add_argument("--load", type=float, default=1.5, help="soak arrival rate / the burst's throughput")
     parser.add_argument("--burst", type=int, default=None, help="requests of each saturation burst (128; 48)")
+    parser.add_argument("--rounds", type=int, default=3, help="saturation pairs (restart, cold burst, pinned burst)")
     parser.add_argument("--in-flight", type=int, default=8, help="registration calls at once")
     parser.add_argument("--churn-every", type=float, default=2.0, help="seconds between admin operations")
     parser.add_argument("--sample", type=int, default=None, help="answers replayed on the idle server (300; 120)")

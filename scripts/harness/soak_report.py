@@ -87,6 +87,8 @@ def _ms(value: float | None) -> str:
 def print_table(r: dict, checks: Sequence[Check]) -> None:
     s, rss, n = r["soak"], r["rss"], r["adapters"]
     sat, res = r["saturated"], r["resident"]
+    rounds = r["saturation_rounds"]
+    rounds_text = ", ".join(f"{100 * x['ratio']:.1f}" for x in rounds)
     per = r["rss_per_adapter"] / 1024
     less = r["rss_per_adapter_less_host_tier"] / 1024
     restored = r["rss_per_adapter_restored"] / 1024
@@ -115,7 +117,8 @@ def print_table(r: dict, checks: Sequence[Check]) -> None:
         (
             "saturated",
             f"population {sat['req_per_s']:.2f} req/s, all-resident {res['req_per_s']:.2f} req/s ({res['pinned']} of "
-            f"{res['used']} used adapters pinned): {100 * r['saturated_ratio']:.1f} % (target >= 95 %)",
+            f"{res['used']} used adapters pinned): {100 * r['saturated_ratio']:.1f} %, the median of "
+            f"{len(rounds)} rounds ({rounds_text} %; target >= 95 %)",
         ),
         (
             "soak",
