@@ -324,6 +324,8 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.rss_limit = int(args.rss_limit_gib * 2**30) if args.rss_limit_gib else int(0.6 * mem_total())
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.burst > args.max_pending:
         parser.error(f"--burst ({args.burst}) must not exceed --max-pending ({args.max_pending}): a burst is admitted")
     started = time.perf_counter()
